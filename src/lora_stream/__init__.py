@@ -1,0 +1,46 @@
+"""lora_stream: stream a trainer's weights, LoRA merged out of place, into an inference engine one group at a time.
+
+>>> from lora_stream import stream_merged_params
+>>> for name, tensor in stream_merged_params(model):   # doctest: +SKIP
+...     ...
+"""
+
+from __future__ import annotations
+
+from .errors import (
+    LoraStreamError,
+    NameCollisionError,
+    RenameError,
+    StreamAbortedError,
+    UnsupportedAdapterError,
+    UnsupportedModelError,
+)
+from .gatherers import Gatherer, PlainGatherer, ZeroThreeGatherer, auto_gatherer
+from .grouping import DEFAULT_BUDGET_BYTES, GroupBy
+from .merge import DEFAULT_MERGE_BLOCK_BYTES
+from .names import Renames, register_wrapper
+from .stream import ParamMeta, ParamStream, StreamStats, stream_merged_params
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_BUDGET_BYTES",
+    "DEFAULT_MERGE_BLOCK_BYTES",
+    "Gatherer",
+    "GroupBy",
+    "LoraStreamError",
+    "NameCollisionError",
+    "ParamMeta",
+    "ParamStream",
+    "PlainGatherer",
+    "RenameError",
+    "Renames",
+    "StreamAbortedError",
+    "StreamStats",
+    "UnsupportedAdapterError",
+    "UnsupportedModelError",
+    "ZeroThreeGatherer",
+    "auto_gatherer",
+    "register_wrapper",
+    "stream_merged_params",
+]

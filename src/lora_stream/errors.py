@@ -1,0 +1,51 @@
+"""Exceptions raised by lora_stream.
+
+Every error derives from :class:`LoraStreamError`, so a caller can catch the library's failures in one clause.
+Messages name the parameter (by its path in the trainer's model) and, in distributed runs, the rank.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "LoraStreamError",
+    "UnsupportedAdapterError",
+    "UnsupportedModelError",
+    "NameCollisionError",
+    "RenameError",
+    "StreamAbortedError",
+]
+
+
+class LoraStreamError(RuntimeError):
+    """Base class of every error raised by lora_stream."""
+
+
+class UnsupportedAdapterError(LoraStreamError):
+    """A tuner module whose merge lora_stream cannot compute out of place.
+
+    Raised while the stream is planned, before the first tensor is yielded, so nothing has been sent anywhere.
+    """
+
+
+class UnsupportedModelError(LoraStreamError):
+    """The model cannot be streamed as it is: parameters on the meta device, a quantized base weight, ..."""
+
+
+class NameCollisionError(LoraStreamError):
+    """Two parameters of the trainer's model normalize to the same Hugging Face name."""
+
+
+class RenameError(LoraStreamError):
+    """A user-supplied rename returned something that is not a usable name."""
+
+
+class StreamAbortedError(LoraStreamError):
+    """Another rank stopped the stream (its consumer raised, broke out of the loop, or its process died).
+
+    Raised on every rank that was still iterating, at the next group boundary, instead of waiting in a collective
+    that the stopped rank will never join.
+    """
+
+    def __init__(self, message: str, *, failed_ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.failed_ranks = failed_ranks

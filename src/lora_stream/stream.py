@@ -1,0 +1,308 @@
+"""``ParamStream``: a model as a stream of ``(hf_name, merged_tensor)`` pairs, one group at a time."""
+
+from __future__ import annotations
+
+import datetime
+import time
+import weakref
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass
+from types import TracebackType
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .errors import LoraStreamError, StreamAbortedError
+from .gatherers import Gatherer, auto_gatherer
+from .grouping import DEFAULT_BUDGET_BYTES, GroupBy, partition
+from .lockstep import Lockstep, Status
+from .merge import DEFAULT_MERGE_BLOCK_BYTES, FullTensor
+from .names import NameNormalizer, Renames
+from .plan import Target, plan_model
+
+__all__ = ["ParamMeta", "StreamStats", "ParamStream", "stream_merged_params"]
+
+
+@dataclass(frozen=True)
+class ParamMeta:
+    """Name, dtype (after the stream's cast) and whole shape of one output tensor.
+
+    Field for field what vLLM's ``weight_transfer.base.ParamMeta`` holds, so a ``ParamStream`` can be handed to
+    vLLM's trainer-side engines as their ``WeightSource``.
+    """
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass
+class StreamStats:
+    """What one pass over the stream did. Read it from :attr:`ParamStream.last_stats` after (or during) a pass."""
+
+    #: Groups gathered and tensors / bytes yielded.
+    groups: int = 0
+    tensors: int = 0
+    bytes: int = 0
+    #: Tensors that were computed fresh (merged or cast); the rest were yielded without a copy.
+    computed: int = 0
+    #: Largest group gathered, in whole bytes of its parameters (what the gatherer held at once).
+    peak_gathered_bytes: int = 0
+    #: Largest float32 temporary footprint of one merge (block buffers and factor copies).
+    peak_temp_bytes: int = 0
+    #: Wall time of the pass so far, seconds.
+    seconds: float = 0.0
+    #: True once every group was produced and every rank agreed the pass ended.
+    complete: bool = False
+
+
+def _nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
+    return int(shape.numel()) * (torch.finfo(dtype).bits if dtype.is_floating_point else torch.iinfo(dtype).bits) // 8
+
+
+class ParamStream:
+    """A model's weights as ``(hf_name, tensor)`` pairs, LoRA merged out of place, produced one group at a time.
+
+    ``ParamStream(model)`` plans the stream (names, merges, groups) from the model's structure and whole shapes;
+    nothing is gathered, read or communicated until it is iterated. Each ``iter(stream)`` is a fresh pass.
+
+    The contract (each point is tested):
+
+    1. **Names** are the base model's Hugging Face names: exactly the keys ``merge_and_unload().state_dict()``
+       has for those parameters. Wrapper segments (PEFT's ``base_model.model``, ``base_layer``,
+       ``modules_to_save.<adapter>``, ``original_module``, DDP's ``module``, ``_orig_mod``,
+       ``_checkpoint_wrapped_module``, ``_fsdp_wrapped_module``) are dropped by structure, never by substring
+       replacement; the adapter names are read from the model. ``renames`` run last.
+    2. **Values** equal peft's ``merge_and_unload()`` of the active adapters, computed in float32 and rounded once to
+       ``dtype`` (default: each base parameter's own dtype). With adapters disabled the base weights come out, as
+       the model computes its forward.
+    3. **Coverage**: every parameter of the merged model exactly once; a tied weight once, under the name
+       ``named_parameters()`` gives it. Adapter weights and buffers are not yielded.
+    4. **The model is never written to**: merged tensors are fresh; parameters and peft's ``merged`` flags are
+       bitwise unchanged after any number of passes.
+    5. **Order** is the model's registration order, so a decoder layer's tensors arrive together.
+    6. **Memory**: at most one group is gathered at a time, and within it one merged tensor is computed at a time
+       (``iter_groups()`` holds the group's outputs together). A parameter that needs no merge and no cast is
+       yielded without a copy. A yielded tensor may alias the trainer's storage or a gathered buffer: treat it as
+       read-only and as valid until the stream moves past its group; clone it to keep it.
+    7. **Early stop** (``break``, an exception in the consumer, ``close()``) leaves the model untouched and releases
+       everything the pass held. Under a sharded gatherer the other ranks raise
+       :class:`~lora_stream.StreamAbortedError` naming the rank, at the latest one group later.
+    8. ``metadata()`` describes the whole stream without materializing or communicating anything and agrees with
+       iteration element for element; ``groups()`` / ``iter_groups()`` expose the groups. Together these satisfy
+       vLLM's ``WeightSource`` contract structurally.
+
+    Args:
+        model: the trainer's model: a ``PeftModel``, a plain ``nn.Module``, or either wrapped (DDP, DeepSpeed
+            engine, ``torch.compile``, activation checkpointing, FSDP).
+        dtype: output dtype of every tensor (``None``: each base parameter's own dtype).
+        gatherer: how groups are made whole; chosen from the model when ``None``.
+        group_by: ``"budget"`` (default: consecutive modules up to ``budget_bytes``), ``"layer"`` (one decoder
+            layer per group, what vLLM's layerwise reload needs) or ``"module"``.
+        budget_bytes: byte budget of a ``"budget"`` group, counted as whole bytes of the parameters gathered for it
+            (base and adapter weights). A single module larger than the budget forms a group of its own.
+        renames: a mapping of anchored name prefixes, or a callable, applied to every final name.
+        merge_block_bytes: largest float32 block a merge holds at once.
+        timeout: seconds a rank waits at a group boundary for its peers before raising (sharded gatherers only).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        UnsupportedAdapterError, UnsupportedModelError, NameCollisionError, RenameError: from planning, before
+            anything is produced; the model is left as it was.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        dtype: torch.dtype | None = None,
+        gatherer: Gatherer | None = None,
+        group_by: GroupBy = "budget",
+        budget_bytes: int = DEFAULT_BUDGET_BYTES,
+        renames: Renames = None,
+        merge_block_bytes: int = DEFAULT_MERGE_BLOCK_BYTES,
+        timeout: float = 300.0,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"ParamStream needs a torch.nn.Module, got {type(model).__name__}")
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
+        if merge_block_bytes <= 0:
+            raise ValueError(f"merge_block_bytes must be positive, got {merge_block_bytes}")
+        self.model = model
+        self.gatherer: Gatherer = gatherer if gatherer is not None else auto_gatherer(model)
+        g = self.gatherer
+        units = plan_model(
+            model,
+            shape_of=g.full_shape,
+            dtype_of=g.full_dtype,
+            dtype=dtype,
+            normalizer=NameNormalizer(renames),
+            block_bytes=merge_block_bytes,
+        )
+        self._groups = partition(units, group_by, budget_bytes, lambda p: _nbytes(g.full_shape(p), g.full_dtype(p)))
+        self._meta = [
+            ParamMeta(t.name, t.dtype, tuple(t.shape)) for grp in self._groups for t in grp.targets
+        ]
+        self.group_by = group_by
+        self.budget_bytes = budget_bytes
+        self.timeout = datetime.timedelta(seconds=timeout)
+        self.last_stats = StreamStats()
+        self._passes: weakref.WeakSet[Generator[object, None, None]] = weakref.WeakSet()
+
+    # -- the WeightSource channels ----------------------------------------------------------------------------------
+    def metadata(self) -> list[ParamMeta]:
+        """``(name, dtype, shape)`` of every tensor iteration yields, in the same order. No communication.
+
+        vLLM's engines size receive buffers and packing from this and then trust iteration to match; the match is
+        checked at every yield (a mismatch raises rather than corrupting a buffer).
+        """
+        return list(self._meta)
+
+    def groups(self) -> list[list[str]]:
+        """The names of each group, in order: the unit of gathering and of ``iter_groups()``."""
+        return [[t.name for t in grp.targets] for grp in self._groups]
+
+    def held_names(self) -> None:
+        """Every rank produces every tensor (vLLM's ``WeightSource.held_names``: ``None`` means all)."""
+        return None
+
+    @property
+    def group_gathered_bytes(self) -> list[int]:
+        """Whole bytes of the parameters each group gathers (base and adapter weights)."""
+        return [grp.gathered_bytes for grp in self._groups]
+
+    def __len__(self) -> int:
+        return len(self._meta)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """A fresh pass yielding ``(name, tensor)``; every rank of a sharded model must iterate it in lockstep."""
+        gen = self._produce(batched=False)
+        self._passes.add(gen)
+        return gen  # type: ignore[return-value]
+
+    def iter_groups(self) -> Iterator[tuple[list[str], list[torch.Tensor]]]:
+        """A fresh pass yielding one ``(names, tensors)`` batch per group of ``groups()``."""
+        gen = self._produce(batched=True)
+        self._passes.add(gen)
+        return gen  # type: ignore[return-value]
+
+    # -- lifetime ---------------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop every pass still open on this stream and release what it holds (peers are told, see point 7)."""
+        for gen in list(self._passes):
+            gen.close()
+
+    def __enter__(self) -> ParamStream:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    # -- production -------------------------------------------------------------------------------------------------
+    def _lockstep(self) -> Lockstep | None:
+        g = self.gatherer
+        if not g.collective or not dist.is_available() or not dist.is_initialized():
+            return None
+        if dist.get_world_size(g.process_group) == 1:  # type: ignore[arg-type]
+            return None
+        digest = ";".join(f"{m.name}:{m.dtype}:{m.shape}" for m in self._meta) + f"|{self.groups()!r}"
+        return Lockstep(g.process_group, digest, self.timeout)
+
+    def _materialize(self, t: Target, full: FullTensor, stats: StreamStats) -> torch.Tensor:
+        if t.merge is None:
+            out = full(t.param)
+            if out.dtype != t.dtype:
+                out = out.to(t.dtype)
+                stats.computed += 1
+        else:
+            stats.peak_temp_bytes = max(stats.peak_temp_bytes, t.merge.peak_temp_bytes(self.gatherer.full_shape))
+            out = t.merge.compute(full, t.dtype)
+            stats.computed += 1
+        if out.shape != t.shape or out.dtype != t.dtype:
+            raise LoraStreamError(
+                f"{self._where()}parameter {t.source!r} came out as {tuple(out.shape)} {out.dtype}, but metadata() "
+                f"promised {tuple(t.shape)} {t.dtype}; the {self.gatherer.name} gatherer did not make it whole"
+            )
+        stats.tensors += 1
+        stats.bytes += out.numel() * out.element_size()
+        return out
+
+    def _where(self) -> str:
+        if dist.is_available() and dist.is_initialized():
+            return f"rank {dist.get_rank()}: "
+        return ""
+
+    def _produce(self, batched: bool) -> Generator[object, None, None]:
+        stats = StreamStats()
+        self.last_stats = stats
+        lock = self._lockstep()
+        n = len(self._groups)
+        status = Status.OK
+        start = time.perf_counter()
+        try:
+            for gi, group in enumerate(self._groups):
+                if lock is not None:
+                    lock.exchange(Status.OK, f"before group {gi} of {n}")
+                with self.gatherer.gather(group.params) as full:
+                    stats.groups += 1
+                    stats.peak_gathered_bytes = max(stats.peak_gathered_bytes, group.gathered_bytes)
+                    if batched:
+                        tensors = [self._materialize(t, full, stats) for t in group.targets]
+                        yield [t.name for t in group.targets], tensors
+                        del tensors
+                    else:
+                        for t in group.targets:
+                            tensor = self._materialize(t, full, stats)
+                            yield t.name, tensor
+                            del tensor
+            if lock is not None:
+                lock.exchange(Status.OK, "after the last group")
+            stats.complete = True
+        except GeneratorExit:
+            status = Status.STOPPED
+            raise
+        except StreamAbortedError:
+            raise
+        except BaseException:
+            status = Status.FAILED
+            raise
+        finally:
+            stats.seconds = time.perf_counter() - start
+            if lock is not None and status != Status.OK and not lock.closed:
+                try:
+                    lock.exchange(status, f"after rank {lock.rank} stopped")
+                except StreamAbortedError:
+                    pass  # the peers are gone too; the error that stopped this rank is the one to report
+
+
+def stream_merged_params(
+    model: nn.Module,
+    *,
+    dtype: torch.dtype | None = None,
+    gatherer: Gatherer | None = None,
+    group_by: GroupBy = "budget",
+    budget_bytes: int = DEFAULT_BUDGET_BYTES,
+    renames: Renames = None,
+    merge_block_bytes: int = DEFAULT_MERGE_BLOCK_BYTES,
+    timeout: float = 300.0,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Iterate ``(hf_name, merged_tensor)`` over ``model``: one pass of a :class:`ParamStream` with these options.
+
+    >>> for name, tensor in stream_merged_params(peft_model):    # doctest: +SKIP
+    ...     llm_model.load_weights([(name, tensor)])
+    """
+    return iter(
+        ParamStream(
+            model,
+            dtype=dtype,
+            gatherer=gatherer,
+            group_by=group_by,
+            budget_bytes=budget_bytes,
+            renames=renames,
+            merge_block_bytes=merge_block_bytes,
+            timeout=timeout,
+        )
+    )
