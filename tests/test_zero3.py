@@ -1,0 +1,64 @@
+"""DeepSpeed ZeRO-3: 2 real ranks over gloo, started by the tests (see workers/zero3_stream.py)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from helpers import require, tiny_llama
+from launch import assert_all_ok, describe, launch
+
+
+@pytest.fixture(autouse=True)
+def _deepspeed() -> None:
+    require("deepspeed")
+
+
+def test_engine_lora_and_plain_models_stream_the_oracle_within_the_bound() -> None:
+    results = launch("zero3_stream", "engine")
+    assert_all_ok(results)
+    for r in results:
+        assert r.output.count("tensors match") == 2, describe(results)
+
+
+def test_model_built_under_zero_init_by_from_pretrained(tmp_path: Path) -> None:
+    tiny_llama(layers=3).save_pretrained(tmp_path / "model")
+    results = launch("zero3_stream", "zinit", str(tmp_path / "model"))
+    assert_all_ok(results)
+    assert all("tensors match" in r.output for r in results), describe(results)
+
+
+def test_float32_factors_over_bf16_base_saved_lm_head_and_tied_embeddings() -> None:
+    results = launch("zero3_stream", "mixed")
+    assert_all_ok(results)
+    assert all("mixed dtypes match" in r.output for r in results), describe(results)
+
+
+def test_hundred_bf16_streams_leave_every_partition_bitwise_identical() -> None:
+    results = launch("zero3_stream", "drift")
+    assert_all_ok(results)
+    assert all("bitwise identical" in r.output for r in results), describe(results)
+
+
+def _abort_seconds(output: str) -> float:
+    m = re.search(r"ABORTED after ([0-9.]+)s", output)
+    assert m, output[-3000:]
+    return float(m.group(1))
+
+
+def test_a_consumer_raising_on_rank_1_aborts_rank_0_within_seconds() -> None:
+    results = launch("zero3_stream", "raise", timeout=120)
+    r0, r1 = results
+    assert r1.returncode == 0 and "CONSUMER-RAISED" in r1.output, describe(results)
+    assert r0.returncode == 3, describe(results)
+    assert "failed_ranks=(1,)" in r0.output and "rank 1 stopped iterating early" in r0.output
+    assert _abort_seconds(r0.output) < 10
+
+
+def test_rank_1_dying_aborts_rank_0_within_seconds() -> None:
+    results = launch("zero3_stream", "die", timeout=120)
+    r0, r1 = results
+    assert r1.returncode == 17, describe(results)
+    assert r0.returncode == 3, describe(results)
+    assert _abort_seconds(r0.output) < 10

@@ -1,0 +1,218 @@
+"""Rank worker for the DeepSpeed ZeRO-3 tests. Usage: zero3_stream.py SCENARIO [ARGS...]
+
+Scenarios:
+  engine      LoRA model (+ plain model) through deepspeed.initialize, one step; stream == oracle on every rank;
+              gathered bytes bounded at every yield; metadata() communicates nothing.
+  zinit DIR   model built under zero.Init by HfDeepSpeedConfig + from_pretrained(DIR), then LoRA and a step.
+  mixed       bf16 base, float32 LoRA factors, modules_to_save on lm_head, tied embeddings.
+  drift       bf16 engine, 100 streams: every rank's partition (ds_tensor) bitwise identical afterwards.
+  raise       rank 1's consumer raises at the third group (and catches it after the loop).
+  die         rank 1's process exits at the third group.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import time
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from helpers import assert_matches, lora, oracle, tiny_llama
+
+from lora_stream import ParamStream, StreamAbortedError, ZeroThreeGatherer
+
+# The shm comm op JIT-compiles with g++ for ~45 s on first use; plain gloo is all these tests need.
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+DS_CONFIG = {
+    "train_micro_batch_size_per_gpu": 1,
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    "zero_allow_untested_optimizer": True,
+}
+
+
+def engine_for(model: torch.nn.Module, config: dict = DS_CONFIG):  # type: ignore[no-untyped-def]
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    return engine
+
+
+def train_step(engine, vocab: int = 128) -> None:  # type: ignore[no-untyped-def]
+    ids = torch.randint(0, vocab, (1, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    engine.step()
+
+
+def unsharded(engine, template: torch.nn.Module) -> torch.nn.Module:  # type: ignore[no-untyped-def]
+    """The oracle's input: ``template`` (an unsharded copy) holding the engine's current full weights."""
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        src = dict(engine.module.named_parameters())
+        for n, p in template.named_parameters():
+            assert src[n].shape == p.shape, (n, src[n].shape, p.shape, getattr(src[n], "ds_status", None))
+            p.data.copy_(src[n].data.to(p.dtype))
+    return template
+
+
+class CollectiveCounter:
+    """Counts every collective torch.distributed or deepspeed.comm is asked for while active."""
+
+    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base", "broadcast", "barrier",
+             "reduce_scatter_tensor", "all_to_all_single", "send", "recv", "isend", "irecv", "gather", "scatter")
+
+    def __enter__(self) -> CollectiveCounter:
+        import deepspeed.comm as dscomm
+
+        self.count = 0
+        self.saved = []
+        for mod in (dist, dscomm):
+            for name in self.NAMES:
+                fn = getattr(mod, name, None)
+                if fn is None:
+                    continue
+                self.saved.append((mod, name, fn))
+
+                def wrapper(*a, __fn=fn, **k):  # type: ignore[no-untyped-def]
+                    self.count += 1
+                    return __fn(*a, **k)
+
+                setattr(mod, name, wrapper)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for mod, name, fn in self.saved:
+            setattr(mod, name, fn)
+
+
+def check_stream(engine, template, budget: int) -> None:  # type: ignore[no-untyped-def]
+    ref = oracle(unsharded(engine, template))
+    with CollectiveCounter() as counter:
+        stream = ParamStream(engine, budget_bytes=budget)
+        meta = stream.metadata()
+        stream.groups()
+    assert counter.count == 0, f"planning and metadata() called {counter.count} collectives"
+    assert isinstance(stream.gatherer, ZeroThreeGatherer)
+    assert [m.name for m in meta] == list(ref)
+    largest_module = max(ParamStream(engine, group_by="module").group_gathered_bytes)
+    bound = max(budget, largest_module)
+    total = sum(stream.group_gathered_bytes)
+    assert total >= 4 * budget, (total, budget)
+    assert stream.gatherer.held_bytes() == 0
+    got, peak = [], 0
+    for name, tensor in stream:
+        held = stream.gatherer.held_bytes()
+        assert 0 < held <= bound, f"{name}: {held} bytes gathered, bound {bound}"
+        peak = max(peak, held)
+        got.append((name, tensor.clone()))
+    assert stream.gatherer.held_bytes() == 0
+    assert_matches(got, ref)
+    assert stream.last_stats.complete and stream.last_stats.peak_gathered_bytes == peak
+    # The engine's .module streams the same.
+    assert_matches(ParamStream(engine.module, group_by="layer"), ref)
+    print(f"rank {dist.get_rank()}: {len(got)} tensors match; peak gathered {peak} of {total} bytes "
+          f"(bound {bound})", flush=True)
+
+
+def scenario_engine() -> None:
+    pm = lora(tiny_llama(layers=4, tie=True), target_modules="all-linear", modules_to_save=["lm_head"])
+    template = copy.deepcopy(pm)
+    engine = engine_for(pm)
+    train_step(engine)
+    check_stream(engine, template, budget=40_000)
+    plain = tiny_llama(layers=4, seed=1)
+    template = copy.deepcopy(plain)
+    engine = engine_for(plain)
+    train_step(engine)
+    check_stream(engine, template, budget=40_000)
+
+
+def scenario_zinit(path: str) -> None:
+    from transformers import LlamaForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    targets = ["q_proj", "v_proj", "down_proj"]
+    template = lora(LlamaForCausalLM.from_pretrained(path), target_modules=targets)  # before zero.Init is on
+    dschf = HfDeepSpeedConfig(DS_CONFIG)  # noqa: F841 - must stay alive while from_pretrained runs
+    model = LlamaForCausalLM.from_pretrained(path)
+    assert all(hasattr(p, "ds_id") and p.numel() == 0 for p in model.parameters()), "not built under zero.Init"
+    pm = lora(model, target_modules=targets)
+    engine = engine_for(pm)
+    train_step(engine)
+    check_stream(engine, template, budget=40_000)
+
+
+def scenario_mixed() -> None:
+    pm = lora(tiny_llama(layers=2, tie=True, dtype=torch.bfloat16), target_modules="all-linear",
+              modules_to_save=["lm_head"])
+    assert pm.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].weight.dtype == torch.float32
+    # ZeRO-3's optimizer wants one dtype among trainable parameters: train the saved lm_head copy in float32 too.
+    pm.base_model.model.lm_head.modules_to_save["default"].float()
+    template = copy.deepcopy(pm)
+    engine = engine_for(pm)  # no training step: a saved float32 lm_head over bf16 activations can't run forward
+    dtypes = {p.dtype for p in engine.module.parameters()}
+    assert dtypes == {torch.bfloat16, torch.float32}, dtypes
+    ref = oracle(unsharded(engine, template))
+    stream = ParamStream(engine)
+    got = list(stream)
+    dtypes = {n: t.dtype for n, t in got}
+    assert dtypes.pop("lm_head.weight") == torch.float32, "a saved module keeps its own dtype"
+    assert set(dtypes.values()) == {torch.bfloat16}, "merged output keeps the base dtype, not the factors'"
+    assert [m.dtype for m in stream.metadata()] == [t.dtype for _, t in got]
+    assert "lm_head.weight" in dict(got) and "model.embed_tokens.weight" in dict(got)
+    assert_matches(got, ref, tol=4e-3)
+    print(f"rank {dist.get_rank()}: mixed dtypes match", flush=True)
+
+
+def scenario_drift() -> None:
+    pm = lora(tiny_llama(layers=2), target_modules="all-linear")
+    engine = engine_for(pm, {**DS_CONFIG, "bf16": {"enabled": True}})
+    train_step(engine)
+    params = list(engine.module.parameters())
+    assert all(p.ds_tensor.dtype == torch.bfloat16 for p in params)
+    before = [p.ds_tensor.detach().clone() for p in params]
+    stream = ParamStream(engine)
+    for _ in range(100):
+        for _name, _t in stream:
+            pass
+    assert all(torch.equal(p.ds_tensor, b) for p, b in zip(params, before))
+    print(f"rank {dist.get_rank()}: 100 streams, partitions bitwise identical", flush=True)
+
+
+def scenario_failure(kind: str) -> None:
+    pm = lora(tiny_llama(layers=4), target_modules="all-linear")
+    engine = engine_for(pm)
+    stream = ParamStream(engine, group_by="module")
+    rank = dist.get_rank()
+    start = time.monotonic()
+    try:
+        for i, (names, _tensors) in enumerate(stream.iter_groups()):
+            if rank == 1 and i == 2:
+                if kind == "die":
+                    os._exit(17)
+                raise ValueError("consumer on rank 1 failed at the third group")
+    except ValueError as exc:
+        print(f"CONSUMER-RAISED {exc} after {time.monotonic() - start:.2f}s", flush=True)
+        sys.exit(0)
+    except StreamAbortedError as exc:
+        print(f"ABORTED after {time.monotonic() - start:.2f}s failed_ranks={exc.failed_ranks}: {exc}", flush=True)
+        sys.exit(3)
+    print("COMPLETED (should not happen)", flush=True)
+    sys.exit(4)
+
+
+def main() -> None:
+    deepspeed.init_distributed(dist_backend="gloo")
+    scenario, args = sys.argv[1], sys.argv[2:]
+    if scenario in ("raise", "die"):
+        scenario_failure(scenario)
+    else:
+        {"engine": scenario_engine, "zinit": scenario_zinit, "mixed": scenario_mixed,
+         "drift": scenario_drift}[scenario](*args)
+
+
+if __name__ == "__main__":
+    main()
