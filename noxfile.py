@@ -39,8 +39,11 @@ def install_stack(session: nox.Session) -> None:
 @nox.session(python=False, name="tests")
 def tests_entry(session: nox.Session) -> None:
     """Run the test suite in the real stack (creates .nox/stack on first use)."""
-    _in_stack(session, ["python", "-m", "pytest", *(session.posargs or ["tests"])],
-              env={"LORA_STREAM_REQUIRE_ALL": "1"})
+    _in_stack(
+        session,
+        ["python", "-m", "pytest", *(session.posargs or ["tests"])],
+        env={"LORA_STREAM_REQUIRE_ALL": "1"},
+    )
 
 
 @nox.session(python=False)
@@ -84,8 +87,12 @@ def _in_stack(session: nox.Session, cmd: list[str], env: dict[str, str] | None =
     python = os.path.join(venv, "bin", "python")
     if not os.path.exists(python) or not _stack_ready(python):
         session.run(sys.executable, "-m", "nox", "-s", "stack", external=True)
-    session.run(python, *cmd[1:], env={**(env or {}), "PATH": f"{os.path.join(venv, 'bin')}:{os.environ['PATH']}"},
-                external=True)
+    session.run(
+        python,
+        *cmd[1:],
+        env={**(env or {}), "PATH": f"{os.path.join(venv, 'bin')}:{os.environ['PATH']}"},
+        external=True,
+    )
 
 
 def _stack_ready(python: str) -> bool:

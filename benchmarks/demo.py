@@ -20,12 +20,28 @@ warnings.filterwarnings("ignore")
 
 def main() -> None:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=False,
+    )
     base = LlamaForCausalLM(config).to(torch.bfloat16)
     # init_lora_weights=False: lora_B is random, so the merge is not the identity.
-    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", use_dora=False,
-                                            modules_to_save=["lm_head"], init_lora_weights=False))
+    model = get_peft_model(
+        base,
+        LoraConfig(
+            r=8,
+            lora_alpha=16,
+            target_modules="all-linear",
+            use_dora=False,
+            modules_to_save=["lm_head"],
+            init_lora_weights=False,
+        ),
+    )
     reference = {n: p.detach() for n, p in copy.deepcopy(model).float().merge_and_unload().named_parameters()}
 
     stream = ParamStream(model, group_by="layer")

@@ -24,14 +24,31 @@ def require(module: str) -> ModuleType:
     return pytest.importorskip(module)
 
 
-def tiny_llama(*, tie: bool = False, layers: int = 2, hidden: int = 64, vocab: int = 128, heads: int = 2,
-               kv_heads: int = 1, inter: int = 96, seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
+def tiny_llama(
+    *,
+    tie: bool = False,
+    layers: int = 2,
+    hidden: int = 64,
+    vocab: int = 128,
+    heads: int = 2,
+    kv_heads: int = 1,
+    inter: int = 96,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=tie,
-                      max_position_embeddings=128)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        tie_word_embeddings=tie,
+        max_position_embeddings=128,
+    )
     return LlamaForCausalLM(cfg).to(dtype)
 
 
@@ -39,8 +56,16 @@ def tiny_gpt2(*, tie: bool = True, layers: int = 2, hidden: int = 64, vocab: int
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    cfg = GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=2, n_positions=32,
-                     tie_word_embeddings=tie, bos_token_id=0, eos_token_id=0)
+    cfg = GPT2Config(
+        vocab_size=vocab,
+        n_embd=hidden,
+        n_layer=layers,
+        n_head=2,
+        n_positions=32,
+        tie_word_embeddings=tie,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2LMHeadModel(cfg)
 
 
@@ -67,13 +92,15 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def assert_matches(got: Iterable[tuple[str, torch.Tensor]], expected: dict[str, torch.Tensor],
-                   tol: float = 1e-6) -> None:
+def assert_matches(
+    got: Iterable[tuple[str, torch.Tensor]], expected: dict[str, torch.Tensor], tol: float = 1e-6
+) -> None:
     """Same names in the same order, same shapes, relative Frobenius error under ``tol`` per tensor."""
     got = list(got)
     names = [n for n, _ in got]
-    assert names == list(expected), f"names differ: extra {set(names) - set(expected)}, " \
-                                     f"missing {set(expected) - set(names)}"
+    assert names == list(expected), (
+        f"names differ: extra {set(names) - set(expected)}, missing {set(expected) - set(names)}"
+    )
     for name, tensor in got:
         assert tuple(tensor.shape) == tuple(expected[name].shape), name
         err = rel_err(tensor, expected[name])
@@ -85,8 +112,11 @@ def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def merged_flags(model: nn.Module) -> dict[str, object]:
-    return {n: (getattr(m, "merged_adapters", None) and list(m.merged_adapters))
-            for n, m in model.named_modules() if hasattr(m, "merged_adapters")}
+    return {
+        n: (getattr(m, "merged_adapters", None) and list(m.merged_adapters))
+        for n, m in model.named_modules()
+        if hasattr(m, "merged_adapters")
+    }
 
 
 def assert_bitwise_equal(model: nn.Module, before: dict[str, torch.Tensor]) -> None:

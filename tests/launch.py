@@ -28,8 +28,9 @@ class RankResult:
     seconds: float
 
 
-def launch(worker: str, *args: str, world: int = 2, timeout: float = 240.0, env: dict[str, str] | None = None
-           ) -> list[RankResult]:
+def launch(
+    worker: str, *args: str, world: int = 2, timeout: float = 240.0, env: dict[str, str] | None = None
+) -> list[RankResult]:
     """Run ``tests/workers/<worker>.py`` as ``world`` ranks; kill them all if any outlives ``timeout`` seconds.
 
     A hang therefore fails the test (every rank's output is kept for the message) instead of stalling CI.
@@ -37,17 +38,29 @@ def launch(worker: str, *args: str, world: int = 2, timeout: float = 240.0, env:
     port = free_port()
     procs = []
     start = time.monotonic()
-    base_env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
-                "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
-                "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    base_env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(world),
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        **(env or {}),
+    }
     logs = []
     for rank in range(world):
-        log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed below, after the output is read
+        log = tempfile.TemporaryFile("w+")
         logs.append(log)
-        procs.append(subprocess.Popen(
-            [sys.executable, str(TESTS / "workers" / f"{worker}.py"), *args],
-            env={**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            stdout=log, stderr=subprocess.STDOUT, cwd=str(TESTS.parent)))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(TESTS / "workers" / f"{worker}.py"), *args],
+                env={**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=str(TESTS.parent),
+            )
+        )
     ends: dict[int, float] = {}
     while len(ends) < world and time.monotonic() - start < timeout:
         for r, p in enumerate(procs):
@@ -67,8 +80,9 @@ def launch(worker: str, *args: str, world: int = 2, timeout: float = 240.0, env:
 
 
 def describe(results: list[RankResult]) -> str:
-    return "\n".join(f"--- rank {r.rank} rc={r.returncode} after {r.seconds:.1f}s ---\n{r.output[-4000:]}"
-                     for r in results)
+    return "\n".join(
+        f"--- rank {r.rank} rc={r.returncode} after {r.seconds:.1f}s ---\n{r.output[-4000:]}" for r in results
+    )
 
 
 def assert_all_ok(results: list[RankResult]) -> None:

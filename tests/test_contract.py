@@ -35,8 +35,11 @@ LLAMA_CASES = {
     "rslora+embedding": dict(target_modules=["q_proj", "v_proj", "embed_tokens"], use_rslora=True),
     "dora": dict(target_modules=["q_proj", "down_proj", "up_proj"], use_dora=True),
     "dora-embedding": dict(target_modules=["embed_tokens", "k_proj"], use_dora=True),
-    "patterns": dict(target_modules=["q_proj", "o_proj", "gate_proj"], rank_pattern={"o_proj": 2},
-                     alpha_pattern={"q_proj": 3, "gate_proj": 32}),
+    "patterns": dict(
+        target_modules=["q_proj", "o_proj", "gate_proj"],
+        rank_pattern={"o_proj": 2},
+        alpha_pattern={"q_proj": 3, "gate_proj": 32},
+    ),
     "modules_to_save": dict(target_modules=["q_proj"], modules_to_save=["lm_head", "embed_tokens"]),
     "lora_bias": dict(target_modules=["q_proj"], lora_bias=True),
 }
@@ -52,9 +55,18 @@ def test_llama_stream_equals_peft_merge(case: str, tie: bool) -> None:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96,
-                                             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                                             attention_bias=True, tie_word_embeddings=tie))
+        model = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=128,
+                hidden_size=64,
+                intermediate_size=96,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                attention_bias=True,
+                tie_word_embeddings=tie,
+            )
+        )
     pm = lora(model, **kw)
     assert_matches(stream_merged_params(pm), oracle(pm))
 
@@ -110,8 +122,7 @@ def test_disabled_adapters_yield_the_base_weights() -> None:
 def test_other_additive_tuners(kind: str) -> None:
     from peft import LoHaConfig, LoKrConfig, get_peft_model
 
-    cfg = (LoHaConfig if kind == "loha" else LoKrConfig)(r=4, target_modules=["q_proj", "v_proj"],
-                                                         init_weights=False)
+    cfg = (LoHaConfig if kind == "loha" else LoKrConfig)(r=4, target_modules=["q_proj", "v_proj"], init_weights=False)
     torch.manual_seed(0)
     pm = get_peft_model(tiny_llama(), cfg)
     assert_matches(stream_merged_params(pm), oracle(pm))
@@ -120,8 +131,9 @@ def test_other_additive_tuners(kind: str) -> None:
 def test_unsupported_tuner_raises_before_anything_is_produced() -> None:
     from peft import IA3Config, get_peft_model
 
-    pm = get_peft_model(tiny_llama(), IA3Config(target_modules=["q_proj", "down_proj"],
-                                                feedforward_modules=["down_proj"]))
+    pm = get_peft_model(
+        tiny_llama(), IA3Config(target_modules=["q_proj", "down_proj"], feedforward_modules=["down_proj"])
+    )
     before = snapshot(pm)
     with pytest.raises(UnsupportedAdapterError, match=r"layers\.0\.self_attn\.q_proj.*IA3|ia3"):
         ParamStream(pm)
@@ -145,8 +157,12 @@ def test_in_place_merged_model_is_refused() -> None:
 
 # -- point 4: no writes, no drift ---------------------------------------------------------------------------------
 def test_hundred_bf16_streams_leave_the_model_bitwise_identical() -> None:
-    pm = lora(tiny_llama(tie=True, dtype=torch.bfloat16), target_modules="all-linear", use_dora=False,
-              modules_to_save=["lm_head"])
+    pm = lora(
+        tiny_llama(tie=True, dtype=torch.bfloat16),
+        target_modules="all-linear",
+        use_dora=False,
+        modules_to_save=["lm_head"],
+    )
     pm.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].to(torch.float32)
     before, flags = snapshot(pm), merged_flags(pm)
     first = None
@@ -204,8 +220,13 @@ def test_pass_through_parameters_are_not_copied() -> None:
 
 def test_metadata_agrees_with_iteration_and_groups() -> None:
     pm = lora(tiny_llama(tie=True), target_modules="all-linear", use_dora=True, modules_to_save=["lm_head"])
-    for kw in ({}, {"dtype": torch.bfloat16}, {"group_by": "layer"}, {"group_by": "module"},
-               {"budget_bytes": 20_000}):
+    for kw in (
+        {},
+        {"dtype": torch.bfloat16},
+        {"group_by": "layer"},
+        {"group_by": "module"},
+        {"budget_bytes": 20_000},
+    ):
         stream = ParamStream(pm, **kw)
         meta = stream.metadata()
         got = list(stream)
@@ -213,7 +234,7 @@ def test_metadata_agrees_with_iteration_and_groups() -> None:
         assert [n for g in stream.groups() for n in g] == [m.name for m in meta]
         batches = list(stream.iter_groups())
         assert [names for names, _ in batches] == stream.groups()
-        for (names, tensors) in batches:
+        for names, tensors in batches:
             for n, t in zip(names, tensors):
                 assert torch.equal(t, dict(got)[n])
 
@@ -255,7 +276,10 @@ def test_budget_groups_respect_the_budget_unless_one_module_is_larger() -> None:
     groups = stream.groups()
     assert len(groups) > 4
     for size, names in zip(sizes, groups):
-        assert size <= budget or len(names) <= 2, (size, names)  # a single module (weight [+ bias]) may exceed
+        assert size <= budget or len(names) <= 2, (
+            size,
+            names,
+        )  # a single module (weight [+ bias]) may exceed
     assert ParamStream(pm, group_by="module").groups()[1] == ["model.layers.0.self_attn.q_proj.weight"]
 
 
@@ -277,7 +301,7 @@ def test_break_exception_and_close_leave_the_model_untouched_and_release_the_pas
     assert not stream.last_stats.complete
 
     with pytest.raises(ValueError, match="consumer"):
-        for i, (_, t) in enumerate(stream):
+        for i, _item in enumerate(stream):
             if i == 5:
                 raise ValueError("consumer failed")
 
@@ -361,7 +385,7 @@ def test_renames_mapping_and_callable_run_last() -> None:
 
 # -- bad input ---------------------------------------------------------------------------------------------------------
 def test_not_a_module_is_a_type_error() -> None:
-    with pytest.raises(TypeError, match="nn.Module"):
+    with pytest.raises(TypeError, match=r"nn\.Module"):
         ParamStream({"weight": torch.zeros(2)})  # type: ignore[arg-type]
 
 

@@ -46,7 +46,11 @@ def model_and_config(draw: st.DrawFn) -> tuple[str, dict, dict]:
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(spec=model_and_config(), seed=st.integers(0, 2**16), group_by=st.sampled_from(["budget", "layer", "module"]))
+@given(
+    spec=model_and_config(),
+    seed=st.integers(0, 2**16),
+    group_by=st.sampled_from(["budget", "layer", "module"]),
+)
 def test_random_models_stream_like_peft_merges(spec: tuple[str, dict, dict], seed: int, group_by: str) -> None:
     arch, model_kw, lora_kw = spec
     model = (tiny_llama if arch == "llama" else tiny_gpt2)(seed=seed, **model_kw)

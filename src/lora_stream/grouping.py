@@ -49,8 +49,9 @@ def _unique(params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
     return out
 
 
-def partition(units: list[Unit], group_by: GroupBy, budget_bytes: int,
-              nbytes: Callable[[nn.Parameter], int]) -> list[Group]:
+def partition(
+    units: list[Unit], group_by: GroupBy, budget_bytes: int, nbytes: Callable[[nn.Parameter], int]
+) -> list[Group]:
     """Coalesce consecutive units into groups; a unit is never split.
 
     * ``"module"``: one unit per group.

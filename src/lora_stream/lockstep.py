@@ -57,9 +57,7 @@ class Lockstep:
         self.timeout = timeout
         self.closed = False
         backend = dist.get_backend(group)  # type: ignore[arg-type]
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        )
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
     def exchange(self, status: Status, where: str) -> None:
         """Contribute ``status``; raise :class:`StreamAbortedError` if another rank reported a stop."""
@@ -95,6 +93,4 @@ class Lockstep:
             self.closed = True
             if status == Status.OK:
                 reasons = "; ".join(f"rank {r} {_WHY.get(Status(statuses[r]), 'stopped')}" for r in bad)
-                raise StreamAbortedError(
-                    f"rank {self.rank}: stream aborted {where}: {reasons}", failed_ranks=bad
-                )
+                raise StreamAbortedError(f"rank {self.rank}: stream aborted {where}: {reasons}", failed_ranks=bad)

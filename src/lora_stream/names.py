@@ -16,7 +16,6 @@ User renames run last, on the finished Hugging Face name:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Union
 
 from torch import nn
 
@@ -25,7 +24,7 @@ from .errors import RenameError
 __all__ = ["Renames", "register_wrapper", "wrapped_child_attr", "NameNormalizer"]
 
 #: What users may pass as ``renames=``.
-Renames = Union[Mapping[str, str], Callable[[str], str], None]
+Renames = Mapping[str, str] | Callable[[str], str] | None
 
 # (module path of the class, class name) -> attribute holding the wrapped module. Matched by qualified name so
 # that checking a model never imports DeepSpeed, FSDP or torch._dynamo.
@@ -41,7 +40,10 @@ _WRAPPERS: dict[tuple[str, str], str] = {
         "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
         "OffloadWrapper",
     ): "_checkpoint_wrapped_module",
-    ("torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel"): "_fsdp_wrapped_module",
+    (
+        "torch.distributed.fsdp.fully_sharded_data_parallel",
+        "FullyShardedDataParallel",
+    ): "_fsdp_wrapped_module",
     ("deepspeed.runtime.engine", "DeepSpeedEngine"): "module",
     ("peft.peft_model", "PeftModel"): "base_model",
 }

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -52,14 +53,16 @@ ShapeOf = Callable[[nn.Parameter], torch.Size]
 DtypeOf = Callable[[nn.Parameter], torch.dtype]
 
 
-def _peft_classes() -> dict[str, tuple[type, ...]]:
+def _peft_classes() -> dict[str, tuple[Any, ...]]:
     from peft.tuners import lora
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 
     generic: list[type] = [lora.layer._ConvNd]
-    for mod_name, names in (("peft.tuners.loha.layer", ("Linear", "Conv2d", "Conv1d")),
-                            ("peft.tuners.lokr.layer", ("Linear", "Conv2d", "Conv1d"))):
+    for mod_name, names in (
+        ("peft.tuners.loha.layer", ("Linear", "Conv2d", "Conv1d")),
+        ("peft.tuners.lokr.layer", ("Linear", "Conv2d", "Conv1d")),
+    ):
         try:
             mod = __import__(mod_name, fromlist=list(names))
         except ImportError:  # pragma: no cover - older peft
@@ -84,8 +87,14 @@ def _is_quantized(module: nn.Module) -> bool:
 
 
 class _Planner:
-    def __init__(self, shape_of: ShapeOf, dtype_of: DtypeOf, dtype: torch.dtype | None,
-                 normalizer: NameNormalizer, block_bytes: int) -> None:
+    def __init__(
+        self,
+        shape_of: ShapeOf,
+        dtype_of: DtypeOf,
+        dtype: torch.dtype | None,
+        normalizer: NameNormalizer,
+        block_bytes: int,
+    ) -> None:
         self.shape_of = shape_of
         self.dtype_of = dtype_of
         self.dtype = dtype
@@ -112,8 +121,9 @@ class _Planner:
         out_dtype = self.dtype or self.dtype_of(p)
         return Target(name, src, p, out_dtype, self.shape_of(p), merge)
 
-    def _own_params(self, module: nn.Module, hf: str, src: str, unit: Unit,
-                    merges: dict[str, Merge] | None = None) -> None:
+    def _own_params(
+        self, module: nn.Module, hf: str, src: str, unit: Unit, merges: dict[str, Merge] | None = None
+    ) -> None:
         for pname, p in module._parameters.items():
             if p is None:
                 continue
@@ -151,7 +161,7 @@ class _Planner:
                 continue
             self.visit(child, hf if cname == wrapped else join(hf, cname), join(src, cname))
 
-    def _aux(self, wrapper: nn.Module, hf: str, src: str) -> None:
+    def _aux(self, wrapper: Any, hf: str, src: str) -> None:
         if not isinstance(wrapper, self.cls["mts"]):
             raise UnsupportedAdapterError(
                 f"module {src!r} is a {type(wrapper).__name__}; lora_stream merges LoRA-family adapters and "
@@ -171,11 +181,18 @@ class _Planner:
         else:
             self.visit(wrapper.original_module, hf, join(src, "original_module"))
 
-    def _tuner(self, layer: nn.Module, hf: str, src: str) -> None:
+    def _tuner(self, layer: Any, hf: str, src: str) -> None:
         kind = f"{type(layer).__module__}.{type(layer).__qualname__}"
         base = layer.get_base_layer()  # type: ignore[operator]
-        if _is_quantized(base) or type(layer).__module__.rsplit(".", 1)[-1] in ("bnb", "gptq", "awq", "hqq",
-                                                                               "torchao", "eetq", "aqlm"):
+        if _is_quantized(base) or type(layer).__module__.rsplit(".", 1)[-1] in (
+            "bnb",
+            "gptq",
+            "awq",
+            "hqq",
+            "torchao",
+            "eetq",
+            "aqlm",
+        ):
             raise UnsupportedModelError(
                 f"module {src!r} ({kind}) has a quantized base weight; an exact out-of-place merge needs the "
                 "unquantized weight (dequantize the base model, or stream the adapter on its own)"
@@ -216,7 +233,7 @@ class _Planner:
             if child is not None:
                 self.visit(child, join(hf, cname), join(bsrc, cname))
 
-    def _lora_merges(self, layer: nn.Module, base: nn.Module, active: list[str], src: str) -> dict[str, Merge]:
+    def _lora_merges(self, layer: Any, base: Any, active: list[str], src: str) -> dict[str, Merge]:
         from peft.tuners.lora import variants
 
         embedding = isinstance(layer, self.cls["lora_embedding"])
@@ -235,8 +252,16 @@ class _Planner:
             scaling = float(layer.scaling[a])
             if embedding:
                 # delta = (B @ A).T = A.T @ B.T, with A: [r, num_embeddings], B: [dim, r].
-                terms.append(LoraTerm(layer.lora_embedding_A[a], layer.lora_embedding_B[a], scaling,
-                                      left_transposed=True, right_transposed=True, magnitude=magnitude))
+                terms.append(
+                    LoraTerm(
+                        layer.lora_embedding_A[a],
+                        layer.lora_embedding_B[a],
+                        scaling,
+                        left_transposed=True,
+                        right_transposed=True,
+                        magnitude=magnitude,
+                    )
+                )
             else:
                 a_w, b_w = layer.lora_A[a].weight, layer.lora_B[a].weight
                 if fan_in_fan_out:  # base is [in, out]: delta = (B @ A).T = A.T @ B.T
@@ -261,7 +286,7 @@ class _Planner:
         return merges
 
 
-def _adapter_keys(layer: nn.Module) -> list[str]:
+def _adapter_keys(layer: Any) -> list[str]:
     keys: list[str] = []
     for attr in getattr(layer, "adapter_layer_names", ()):
         container = getattr(layer, attr, None)
@@ -270,7 +295,7 @@ def _adapter_keys(layer: nn.Module) -> list[str]:
     return keys
 
 
-def _adapter_params(layer: nn.Module, adapters: list[str]) -> list[nn.Parameter]:
+def _adapter_params(layer: Any, adapters: list[str]) -> list[nn.Parameter]:
     out: list[nn.Parameter] = []
     for attr in getattr(layer, "adapter_layer_names", ()):
         container = getattr(layer, attr, None)
@@ -293,8 +318,15 @@ def _check_peft_model(module: nn.Module, src: str) -> None:
         )
 
 
-def plan_model(model: nn.Module, *, shape_of: ShapeOf, dtype_of: DtypeOf, dtype: torch.dtype | None,
-               normalizer: NameNormalizer, block_bytes: int) -> list[Unit]:
+def plan_model(
+    model: nn.Module,
+    *,
+    shape_of: ShapeOf,
+    dtype_of: DtypeOf,
+    dtype: torch.dtype | None,
+    normalizer: NameNormalizer,
+    block_bytes: int,
+) -> list[Unit]:
     """Plan the stream of ``model``: one :class:`Unit` per module that has output tensors, in registration order."""
     planner = _Planner(shape_of, dtype_of, dtype, normalizer, block_bytes)
     planner.visit(model, "", "")

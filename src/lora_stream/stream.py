@@ -142,9 +142,7 @@ class ParamStream:
             block_bytes=merge_block_bytes,
         )
         self._groups = partition(units, group_by, budget_bytes, lambda p: _nbytes(g.full_shape(p), g.full_dtype(p)))
-        self._meta = [
-            ParamMeta(t.name, t.dtype, tuple(t.shape)) for grp in self._groups for t in grp.targets
-        ]
+        self._meta = [ParamMeta(t.name, t.dtype, tuple(t.shape)) for grp in self._groups for t in grp.targets]
         self.group_by = group_by
         self.budget_bytes = budget_bytes
         self.timeout = datetime.timedelta(seconds=timeout)
@@ -197,8 +195,9 @@ class ParamStream:
     def __enter__(self) -> ParamStream:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     # -- production -------------------------------------------------------------------------------------------------

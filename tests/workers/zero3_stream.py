@@ -61,8 +61,22 @@ def unsharded(engine, template: torch.nn.Module) -> torch.nn.Module:  # type: ig
 class CollectiveCounter:
     """Counts every collective torch.distributed or deepspeed.comm is asked for while active."""
 
-    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base", "broadcast", "barrier",
-             "reduce_scatter_tensor", "all_to_all_single", "send", "recv", "isend", "irecv", "gather", "scatter")
+    NAMES = (
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "_all_gather_base",
+        "broadcast",
+        "barrier",
+        "reduce_scatter_tensor",
+        "all_to_all_single",
+        "send",
+        "recv",
+        "isend",
+        "irecv",
+        "gather",
+        "scatter",
+    )
 
     def __enter__(self) -> CollectiveCounter:
         import deepspeed.comm as dscomm
@@ -113,8 +127,10 @@ def check_stream(engine, template, budget: int) -> None:  # type: ignore[no-unty
     assert stream.last_stats.complete and stream.last_stats.peak_gathered_bytes == peak
     # The engine's .module streams the same.
     assert_matches(ParamStream(engine.module, group_by="layer"), ref)
-    print(f"rank {dist.get_rank()}: {len(got)} tensors match; peak gathered {peak} of {total} bytes "
-          f"(bound {bound})", flush=True)
+    print(
+        f"rank {dist.get_rank()}: {len(got)} tensors match; peak gathered {peak} of {total} bytes (bound {bound})",
+        flush=True,
+    )
 
 
 def scenario_engine() -> None:
@@ -146,8 +162,11 @@ def scenario_zinit(path: str) -> None:
 
 
 def scenario_mixed() -> None:
-    pm = lora(tiny_llama(layers=2, tie=True, dtype=torch.bfloat16), target_modules="all-linear",
-              modules_to_save=["lm_head"])
+    pm = lora(
+        tiny_llama(layers=2, tie=True, dtype=torch.bfloat16),
+        target_modules="all-linear",
+        modules_to_save=["lm_head"],
+    )
     assert pm.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].weight.dtype == torch.float32
     # ZeRO-3's optimizer wants one dtype among trainable parameters: train the saved lm_head copy in float32 too.
     pm.base_model.model.lm_head.modules_to_save["default"].float()
@@ -189,7 +208,7 @@ def scenario_failure(kind: str) -> None:
     rank = dist.get_rank()
     start = time.monotonic()
     try:
-        for i, (names, _tensors) in enumerate(stream.iter_groups()):
+        for i, _batch in enumerate(stream.iter_groups()):
             if rank == 1 and i == 2:
                 if kind == "die":
                     os._exit(17)
@@ -198,7 +217,10 @@ def scenario_failure(kind: str) -> None:
         print(f"CONSUMER-RAISED {exc} after {time.monotonic() - start:.2f}s", flush=True)
         sys.exit(0)
     except StreamAbortedError as exc:
-        print(f"ABORTED after {time.monotonic() - start:.2f}s failed_ranks={exc.failed_ranks}: {exc}", flush=True)
+        print(
+            f"ABORTED after {time.monotonic() - start:.2f}s failed_ranks={exc.failed_ranks}: {exc}",
+            flush=True,
+        )
         sys.exit(3)
     print("COMPLETED (should not happen)", flush=True)
     sys.exit(4)
@@ -210,8 +232,12 @@ def main() -> None:
     if scenario in ("raise", "die"):
         scenario_failure(scenario)
     else:
-        {"engine": scenario_engine, "zinit": scenario_zinit, "mixed": scenario_mixed,
-         "drift": scenario_drift}[scenario](*args)
+        {
+            "engine": scenario_engine,
+            "zinit": scenario_zinit,
+            "mixed": scenario_mixed,
+            "drift": scenario_drift,
+        }[scenario](*args)
 
 
 if __name__ == "__main__":

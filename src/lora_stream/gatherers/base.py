@@ -64,4 +64,3 @@ class Gatherer(Protocol):
     def held_bytes(self) -> int:
         """Bytes this gatherer currently holds whole because of the stream (a probe for tests and stats)."""
         ...
-

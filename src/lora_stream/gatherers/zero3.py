@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,7 +34,7 @@ class ZeroThreeGatherer:
     name = "zero3"
 
     def __init__(self, model: nn.Module) -> None:
-        self._params = [p for p in model.parameters() if hasattr(p, "ds_id")]
+        self._params: list[Any] = [p for p in model.parameters() if hasattr(p, "ds_id")]
         if not self._params:
             raise ValueError("ZeroThreeGatherer needs a model whose parameters are ZeRO-3 partitioned")
         self._group = getattr(self._params[0], "ds_process_group", None)
