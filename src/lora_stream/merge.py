@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .buffers import Scratch
+
 __all__ = [
     "DEFAULT_MERGE_BLOCK_BYTES",
     "Merge",
@@ -60,7 +62,7 @@ class Merge:
     def params(self) -> list[nn.Parameter]:
         raise NotImplementedError
 
-    def compute(self, full: FullTensor, out_dtype: torch.dtype) -> torch.Tensor:
+    def compute(self, full: FullTensor, out_dtype: torch.dtype, scratch: Scratch) -> torch.Tensor:
         raise NotImplementedError
 
     def peak_temp_bytes(self, shape_of: ShapeOf) -> int:
@@ -133,11 +135,11 @@ class LoraWeightMerge(Merge):
         factors = sum((shape_of(t.left).numel() + shape_of(t.right).numel()) * 4 for t in self.terms)
         return blocks * block + factors
 
-    def compute(self, full: FullTensor, out_dtype: torch.dtype) -> torch.Tensor:
+    def compute(self, full: FullTensor, out_dtype: torch.dtype, scratch: Scratch) -> torch.Tensor:
         base = full(self.base)
         if base.dim() != 2:
             raise ValueError(f"LoRA merge expects a 2-D base weight, got shape {tuple(base.shape)}")
-        out = torch.empty(base.shape, dtype=out_dtype, device=base.device)
+        out = scratch.empty(base.shape, out_dtype, base.device)
         cd = self.channel_dim
         # Factors as float32, oriented so that delta = left @ right in the base's layout. They are rank-r, small.
         terms = [
@@ -152,10 +154,10 @@ class LoraWeightMerge(Merge):
         n_channels = base.shape[cd]
         across = base.shape[1 - cd]
         step = min(self._block_len(base.shape), n_channels)
-        # Flat float32 workspaces, allocated once per merge and reused for every block (viewed contiguous), so the
-        # allocator sees a few same-sized buffers instead of one fresh temporary per block.
+        # Flat float32 workspaces, shared by every merge of the pass and reused for every block (viewed contiguous),
+        # so the allocator sees a few buffers for the whole pass instead of fresh temporaries per block.
         n_ws = 3 if self.has_dora else 1
-        ws = [torch.empty(step * across, dtype=torch.float32, device=base.device) for _ in range(n_ws)]
+        ws = [scratch.workspace.get(i, step * across, base.device) for i in range(n_ws)]
 
         def view(buf: torch.Tensor, n: int) -> torch.Tensor:
             flat = buf.narrow(0, 0, n * across)
@@ -198,7 +200,7 @@ class LoraBiasMerge(Merge):
     def peak_temp_bytes(self, shape_of: ShapeOf) -> int:
         return 2 * 4 * shape_of(self.base).numel()
 
-    def compute(self, full: FullTensor, out_dtype: torch.dtype) -> torch.Tensor:
+    def compute(self, full: FullTensor, out_dtype: torch.dtype, scratch: Scratch) -> torch.Tensor:
         acc = full(self.base).to(torch.float32, copy=True)
         for bias, scaling in self.terms:
             acc.add_(full(bias).to(torch.float32), alpha=scaling)
@@ -225,7 +227,7 @@ class DeltaMerge(Merge):
     def peak_temp_bytes(self, shape_of: ShapeOf) -> int:
         return 3 * 4 * shape_of(self.base).numel()
 
-    def compute(self, full: FullTensor, out_dtype: torch.dtype) -> torch.Tensor:
+    def compute(self, full: FullTensor, out_dtype: torch.dtype, scratch: Scratch) -> torch.Tensor:
         acc = full(self.base).to(torch.float32, copy=True)
         for adapter in self.adapters:
             delta = self.layer.get_delta_weight(adapter)  # type: ignore[operator]

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .buffers import OutputPool, ProcessMemory, Scratch, release_freed_heap
 from .errors import LoraStreamError, StreamAbortedError
 from .gatherers import Gatherer, auto_gatherer
 from .grouping import DEFAULT_BUDGET_BYTES, GroupBy, partition
@@ -49,8 +50,13 @@ class StreamStats:
     computed: int = 0
     #: Largest group gathered, in whole bytes of its parameters (what the gatherer held at once).
     peak_gathered_bytes: int = 0
-    #: Largest float32 temporary footprint of one merge (block buffers and factor copies).
+    #: Largest float32 temporary footprint of one merge (block buffers and factor copies), as planned.
     peak_temp_bytes: int = 0
+    #: Float32 workspace the pass held at its end (reused by every merge; bounded by a few merge blocks).
+    workspace_bytes: int = 0
+    #: Process resident set at the start of the pass and its peak during the pass (``measure_rss=True``, Linux).
+    rss_start_bytes: int | None = None
+    rss_peak_bytes: int | None = None
     #: Wall time of the pass so far, seconds.
     seconds: float = 0.0
     #: True once every group was produced and every rank agreed the pass ended.
@@ -105,6 +111,13 @@ class ParamStream:
         renames: a mapping of anchored name prefixes, or a callable, applied to every final name.
         merge_block_bytes: largest float32 block a merge holds at once.
         timeout: seconds a rank waits at a group boundary for its peers before raising (sharded gatherers only).
+        reuse_outputs: hand the previous group's output tensors out again for the next group (same shape and
+            dtype). Saves an allocation per merged tensor; only for consumers that keep no reference to a tensor
+            past its group (a sink that copies, e.g. vLLM's ``load_weights``; not one that stores the tensors).
+        release_memory: after each group, return memory freed inside the process to the OS (glibc
+            ``malloc_trim``; a no-op elsewhere), so freed gather buffers do not pile up across groups.
+        measure_rss: record the process's resident-set peak during each pass in ``last_stats`` (Linux; resets
+            the process's ``VmHWM``).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
@@ -123,6 +136,9 @@ class ParamStream:
         renames: Renames = None,
         merge_block_bytes: int = DEFAULT_MERGE_BLOCK_BYTES,
         timeout: float = 300.0,
+        reuse_outputs: bool = False,
+        release_memory: bool = True,
+        measure_rss: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"ParamStream needs a torch.nn.Module, got {type(model).__name__}")
@@ -146,6 +162,9 @@ class ParamStream:
         self.group_by = group_by
         self.budget_bytes = budget_bytes
         self.timeout = datetime.timedelta(seconds=timeout)
+        self.reuse_outputs = reuse_outputs
+        self.release_memory = release_memory
+        self.measure_rss = measure_rss
         self.last_stats = StreamStats()
         self._passes: weakref.WeakSet[Generator[object, None, None]] = weakref.WeakSet()
 
@@ -210,15 +229,15 @@ class ParamStream:
         digest = ";".join(f"{m.name}:{m.dtype}:{m.shape}" for m in self._meta) + f"|{self.groups()!r}"
         return Lockstep(g.process_group, digest, self.timeout)
 
-    def _materialize(self, t: Target, full: FullTensor, stats: StreamStats) -> torch.Tensor:
+    def _materialize(self, t: Target, full: FullTensor, stats: StreamStats, scratch: Scratch) -> torch.Tensor:
         if t.merge is None:
             out = full(t.param)
             if out.dtype != t.dtype:
-                out = out.to(t.dtype)
+                out = scratch.empty(out.shape, t.dtype, out.device).copy_(out)
                 stats.computed += 1
         else:
             stats.peak_temp_bytes = max(stats.peak_temp_bytes, t.merge.peak_temp_bytes(self.gatherer.full_shape))
-            out = t.merge.compute(full, t.dtype)
+            out = t.merge.compute(full, t.dtype, scratch)
             stats.computed += 1
         if out.shape != t.shape or out.dtype != t.dtype:
             raise LoraStreamError(
@@ -240,6 +259,12 @@ class ParamStream:
         lock = self._lockstep()
         n = len(self._groups)
         status = Status.OK
+        outputs = OutputPool() if self.reuse_outputs else None
+        scratch = Scratch(outputs)
+        rss = ProcessMemory()
+        if self.measure_rss:
+            rss.begin()
+            stats.rss_start_bytes = rss.start
         start = time.perf_counter()
         try:
             for gi, group in enumerate(self._groups):
@@ -249,14 +274,18 @@ class ParamStream:
                     stats.groups += 1
                     stats.peak_gathered_bytes = max(stats.peak_gathered_bytes, group.gathered_bytes)
                     if batched:
-                        tensors = [self._materialize(t, full, stats) for t in group.targets]
+                        tensors = [self._materialize(t, full, stats, scratch) for t in group.targets]
                         yield [t.name for t in group.targets], tensors
                         del tensors
                     else:
                         for t in group.targets:
-                            tensor = self._materialize(t, full, stats)
+                            tensor = self._materialize(t, full, stats, scratch)
                             yield t.name, tensor
                             del tensor
+                if outputs is not None:
+                    outputs.end_group()
+                if self.release_memory:
+                    release_freed_heap()
             if lock is not None:
                 lock.exchange(Status.OK, "after the last group")
             stats.complete = True
@@ -270,6 +299,11 @@ class ParamStream:
             raise
         finally:
             stats.seconds = time.perf_counter() - start
+            stats.workspace_bytes = scratch.workspace.nbytes
+            stats.rss_peak_bytes = rss.peak()
+            scratch.workspace.clear()
+            if outputs is not None:
+                outputs.clear()
             if lock is not None and status != Status.OK and not lock.closed:
                 try:
                     lock.exchange(status, f"after rank {lock.rank} stopped")
@@ -287,6 +321,9 @@ def stream_merged_params(
     renames: Renames = None,
     merge_block_bytes: int = DEFAULT_MERGE_BLOCK_BYTES,
     timeout: float = 300.0,
+    reuse_outputs: bool = False,
+    release_memory: bool = True,
+    measure_rss: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Iterate ``(hf_name, merged_tensor)`` over ``model``: one pass of a :class:`ParamStream` with these options.
 
@@ -303,5 +340,8 @@ def stream_merged_params(
             renames=renames,
             merge_block_bytes=merge_block_bytes,
             timeout=timeout,
+            reuse_outputs=reuse_outputs,
+            release_memory=release_memory,
+            measure_rss=measure_rss,
         )
     )

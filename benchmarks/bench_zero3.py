@@ -1,0 +1,133 @@
+"""ZeRO-3 sync benchmark: TRL's whole-model gather versus lora_stream, 2 CPU ranks over gloo, one invocation.
+
+    python3 -m nox -s bench -- zero3                 # or, inside the stack: python benchmarks/bench_zero3.py
+    python benchmarks/bench_zero3.py --layers 4 --syncs 3     # a quick small run
+
+Each variant runs in fresh processes (so one variant's freed heap cannot flatter the next one's RSS) on the same
+model: a Llama-shaped bf16 model built under deepspeed.zero.Init, LoRA r=16 on all linear layers (non-zero).
+Per variant and rank: median sync time, peak gathered bytes, process RSS growth during the syncs (sampled every
+2 ms, default glibc settings), and the drift of the training weights (ZeRO partitions) after all syncs.
+Ratios are against the whole-gather baseline of the same run. Writes benchmarks/results/zero3.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+MiB = 2**20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_variant(variant: str, extra: list[str], common: list[str], tmp: str, timeout: float) -> list[dict]:
+    out = os.path.join(tmp, f"{variant}-{'-'.join(extra) or 'default'}".replace("/", "_"))
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": "2",
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(HERE / "zero3_worker.py"), variant, *extra, *common, "--out", out],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    if any(p.returncode for p in procs):
+        raise SystemExit(f"variant {variant} {extra} failed:\n" + "\n".join(log[-3000:] for log in logs))
+    return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--intermediate", type=int, default=2816)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--syncs", type=int, default=20)
+    ap.add_argument("--budgets-mib", default="32,128")
+    ap.add_argument("--out", default=str(HERE / "results" / "zero3.json"))
+    args = ap.parse_args()
+    common = [
+        "--layers",
+        str(args.layers),
+        "--hidden",
+        str(args.hidden),
+        "--intermediate",
+        str(args.intermediate),
+        "--vocab",
+        str(args.vocab),
+        "--syncs",
+        str(args.syncs),
+    ]
+    variants: list[tuple[str, list[str]]] = [("whole_gather", [])]
+    variants += [("lora_stream", ["--budget", str(int(b) * MiB)]) for b in args.budgets_mib.split(",")]
+    variants += [("lora_stream", ["--group-by", "layer"])]
+    first = str(int(args.budgets_mib.split(",")[0]) * MiB)
+    variants += [
+        ("lora_stream", ["--budget", first, "--no-release"]),
+        ("lora_stream", ["--budget", first, "--reuse-outputs"]),
+    ]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for variant, extra in variants:
+            print(f"running {variant} {' '.join(extra)} ...", flush=True)
+            rows += run_variant(variant, extra, common, tmp, timeout=1800)
+    base = {r["rank"]: r for r in rows if r["variant"] == "whole_gather"}
+    header = (
+        f"{'variant':<22} {'options':<14} {'budget':>7} {'rank':>4} {'median sync':>11} {'x base':>7} {'peak gathered':>14} "
+        f"{'x fewer':>7} {'RSS growth':>11} {'x less':>7} {'largest grp':>11} {'drift (elements)':>16}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        b = base[r["rank"]]
+        budget = f"{r['budget_bytes'] // MiB}M" if r["budget_bytes"] else "-"
+        lines.append(
+            f"{r['variant']:<22} {','.join(r['options']) or '-':<14} {budget:>7} {r['rank']:>4} {r['median_sync_s']:>10.2f}s "
+            f"{r['median_sync_s'] / b['median_sync_s']:>7.2f} {r['peak_gathered_bytes'] / MiB:>11.1f}MiB "
+            f"{b['peak_gathered_bytes'] / max(r['peak_gathered_bytes'], 1):>7.1f} "
+            f"{r['rss_growth_bytes'] / MiB:>8.0f}MiB {b['rss_growth_bytes'] / max(r['rss_growth_bytes'], 1):>7.1f} "
+            f"{r['largest_group_bytes'] / MiB:>8.1f}MiB {r['drift_changed_elements']:>16}"
+        )
+    model_mib = rows[0]["model_bytes"] / MiB
+    print(
+        f"\nmodel: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}: {model_mib:.0f} MiB bf16; "
+        f"{args.syncs} syncs per variant, 2 ranks\n"
+    )
+    print("\n".join(lines))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

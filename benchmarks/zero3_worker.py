@@ -1,0 +1,183 @@
+"""One rank of one benchmark variant (started by bench_zero3.py; not meant to be run by hand).
+
+Builds the benchmark model under deepspeed.zero.Init (no rank ever holds it whole before the sync), wraps it with a
+non-zero LoRA adapter, runs `syncs` syncs of the variant into a preallocated destination (what a colocated engine
+holds anyway), samples the process RSS every 2 ms, and writes one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import statistics
+import threading
+import time
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+class RssSampler(threading.Thread):
+    def __init__(self, period: float = 0.002) -> None:
+        super().__init__(daemon=True)
+        self.period = period
+        self.peak = rss()
+        self.running = True
+
+    def run(self) -> None:
+        while self.running:
+            self.peak = max(self.peak, rss())
+            time.sleep(self.period)
+
+    def stop(self) -> int:
+        self.running = False
+        self.join()
+        return max(self.peak, rss())
+
+
+def build(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers.integrations import HfDeepSpeedConfig
+
+    ds_config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "zero_allow_untested_optimizer": True,
+    }
+    cfg = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=args.hidden // 64,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    dschf = HfDeepSpeedConfig(ds_config)  # noqa: F841 - keeps zero.Init on for from_config
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    assert all(p.numel() == 0 for p in model.parameters()), "expected a model partitioned while built"
+    pm = get_peft_model(
+        model, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules="all-linear", init_lora_weights=False)
+    )
+    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-4)
+    engine, *_ = deepspeed.initialize(model=pm, optimizer=opt, config=ds_config)
+    return engine
+
+
+def trl_whole_gather_sync(engine, dest: dict[str, torch.Tensor]) -> int:  # type: ignore[no-untyped-def]
+    """What TRL's `_iter_named_params` does for PEFT + ZeRO-3: gather all, merge in place, iterate, unmerge."""
+    from lora_stream import ZeroThreeGatherer
+
+    model = engine.module
+    probe = ZeroThreeGatherer(model)
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+        held = probe.held_bytes()
+        model.merge_adapter()
+        for name, param in model.named_parameters():
+            if "lora_" in name or "original_module" in name:
+                continue
+            name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+            dest[name].copy_(param.data)
+        model.unmerge_adapter()
+    return held
+
+
+def lora_stream_sync(stream, dest: dict[str, torch.Tensor]) -> int:  # type: ignore[no-untyped-def]
+    for name, tensor in stream:
+        dest[name].copy_(tensor)
+    return int(stream.last_stats.peak_gathered_bytes)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("variant")
+    p.add_argument("--budget", type=int, default=0)
+    p.add_argument("--group-by", default="budget")
+    p.add_argument("--syncs", type=int, default=20)
+    p.add_argument("--no-release", action="store_true", help="release_memory=False")
+    p.add_argument("--reuse-outputs", action="store_true", help="reuse_outputs=True")
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--intermediate", type=int, default=2816)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    deepspeed.init_distributed(dist_backend="gloo")
+    engine = build(args)
+
+    from lora_stream import ParamStream
+
+    stream = ParamStream(
+        engine,
+        group_by=args.group_by,
+        release_memory=not args.no_release,
+        reuse_outputs=args.reuse_outputs,
+        **({"budget_bytes": args.budget} if args.budget else {}),
+    )
+    # zeros, not empty: the destination's pages must be resident before the baseline RSS is read, or the first
+    # sync's page faults on it would be counted as the sync's growth.
+    dest = {m.name: torch.zeros(m.shape, dtype=m.dtype) for m in stream.metadata()}
+    model_bytes = sum(t.numel() * t.element_size() for t in dest.values())
+    partitions = [p for p in engine.module.parameters()]
+    before = [p.ds_tensor.detach().clone() for p in partitions]
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    dist.barrier()
+    rss0 = rss()
+    sampler = RssSampler()
+    sampler.start()
+    times, gathered = [], 0
+    for _ in range(args.syncs):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if args.variant == "whole_gather":
+            gathered = max(gathered, trl_whole_gather_sync(engine, dest))
+        else:
+            gathered = max(gathered, lora_stream_sync(stream, dest))
+        times.append(time.perf_counter() - t0)
+    peak = sampler.stop()
+    changed = sum(int((p.ds_tensor != b).sum()) for p, b in zip(partitions, before))
+    max_drift = max(float((p.ds_tensor.float() - b.float()).abs().max()) for p, b in zip(partitions, before))
+    options = [o for o, on in (("no-release", args.no_release), ("reuse-outputs", args.reuse_outputs)) if on]
+    row = {
+        "variant": args.variant if args.variant == "whole_gather" else f"lora_stream {args.group_by}",
+        "options": options,
+        "budget_bytes": args.budget or None,
+        "rank": dist.get_rank(),
+        "median_sync_s": statistics.median(times),
+        "sync_times_s": times,
+        "peak_gathered_bytes": gathered,
+        "largest_group_bytes": max(stream.group_gathered_bytes) if args.variant != "whole_gather" else gathered,
+        "groups": len(stream.groups()),
+        "model_bytes": model_bytes,
+        "rss_before_bytes": rss0,
+        "rss_growth_bytes": peak - rss0,
+        "peak_temp_bytes": int(stream.last_stats.peak_temp_bytes) if args.variant != "whole_gather" else None,
+        "drift_changed_elements": changed,
+        "drift_max_abs": max_drift,
+        "syncs": args.syncs,
+    }
+    with open(f"{args.out}.rank{dist.get_rank()}.json", "w") as f:
+        json.dump(row, f)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Buffers a pass reuses, so the process does not grow by one fresh allocation per merge.
+
+On CPU, glibc serves large allocations from mmap until the first one is freed; then it raises its mmap threshold and
+serves same-sized requests from the heap, where freed memory stays in the process. A stream that allocates a fresh
+float32 temporary per merge and a fresh output per tensor therefore grows the process by far more than it ever holds
+at once (`../shared/notes/anchors.md` measured a per-module stream growing as much as a whole-model gather). Reusing
+a few buffers across the whole pass keeps the allocator out of it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+
+import torch
+
+__all__ = ["Workspace", "OutputPool", "Scratch", "release_freed_heap", "ProcessMemory"]
+
+
+class Workspace:
+    """Flat float32 scratch buffers for merges, grown on demand and reused by every merge of a pass.
+
+    A merge asks for slot ``i`` with at least ``numel`` elements and gets a 1-D view; the buffers live until the
+    pass ends, so their total is bounded by the largest merge's need (a few ``merge_block_bytes``).
+    """
+
+    def __init__(self) -> None:
+        self._slots: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def get(self, slot: int, numel: int, device: torch.device) -> torch.Tensor:
+        buf = self._slots.get((slot, device))
+        if buf is None or buf.numel() < numel:
+            self._slots.pop((slot, device), None)
+            buf = torch.empty(numel, dtype=torch.float32, device=device)
+            self._slots[(slot, device)] = buf
+        return buf[:numel]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * 4 for b in self._slots.values())
+
+    def clear(self) -> None:
+        self._slots.clear()
+
+
+class OutputPool:
+    """Output tensors of the previous group, handed out again for the same shape and dtype in the next group.
+
+    Only safe when the consumer keeps no reference to a yielded tensor past its group (``reuse_outputs=True``):
+    the next group overwrites it. At most one group's outputs are pooled; the rest are freed at the group's end.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[torch.Size, torch.dtype, torch.device], list[torch.Tensor]] = {}
+        self._used: list[torch.Tensor] = []
+
+    def empty(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        free = self._free.get((shape, dtype, device))
+        out = free.pop() if free else torch.empty(shape, dtype=dtype, device=device)
+        self._used.append(out)
+        return out
+
+    def end_group(self) -> None:
+        self._free = {}
+        for t in self._used:
+            self._free.setdefault((t.shape, t.dtype, t.device), []).append(t)
+        self._used = []
+
+    def clear(self) -> None:
+        self._free, self._used = {}, []
+
+
+class Scratch:
+    """What a merge may allocate from: the pass's float32 workspace, and its output allocator."""
+
+    def __init__(self, outputs: OutputPool | None = None) -> None:
+        self.workspace = Workspace()
+        self.outputs = outputs
+
+    def empty(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if self.outputs is None:
+            return torch.empty(shape, dtype=dtype, device=device)
+        return self.outputs.empty(shape, dtype, device)
+
+
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+    return libc if hasattr(libc, "malloc_trim") else None
+
+
+_LIBC = _libc()
+
+
+def release_freed_heap() -> bool:
+    """Give memory freed inside the process back to the OS (glibc ``malloc_trim(0)``); False where unavailable."""
+    if _LIBC is None:
+        return False
+    _LIBC.malloc_trim(0)
+    return True
+
+
+class ProcessMemory:
+    """The process's resident set during a pass, on Linux: peak via ``VmHWM`` after resetting it at the start.
+
+    Resetting the high-water mark (writing 5 to ``/proc/self/clear_refs``) is process-wide, so it is opt-in
+    (``ParamStream(measure_rss=True)``). Elsewhere the figures stay ``None``.
+    """
+
+    def __init__(self) -> None:
+        self.start: int | None = None
+
+    @staticmethod
+    def _status(field: str) -> int | None:
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith(field + ":"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+        return None
+
+    def begin(self) -> None:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            return
+        self.start = self._status("VmRSS")
+
+    def peak(self) -> int | None:
+        return self._status("VmHWM") if self.start is not None else None
+
