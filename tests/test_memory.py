@@ -28,7 +28,9 @@ class AllocationTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
-        inputs = {a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
+        inputs = {
+            a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)
+        }
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor) or t._is_view():
                 continue

@@ -136,4 +136,3 @@ class ProcessMemory:
 
     def peak(self) -> int | None:
         return self._status("VmHWM") if self.start is not None else None
-
