@@ -104,15 +104,16 @@ def main() -> None:
             rows += run_variant(variant, extra, common, tmp, timeout=1800)
     base = {r["rank"]: r for r in rows if r["variant"] == "whole_gather"}
     header = (
-        f"{'variant':<22} {'options':<14} {'budget':>7} {'rank':>4} {'median sync':>11} {'x base':>7} {'peak gathered':>14} "
-        f"{'x fewer':>7} {'RSS growth':>11} {'x less':>7} {'largest grp':>11} {'drift (elements)':>16}"
+        f"{'variant':<22} {'options':<14} {'budget':>7} {'rank':>4} {'median sync':>11} {'x base':>7} "
+        f"{'peak gathered':>14} {'x fewer':>7} {'RSS growth':>11} {'x less':>7} {'largest grp':>11} {'drift (elements)':>16}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
         b = base[r["rank"]]
         budget = f"{r['budget_bytes'] // MiB}M" if r["budget_bytes"] else "-"
         lines.append(
-            f"{r['variant']:<22} {','.join(r['options']) or '-':<14} {budget:>7} {r['rank']:>4} {r['median_sync_s']:>10.2f}s "
+            f"{r['variant']:<22} {','.join(r['options']) or '-':<14} {budget:>7} {r['rank']:>4} "
+            f"{r['median_sync_s']:>10.2f}s "
             f"{r['median_sync_s'] / b['median_sync_s']:>7.2f} {r['peak_gathered_bytes'] / MiB:>11.1f}MiB "
             f"{b['peak_gathered_bytes'] / max(r['peak_gathered_bytes'], 1):>7.1f} "
             f"{r['rss_growth_bytes'] / MiB:>8.0f}MiB {b['rss_growth_bytes'] / max(r['rss_growth_bytes'], 1):>7.1f} "

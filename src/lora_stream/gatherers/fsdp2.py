@@ -32,7 +32,8 @@ def _whole(p: Any) -> torch.Tensor:
     if local.device.type != mesh.device_type:
         # CPU offload: the shard lives on the CPU while the mesh communicates on the accelerator.
         t = DTensor.from_local(local.to(mesh.device_type), mesh, t.placements, shape=t.shape, stride=t.stride())
-    return t.full_tensor()
+    full: torch.Tensor = t.full_tensor()
+    return full
 
 
 class Fsdp2Gatherer:
