@@ -105,7 +105,8 @@ def main() -> None:
     base = {r["rank"]: r for r in rows if r["variant"] == "whole_gather"}
     header = (
         f"{'variant':<22} {'options':<14} {'budget':>7} {'rank':>4} {'median sync':>11} {'x base':>7} "
-        f"{'peak gathered':>14} {'x fewer':>7} {'RSS growth':>11} {'x less':>7} {'largest grp':>11} {'drift (elements)':>16}"
+        f"{'peak gathered':>14} {'x fewer':>7} {'RSS growth':>11} {'x less':>7} {'largest grp':>11} "
+        f"{'drift (elements)':>16}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
