@@ -6,8 +6,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from torch import nn
-
+from .gatherers.base import ParamRef
 from .plan import Target, Unit
 
 __all__ = ["GroupBy", "DEFAULT_BUDGET_BYTES", "Group", "partition", "stack_key"]
@@ -22,7 +21,7 @@ DEFAULT_BUDGET_BYTES = 128 * 1024 * 1024
 @dataclass
 class Group:
     units: list[Unit]
-    params: list[nn.Parameter]
+    params: list[ParamRef]
     gathered_bytes: int
 
     @property
@@ -39,7 +38,7 @@ def stack_key(name: str) -> tuple[str, int] | None:
     return None
 
 
-def _unique(params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
+def _unique(params: Sequence[ParamRef]) -> list[ParamRef]:
     seen: set[int] = set()
     out = []
     for p in params:
@@ -50,7 +49,7 @@ def _unique(params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
 
 
 def partition(
-    units: list[Unit], group_by: GroupBy, budget_bytes: int, nbytes: Callable[[nn.Parameter], int]
+    units: list[Unit], group_by: GroupBy, budget_bytes: int, gather_bytes: Callable[[Sequence[ParamRef]], int]
 ) -> list[Group]:
     """Coalesce consecutive units into groups; a unit is never split.
 
@@ -67,27 +66,26 @@ def partition(
         raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
     groups: list[list[Unit]] = []
     current: list[Unit] = []
-    current_bytes = 0
     current_key: object = object()
     for unit in units:
-        ubytes = sum(nbytes(p) for p in _unique(unit.params))
         if group_by == "module":
             split = bool(current)
         elif group_by == "budget":
-            split = bool(current) and current_bytes + ubytes > budget_bytes
+            # Ask the gatherer what the group would hold with this unit added: units can share what is gathered
+            # (tied weights; FSDP1 units), so sizes do not simply add up.
+            split = bool(current) and gather_bytes([p for u in (*current, unit) for p in u.params]) > budget_bytes
         else:
             key = stack_key(unit.targets[0].name)
             split = bool(current) and key != current_key
             current_key = key
         if split:
             groups.append(current)
-            current, current_bytes = [], 0
+            current = []
         current.append(unit)
-        current_bytes += ubytes
     if current:
         groups.append(current)
     out = []
     for us in groups:
         params = _unique([p for u in us for p in u.params])
-        out.append(Group(us, params, sum(nbytes(p) for p in params)))
+        out.append(Group(us, params, gather_bytes(params)))
     return out

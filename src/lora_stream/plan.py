@@ -11,9 +11,8 @@ registration order and makes tied weights come out once, under the name ``named_
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -21,6 +20,9 @@ from torch import nn
 from .errors import NameCollisionError, UnsupportedAdapterError, UnsupportedModelError
 from .merge import DeltaMerge, LoraBiasMerge, LoraTerm, LoraWeightMerge, Merge
 from .names import NameNormalizer, join, wrapped_child_attr
+
+if TYPE_CHECKING:
+    from .gatherers.base import Gatherer, ParamRef
 
 __all__ = ["Target", "Unit", "plan_model"]
 
@@ -31,7 +33,7 @@ class Target:
 
     name: str
     source: str
-    param: nn.Parameter
+    param: ParamRef
     dtype: torch.dtype
     shape: torch.Size
     merge: Merge | None = None
@@ -46,11 +48,7 @@ class Unit:
 
     module: str
     targets: list[Target] = field(default_factory=list)
-    params: list[nn.Parameter] = field(default_factory=list)
-
-
-ShapeOf = Callable[[nn.Parameter], torch.Size]
-DtypeOf = Callable[[nn.Parameter], torch.dtype]
+    params: list[ParamRef] = field(default_factory=list)
 
 
 def _peft_classes() -> dict[str, tuple[Any, ...]]:
@@ -88,15 +86,9 @@ def _is_quantized(module: nn.Module) -> bool:
 
 class _Planner:
     def __init__(
-        self,
-        shape_of: ShapeOf,
-        dtype_of: DtypeOf,
-        dtype: torch.dtype | None,
-        normalizer: NameNormalizer,
-        block_bytes: int,
+        self, gatherer: Gatherer, dtype: torch.dtype | None, normalizer: NameNormalizer, block_bytes: int
     ) -> None:
-        self.shape_of = shape_of
-        self.dtype_of = dtype_of
+        self.g = gatherer
         self.dtype = dtype
         self.normalize = normalizer
         self.block_bytes = block_bytes
@@ -107,8 +99,8 @@ class _Planner:
         self.names: dict[str, str] = {}
 
     # -- outputs ---------------------------------------------------------------------------------------------------
-    def _target(self, hf: str, src: str, p: nn.Parameter, merge: Merge | None) -> Target:
-        if p.device.type == "meta":
+    def _target(self, hf: str, src: str, p: ParamRef, merge: Merge | None) -> Target:
+        if isinstance(p, torch.Tensor) and p.is_meta:
             raise UnsupportedModelError(
                 f"parameter {src!r} is on the meta device; materialize the model (e.g. load its weights) before "
                 "streaming it"
@@ -118,15 +110,13 @@ class _Planner:
         if other is not None:
             raise NameCollisionError(f"parameters {other!r} and {src!r} both normalize to {name!r}")
         self.names[name] = src
-        out_dtype = self.dtype or self.dtype_of(p)
-        return Target(name, src, p, out_dtype, self.shape_of(p), merge)
+        out_dtype = self.dtype or self.g.full_dtype(p)
+        return Target(name, src, p, out_dtype, self.g.full_shape(p), merge)
 
     def _own_params(
         self, module: nn.Module, hf: str, src: str, unit: Unit, merges: dict[str, Merge] | None = None
     ) -> None:
-        for pname, p in module._parameters.items():
-            if p is None:
-                continue
+        for pname, p in self.g.module_params(module):
             psrc = join(src, pname)
             if id(p) in self.seen_params:
                 # Tied: named_parameters() reports it once, under its first name.
@@ -216,7 +206,7 @@ class _Planner:
         bsrc = join(src, "base_layer")
         unit = Unit(src)
         merges: dict[str, Merge] = {}
-        weight = base._parameters.get("weight")
+        weight = dict(self.g.module_params(base)).get("weight")
         if active and weight is not None:
             if id(weight) in self.seen_params:
                 raise UnsupportedAdapterError(
@@ -226,7 +216,7 @@ class _Planner:
             if is_lora:
                 merges.update(self._lora_merges(layer, base, active, src))
             else:
-                merges["weight"] = DeltaMerge(weight, layer, active, _adapter_params(layer, active))
+                merges["weight"] = DeltaMerge(weight, layer, active, self._adapter_params(layer, active))
         self._own_params(base, hf, bsrc, unit, merges)
         self._emit(unit)
         for cname, child in base._modules.items():
@@ -239,7 +229,8 @@ class _Planner:
         embedding = isinstance(layer, self.cls["lora_embedding"])
         dora_kinds = (variants.DoraLinearVariant, variants.DoraEmbeddingVariant)
         terms: list[LoraTerm] = []
-        bias_terms: list[tuple[nn.Parameter, float]] = []
+        bias_terms: list[tuple[ParamRef, float]] = []
+        param = self.g.param
         fan_in_fan_out = bool(getattr(layer, "fan_in_fan_out", False))
         for a in active:
             variant = getattr(layer, "lora_variant", {}).get(a)
@@ -248,14 +239,14 @@ class _Planner:
                     f"module {src!r} adapter {a!r} uses the LoRA variant {type(variant).__name__}; only plain LoRA, "
                     "rsLoRA and DoRA are merged"
                 )
-            magnitude = layer.lora_magnitude_vector[a].weight if variant is not None else None
+            magnitude = param(layer.lora_magnitude_vector[a], "weight") if variant is not None else None
             scaling = float(layer.scaling[a])
             if embedding:
                 # delta = (B @ A).T = A.T @ B.T, with A: [r, num_embeddings], B: [dim, r].
                 terms.append(
                     LoraTerm(
-                        layer.lora_embedding_A[a],
-                        layer.lora_embedding_B[a],
+                        param(layer.lora_embedding_A, a),
+                        param(layer.lora_embedding_B, a),
                         scaling,
                         left_transposed=True,
                         right_transposed=True,
@@ -263,27 +254,43 @@ class _Planner:
                     )
                 )
             else:
-                a_w, b_w = layer.lora_A[a].weight, layer.lora_B[a].weight
+                a_w, b_w = param(layer.lora_A[a], "weight"), param(layer.lora_B[a], "weight")
                 if fan_in_fan_out:  # base is [in, out]: delta = (B @ A).T = A.T @ B.T
                     terms.append(LoraTerm(a_w, b_w, scaling, True, True, magnitude))
                 else:
                     terms.append(LoraTerm(b_w, a_w, scaling, False, False, magnitude))
                 if layer.lora_bias.get(a, False):
-                    if base._parameters.get("bias") is None:
+                    if "bias" not in dict(self.g.module_params(base)):
                         raise UnsupportedAdapterError(
                             f"module {src!r} adapter {a!r} has lora_bias=True but the base layer has no bias"
                         )
-                    bias_terms.append((layer.lora_B[a].bias, scaling))
+                    bias_terms.append((param(layer.lora_B[a], "bias"), scaling))
         # DoRA's per-channel norm runs over output channels: rows of nn.Linear's [out, in], columns of Conv1D's
         # [in, out] and of an embedding's [num_embeddings, dim] (peft's DoraEmbeddingLayer uses fan_in_fan_out=True).
         has_dora = any(t.magnitude is not None for t in terms)
         channel_dim = 1 if has_dora and (embedding or fan_in_fan_out) else 0
         merges: dict[str, Merge] = {
-            "weight": LoraWeightMerge(base.weight, terms, channel_dim=channel_dim, block_bytes=self.block_bytes)
+            "weight": LoraWeightMerge(param(base, "weight"), terms, channel_dim, self.block_bytes)
         }
         if bias_terms:
-            merges["bias"] = LoraBiasMerge(base.bias, bias_terms)
+            merges["bias"] = LoraBiasMerge(param(base, "bias"), bias_terms)
         return merges
+
+    def _adapter_params(self, layer: Any, adapters: list[str]) -> list[ParamRef]:
+        """Every parameter of the given adapters, for a merge (``get_delta_weight``) that reads them itself."""
+        out: list[ParamRef] = []
+        for attr in getattr(layer, "adapter_layer_names", ()):
+            container = getattr(layer, attr, None)
+            if not isinstance(container, (nn.ModuleDict, nn.ParameterDict)):
+                continue
+            for a in adapters:
+                if a not in container:
+                    continue
+                if isinstance(container, nn.ParameterDict):
+                    out.append(self.g.param(container, a))
+                else:
+                    out += [p for m in container[a].modules() for _, p in self.g.module_params(m)]
+        return out
 
 
 def _adapter_keys(layer: Any) -> list[str]:
@@ -293,20 +300,6 @@ def _adapter_keys(layer: Any) -> list[str]:
         if isinstance(container, (nn.ModuleDict, nn.ParameterDict, dict)):
             keys += [k for k in container.keys() if k not in keys]
     return keys
-
-
-def _adapter_params(layer: Any, adapters: list[str]) -> list[nn.Parameter]:
-    out: list[nn.Parameter] = []
-    for attr in getattr(layer, "adapter_layer_names", ()):
-        container = getattr(layer, attr, None)
-        if not isinstance(container, (nn.ModuleDict, nn.ParameterDict)):
-            continue
-        for a in adapters:
-            if a not in container:
-                continue
-            item = container[a]
-            out += list(item.parameters()) if isinstance(item, nn.Module) else [item]
-    return out
 
 
 def _check_peft_model(module: nn.Module, src: str) -> None:
@@ -319,15 +312,9 @@ def _check_peft_model(module: nn.Module, src: str) -> None:
 
 
 def plan_model(
-    model: nn.Module,
-    *,
-    shape_of: ShapeOf,
-    dtype_of: DtypeOf,
-    dtype: torch.dtype | None,
-    normalizer: NameNormalizer,
-    block_bytes: int,
+    model: nn.Module, *, gatherer: Gatherer, dtype: torch.dtype | None, normalizer: NameNormalizer, block_bytes: int
 ) -> list[Unit]:
     """Plan the stream of ``model``: one :class:`Unit` per module that has output tensors, in registration order."""
-    planner = _Planner(shape_of, dtype_of, dtype, normalizer, block_bytes)
+    planner = _Planner(gatherer, dtype, normalizer, block_bytes)
     planner.visit(model, "", "")
     return planner.units

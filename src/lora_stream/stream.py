@@ -63,10 +63,6 @@ class StreamStats:
     complete: bool = False
 
 
-def _nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
-    return int(shape.numel()) * (torch.finfo(dtype).bits if dtype.is_floating_point else torch.iinfo(dtype).bits) // 8
-
-
 class ParamStream:
     """A model's weights as ``(hf_name, tensor)`` pairs, LoRA merged out of place, produced one group at a time.
 
@@ -151,13 +147,12 @@ class ParamStream:
         g = self.gatherer
         units = plan_model(
             model,
-            shape_of=g.full_shape,
-            dtype_of=g.full_dtype,
+            gatherer=g,
             dtype=dtype,
             normalizer=NameNormalizer(renames),
             block_bytes=merge_block_bytes,
         )
-        self._groups = partition(units, group_by, budget_bytes, lambda p: _nbytes(g.full_shape(p), g.full_dtype(p)))
+        self._groups = partition(units, group_by, budget_bytes, g.gather_bytes)
         self._meta = [ParamMeta(t.name, t.dtype, tuple(t.shape)) for grp in self._groups for t in grp.targets]
         self.group_by = group_by
         self.budget_bytes = budget_bytes

@@ -4,30 +4,58 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from ..merge import FullTensor
 
-__all__ = ["Gatherer"]
+__all__ = ["Gatherer", "GathererBase", "ParamRef", "detached", "nbytes"]
+
+#: What identifies one parameter to a gatherer: the ``nn.Parameter`` itself for every built-in gatherer except FSDP1
+#: with ``use_orig_params=False``, whose original parameters do not exist between forwards (a slot object stands in).
+ParamRef = Any
+
+
+def detached(param: ParamRef) -> torch.Tensor:
+    """The parameter's tensor without a copy; ``detach()`` keeps the consumer out of the trainer's autograd graph."""
+    t: torch.Tensor = param.detach()
+    return t
+
+
+def nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
+    bits = torch.finfo(dtype).bits if dtype.is_floating_point else torch.iinfo(dtype).bits
+    return int(shape.numel()) * bits // 8
 
 
 @runtime_checkable
 class Gatherer(Protocol):
     """Makes the parameters of one group whole on this rank, and releases them.
 
-    :class:`~lora_stream.ParamStream` calls ``full_shape`` / ``full_dtype`` while planning (and from
-    ``metadata()``), then, for each group in order, enters ``gather(params)`` once, reads whole tensors through the
-    accessor it yields, and exits before the next group is gathered. A new gatherer (Megatron, a custom sharding)
-    only has to implement this protocol.
+    :class:`~lora_stream.ParamStream` asks the gatherer for each module's parameters and their whole shapes and dtypes
+    while planning (and from ``metadata()``), then, for each group in order, enters ``gather(params)`` once, reads
+    whole tensors through the accessor it yields, and exits before the next group is gathered. A new gatherer
+    (Megatron, a custom sharding) implements this protocol, usually by subclassing :class:`GathererBase`.
     """
 
-    #: Short name used in errors and logs ("plain", "zero3", "fsdp2", ...).
+    #: Short name used in errors and logs ("plain", "zero3", "fsdp2", "fsdp1").
     name: str
 
-    def full_shape(self, param: nn.Parameter) -> torch.Size:
+    def module_params(self, module: nn.Module) -> list[tuple[str, ParamRef]]:
+        """``module``'s own parameters as ``(attribute name, ref)``, in registration order, without recursing.
+
+        The planner walks the module tree and asks this for every module, so the stream's coverage and order follow
+        it. Must not communicate (it runs in ``ParamStream(...)``, which ranks need not call together).
+        """
+        ...
+
+    def param(self, module: nn.Module, name: str) -> ParamRef:
+        """The ref of ``module``'s parameter ``name`` (how the planner reaches adapter factors such as
+        ``lora_A[adapter].weight``). Raises ``KeyError`` if there is none."""
+        ...
+
+    def full_shape(self, param: ParamRef) -> torch.Size:
         """The parameter's whole (unsharded) shape.
 
         Called from ``metadata()``: it must not communicate or allocate, or ``metadata()`` stops being free and,
@@ -35,11 +63,19 @@ class Gatherer(Protocol):
         """
         ...
 
-    def full_dtype(self, param: nn.Parameter) -> torch.dtype:
+    def full_dtype(self, param: ParamRef) -> torch.dtype:
         """The dtype the whole tensor has once gathered. Same no-communication rule as ``full_shape``."""
         ...
 
-    def gather(self, params: Sequence[nn.Parameter]) -> AbstractContextManager[FullTensor]:
+    def gather_bytes(self, params: Sequence[ParamRef]) -> int:
+        """Bytes this gatherer holds while ``params`` are gathered (what budgets and the memory bound count).
+
+        Usually the whole size of the parameters; a gatherer whose unit of gathering is coarser (FSDP1 unshards a
+        whole FSDP unit) counts what it really materializes, so that groups are cut where the bound holds.
+        """
+        ...
+
+    def gather(self, params: Sequence[ParamRef]) -> AbstractContextManager[FullTensor]:
         """Make exactly ``params`` whole for the duration of the ``with`` block.
 
         Yields a function returning the whole tensor of any of ``params``. The tensors it returns may alias the
@@ -64,3 +100,45 @@ class Gatherer(Protocol):
     def held_bytes(self) -> int:
         """Bytes this gatherer currently holds whole because of the stream (a probe for tests and stats)."""
         ...
+
+
+class GathererBase:
+    """Defaults for gatherers whose refs are the model's own ``nn.Parameter`` objects."""
+
+    name = "base"
+
+    def module_params(self, module: nn.Module) -> list[tuple[str, ParamRef]]:
+        return [(n, p) for n, p in module._parameters.items() if p is not None]
+
+    def param(self, module: nn.Module, name: str) -> ParamRef:
+        p = module._parameters.get(name)
+        if p is None:
+            raise KeyError(name)
+        return p
+
+    def full_shape(self, param: ParamRef) -> torch.Size:
+        return torch.Size(param.shape)
+
+    def full_dtype(self, param: ParamRef) -> torch.dtype:
+        dtype: torch.dtype = param.dtype
+        return dtype
+
+    def gather_bytes(self, params: Sequence[ParamRef]) -> int:
+        seen: set[int] = set()
+        total = 0
+        for p in params:
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += nbytes(self.full_shape(p), self.full_dtype(p))
+        return total
+
+    @property
+    def collective(self) -> bool:
+        return False
+
+    @property
+    def process_group(self) -> object | None:
+        return None
+
+    def held_bytes(self) -> int:
+        return 0

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..merge import FullTensor
+from .base import GathererBase
 
 __all__ = ["Fsdp2Gatherer", "is_dtensor"]
 
@@ -36,7 +37,7 @@ def _whole(p: Any) -> torch.Tensor:
     return full
 
 
-class Fsdp2Gatherer:
+class Fsdp2Gatherer(GathererBase):
     """``DTensor.full_tensor()`` on each parameter of one group, never the whole model.
 
     ``fully_shard``'s own ``unshard()`` works on a whole FSDP unit (usually a decoder layer) and changes the module's
@@ -54,12 +55,6 @@ class Fsdp2Gatherer:
         mesh: Any = dtensors[0].device_mesh  # type: ignore[attr-defined]
         self._group = mesh.get_group() if mesh.ndim == 1 else None
         self._held = 0
-
-    def full_shape(self, param: nn.Parameter) -> torch.Size:
-        return param.shape
-
-    def full_dtype(self, param: nn.Parameter) -> torch.dtype:
-        return param.dtype
 
     @contextmanager
     def gather(self, params: Sequence[nn.Parameter]) -> Iterator[FullTensor]:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..merge import FullTensor
+from .base import GathererBase, detached
 
 __all__ = ["ZeroThreeGatherer", "is_zero3_model"]
 
@@ -19,11 +20,7 @@ def is_zero3_model(model: nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
-def _whole(param: nn.Parameter) -> torch.Tensor:
-    return param.detach()
-
-
-class ZeroThreeGatherer:
+class ZeroThreeGatherer(GathererBase):
     """``deepspeed.zero.GatheredParameters(group, modifier_rank=None)`` around one group at a time.
 
     ``modifier_rank=None`` makes the gather read-only: DeepSpeed re-partitions on exit without broadcasting
@@ -43,15 +40,12 @@ class ZeroThreeGatherer:
         shape = getattr(param, "ds_shape", None)
         return torch.Size(shape) if shape is not None else param.shape
 
-    def full_dtype(self, param: nn.Parameter) -> torch.dtype:
-        return param.dtype
-
     @contextmanager
     def gather(self, params: Sequence[nn.Parameter]) -> Iterator[FullTensor]:
         import deepspeed
 
         with deepspeed.zero.GatheredParameters(list(params), modifier_rank=None):
-            yield _whole
+            yield detached
 
     @property
     def collective(self) -> bool:
