@@ -15,7 +15,7 @@ from .errors import (
     UnsupportedAdapterError,
     UnsupportedModelError,
 )
-from .gatherers import Fsdp2Gatherer, Gatherer, PlainGatherer, ZeroThreeGatherer, auto_gatherer
+from .gatherers import Fsdp1Gatherer, Fsdp2Gatherer, Gatherer, PlainGatherer, ZeroThreeGatherer, auto_gatherer
 from .grouping import DEFAULT_BUDGET_BYTES, GroupBy
 from .merge import DEFAULT_MERGE_BLOCK_BYTES
 from .names import Renames, register_wrapper
@@ -26,6 +26,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_BUDGET_BYTES",
     "DEFAULT_MERGE_BLOCK_BYTES",
+    "Fsdp1Gatherer",
     "Fsdp2Gatherer",
     "Gatherer",
     "GroupBy",

@@ -230,7 +230,7 @@ class _Planner:
         dora_kinds = (variants.DoraLinearVariant, variants.DoraEmbeddingVariant)
         terms: list[LoraTerm] = []
         bias_terms: list[tuple[ParamRef, float]] = []
-        param = self.g.param
+        param = self._param
         fan_in_fan_out = bool(getattr(layer, "fan_in_fan_out", False))
         for a in active:
             variant = getattr(layer, "lora_variant", {}).get(a)
@@ -276,6 +276,13 @@ class _Planner:
             merges["bias"] = LoraBiasMerge(param(base, "bias"), bias_terms)
         return merges
 
+    def _param(self, module: nn.Module, name: str) -> ParamRef:
+        """A parameter of ``module`` as the gatherer refers to it, looking through wrappers (FSDP1 may wrap each
+        LoRA factor in a unit of its own)."""
+        while (attr := wrapped_child_attr(module)) is not None:
+            module = module._modules[attr]  # type: ignore[assignment]
+        return self.g.param(module, name)
+
     def _adapter_params(self, layer: Any, adapters: list[str]) -> list[ParamRef]:
         """Every parameter of the given adapters, for a merge (``get_delta_weight``) that reads them itself."""
         out: list[ParamRef] = []
@@ -287,7 +294,7 @@ class _Planner:
                 if a not in container:
                     continue
                 if isinstance(container, nn.ParameterDict):
-                    out.append(self.g.param(container, a))
+                    out.append(self._param(container, a))
                 else:
                     out += [p for m in container[a].modules() for _, p in self.g.module_params(m)]
         return out

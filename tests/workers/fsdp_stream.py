@@ -5,6 +5,11 @@ Scenarios:
               every rank's stream == oracle; unsharded bytes bounded at every yield; metadata() communicates nothing.
   fsdp2-drift 100 streams in bf16: local shards bitwise identical afterwards.
   fsdp2-raise rank 1's consumer raises at the third group.
+  fsdp1       FullyShardedDataParallel per decoder layer, use_orig_params True and False, LoRA (peft's FSDP wrap
+              policy) and plain models, after a training step: stream == oracle, bound at every yield.
+  fsdp1-drift 100 streams: local flat shards bitwise identical.
+  fsdp1-raise rank 1's consumer raises at the third group.
+  fsdp1-noforward streaming before the first forward raises a clear error.
 """
 
 from __future__ import annotations
@@ -133,8 +138,11 @@ def scenario_drift() -> None:
 
 
 def scenario_raise() -> None:
-    pm = shard(lora(tiny_llama(layers=4), target_modules="all-linear"))
-    stream = ParamStream(pm, group_by="module")
+    run_failure(shard(lora(tiny_llama(layers=4), target_modules="all-linear")))
+
+
+def run_failure(model: torch.nn.Module) -> None:
+    stream = ParamStream(model, group_by="module")
     start = time.monotonic()
     try:
         for i, _batch in enumerate(stream.iter_groups()):
@@ -149,9 +157,107 @@ def scenario_raise() -> None:
     sys.exit(4)
 
 
+def wrap_fsdp1(model: torch.nn.Module, use_orig_params: bool, forward: bool = True) -> torch.nn.Module:
+    from peft.utils.other import fsdp_auto_wrap_policy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    # For a LoRA model, peft's policy wraps each decoder layer and each LoRA factor on its own (FSDP1 refuses a unit
+    # mixing frozen and trainable parameters with use_orig_params=False). A plain model: one unit per layer.
+    is_peft = hasattr(model, "peft_config")
+    policy = fsdp_auto_wrap_policy(model) if is_peft else ModuleWrapPolicy({LlamaDecoderLayer})
+    wrapped = FSDP(model, auto_wrap_policy=policy, device_id=torch.device("cpu"), use_orig_params=use_orig_params)
+    if forward:
+        ids = torch.randint(0, 128, (1, 8))
+        wrapped(input_ids=ids)
+    return wrapped
+
+
+def unsharded_fsdp1(model: torch.nn.Module, template: torch.nn.Module) -> torch.nn.Module:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    with FSDP.summon_full_params(model, writeback=False):
+        src = {n.replace("_fsdp_wrapped_module.", ""): p for n, p in model.named_parameters()}
+        with torch.no_grad():
+            for n, p in template.named_parameters():
+                p.copy_(src[n])
+    return template
+
+
+def check_fsdp1(model: torch.nn.Module, template: torch.nn.Module, budget: int) -> None:
+    from lora_stream import Fsdp1Gatherer
+
+    ref = oracle(unsharded_fsdp1(model, template))
+    stream = ParamStream(model, budget_bytes=budget)
+    assert isinstance(stream.gatherer, Fsdp1Gatherer)
+    assert [m.name for m in stream.metadata()] == list(ref)
+    bound = max(budget, max(ParamStream(model, group_by="module").group_gathered_bytes))
+    got, peak = [], 0
+    for name, t in stream:
+        held = stream.gatherer.held_bytes()
+        assert 0 < held <= bound, (name, held, bound)
+        peak = max(peak, held)
+        got.append((name, t.clone()))
+    assert_matches(got, ref)
+    assert stream.gatherer.held_bytes() == 0
+    print(f"rank {dist.get_rank()}: {len(got)} tensors match; peak unsharded {peak} (bound {bound})", flush=True)
+
+
+def scenario_fsdp1() -> None:
+    for use_orig_params in (True, False):
+        pm = lora(tiny_llama(layers=4), target_modules="all-linear")
+        template = copy.deepcopy(pm)
+        model = wrap_fsdp1(pm, use_orig_params)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        check_fsdp1(model, template, budget=40_000)
+        plain = tiny_llama(layers=4, seed=1, tie=True)
+        template = copy.deepcopy(plain)
+        check_fsdp1(wrap_fsdp1(plain, use_orig_params), template, budget=40_000)
+
+
+def scenario_fsdp1_drift() -> None:
+    model = wrap_fsdp1(lora(tiny_llama(layers=2, dtype=torch.bfloat16), target_modules="all-linear"), False)
+    flats = [p for p in model.parameters()]
+    before = [p.detach().clone() for p in flats]
+    stream = ParamStream(model)
+    for _ in range(100):
+        for _name, _t in stream:
+            pass
+    assert all(torch.equal(p, b) for p, b in zip(flats, before))
+    print(f"rank {dist.get_rank()}: 100 streams, local shards bitwise identical", flush=True)
+
+
+def scenario_fsdp1_raise() -> None:
+    run_failure(wrap_fsdp1(lora(tiny_llama(layers=4), target_modules="all-linear"), True))
+
+
+def scenario_fsdp1_noforward() -> None:
+    from lora_stream import UnsupportedModelError
+
+    model = wrap_fsdp1(tiny_llama(layers=2), True, forward=False)
+    try:
+        next(iter(ParamStream(model)))
+    except UnsupportedModelError as exc:
+        print(f"CLEAR-ERROR {exc}", flush=True)
+        return
+    raise AssertionError("expected UnsupportedModelError")
+
+
 def main() -> None:
     dist.init_process_group("gloo")
-    {"fsdp2": scenario_fsdp2, "fsdp2-drift": scenario_drift, "fsdp2-raise": scenario_raise}[sys.argv[1]]()
+    {
+        "fsdp2": scenario_fsdp2,
+        "fsdp2-drift": scenario_drift,
+        "fsdp2-raise": scenario_raise,
+        "fsdp1": scenario_fsdp1,
+        "fsdp1-drift": scenario_fsdp1_drift,
+        "fsdp1-raise": scenario_fsdp1_raise,
+        "fsdp1-noforward": scenario_fsdp1_noforward,
+    }[sys.argv[1]]()
     dist.destroy_process_group()
 
 

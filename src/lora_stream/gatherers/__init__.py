@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..errors import UnsupportedModelError
 from .base import Gatherer
+from .fsdp1 import Fsdp1Gatherer, is_fsdp1_model
 from .fsdp2 import Fsdp2Gatherer, is_dtensor
 from .plain import PlainGatherer
 from .zero3 import ZeroThreeGatherer, is_zero3_model
 
-__all__ = ["Fsdp2Gatherer", "Gatherer", "PlainGatherer", "ZeroThreeGatherer", "auto_gatherer"]
+__all__ = ["Fsdp1Gatherer", "Fsdp2Gatherer", "Gatherer", "PlainGatherer", "ZeroThreeGatherer", "auto_gatherer"]
 
 
 def auto_gatherer(model: nn.Module) -> Gatherer:
@@ -19,9 +19,6 @@ def auto_gatherer(model: nn.Module) -> Gatherer:
         return ZeroThreeGatherer(model)
     if any(is_dtensor(p) for p in model.parameters()):
         return Fsdp2Gatherer(model)
-    for name, p in model.named_parameters():
-        if type(p).__name__ == "FlatParameter":
-            raise UnsupportedModelError(
-                f"parameter {name!r} is an FSDP1 FlatParameter; no gatherer for it is installed yet"
-            )
+    if is_fsdp1_model(model):
+        return Fsdp1Gatherer(model)
     return PlainGatherer()
