@@ -124,3 +124,72 @@ def assert_bitwise_equal(model: nn.Module, before: dict[str, torch.Tensor]) -> N
     assert list(now) == list(before)
     for n, t in before.items():
         assert now[n].dtype == t.dtype and torch.equal(now[n].detach(), t), f"{n} changed"
+
+
+# -- vLLM ---------------------------------------------------------------------------------------------------------------
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
+PROMPTS = [[1, 17, 42, 99, 5], [7, 300, 2, 11, 64, 8, 900]]
+
+
+def vllm_llama(*, tie: bool = False, seed: int = 0, inter: int = 128) -> nn.Module:
+    """The smallest Llama vLLM's CPU attention runs (head_dim 32), with weights large enough to give varied tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=inter,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=tie,
+        max_position_embeddings=128,
+    )
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    return model
+
+
+def save_for_vllm(model: nn.Module, path: str) -> str:
+    model.save_pretrained(path)
+    return path
+
+
+def vllm_generate(llm: Any) -> list[tuple[list[int], list[float]]]:
+    """Greedy continuation of PROMPTS with the chosen tokens' logprobs."""
+    from vllm import SamplingParams
+
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS],
+        SamplingParams(temperature=0, max_tokens=8, logprobs=1),
+        use_tqdm=False,
+    )
+    result = []
+    for o in outs:
+        c = o.outputs[0]
+        ids = list(c.token_ids)
+        result.append((ids, [c.logprobs[i][t].logprob for i, t in enumerate(ids)]))
+    return result
+
+
+def assert_vllm_serves(generated: list[tuple[list[int], list[float]]], hf_model: nn.Module, tol: float = 2e-3) -> None:
+    """vLLM's greedy tokens and logprobs equal those of a transformers model holding the expected weights."""
+    hf_model = hf_model.float().eval()
+    for prompt, (ids, logprobs) in zip(PROMPTS, generated):
+        full = torch.tensor([prompt + ids])
+        with torch.no_grad():
+            lp = torch.log_softmax(hf_model(full).logits[0].float(), -1)
+        n = len(prompt)
+        for i, tok in enumerate(ids):
+            assert int(lp[n - 1 + i].argmax()) == tok, (
+                f"token {i}: vLLM chose {tok}, reference {int(lp[n - 1 + i].argmax())}"
+            )
+            assert abs(logprobs[i] - float(lp[n - 1 + i, tok])) < tol, (i, logprobs[i], float(lp[n - 1 + i, tok]))
+
+
+def merged_copy(peft_model: nn.Module) -> nn.Module:
+    return copy.deepcopy(peft_model).float().merge_and_unload()

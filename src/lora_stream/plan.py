@@ -97,6 +97,8 @@ class _Planner:
         self.seen_modules: set[int] = set()
         self.seen_params: dict[int, str] = {}
         self.names: dict[str, str] = {}
+        self.final_names: dict[int, str] = {}
+        self.aliases: dict[str, str] = {}
 
     # -- outputs ---------------------------------------------------------------------------------------------------
     def _target(self, hf: str, src: str, p: ParamRef, merge: Merge | None) -> Target:
@@ -119,11 +121,18 @@ class _Planner:
         for pname, p in self.g.module_params(module):
             psrc = join(src, pname)
             if id(p) in self.seen_params:
-                # Tied: named_parameters() reports it once, under its first name.
+                # Tied: named_parameters() reports it once, under its first name. Engines that keep the two
+                # apart (vLLM on CPU repacks lm_head separately) need the alias, so remember it.
+                alias = self.normalize(join(hf, pname), psrc)
+                primary = self.final_names.get(id(p))
+                if primary is not None and alias not in self.names:
+                    self.aliases[alias] = primary
                 continue
             self.seen_params[id(p)] = psrc
             merge = (merges or {}).get(pname)
-            unit.targets.append(self._target(join(hf, pname), psrc, p, merge))
+            target = self._target(join(hf, pname), psrc, p, merge)
+            self.final_names[id(p)] = target.name
+            unit.targets.append(target)
             unit.params.extend(merge.params() if merge is not None else [p])
 
     def _emit(self, unit: Unit) -> None:
@@ -320,8 +329,9 @@ def _check_peft_model(module: nn.Module, src: str) -> None:
 
 def plan_model(
     model: nn.Module, *, gatherer: Gatherer, dtype: torch.dtype | None, normalizer: NameNormalizer, block_bytes: int
-) -> list[Unit]:
-    """Plan the stream of ``model``: one :class:`Unit` per module that has output tensors, in registration order."""
+) -> tuple[list[Unit], dict[str, str]]:
+    """Plan the stream of ``model``: one :class:`Unit` per module that has output tensors, in registration order,
+    and the tied aliases (name not yielded -> name of the tensor it shares)."""
     planner = _Planner(gatherer, dtype, normalizer, block_bytes)
     planner.visit(model, "", "")
-    return planner.units
+    return planner.units, planner.aliases

@@ -145,7 +145,7 @@ class ParamStream:
         self.model = model
         self.gatherer: Gatherer = gatherer if gatherer is not None else auto_gatherer(model)
         g = self.gatherer
-        units = plan_model(
+        units, self._aliases = plan_model(
             model,
             gatherer=g,
             dtype=dtype,
@@ -179,6 +179,14 @@ class ParamStream:
     def held_names(self) -> None:
         """Every rank produces every tensor (vLLM's ``WeightSource.held_names``: ``None`` means all)."""
         return None
+
+    def tied_aliases(self) -> dict[str, str]:
+        """Names the stream does not yield because their weight is tied to one it does: ``{alias: name}``.
+
+        E.g. ``{"lm_head.weight": "model.embed_tokens.weight"}`` for tied embeddings. A sink whose engine keeps the
+        two apart sends the tensor under both names.
+        """
+        return dict(self._aliases)
 
     @property
     def group_gathered_bytes(self) -> list[int]:

@@ -1,0 +1,110 @@
+"""Pre-flight: compare a stream's metadata with the checkpoint an engine was started from, before touching it.
+
+An engine that receives a name it does not know either raises half-way through an update (leaving some layers new
+and some old) or, worse, ignores it silently. Both are caught here, from the safetensors headers alone (no tensor
+data is read), and reported in one error that lists every problem.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import LoraStreamError
+from ..stream import ParamMeta
+
+__all__ = ["CheckpointMismatchError", "CheckpointTensor", "checkpoint_metadata", "compare_with_checkpoint"]
+
+
+class CheckpointMismatchError(LoraStreamError):
+    """The stream does not fit the engine's checkpoint: unknown names, missing names or wrong shapes.
+
+    Raised before anything is sent; the engine still serves the weights it had.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        unknown: list[str],
+        missing: list[str],
+        wrong_shape: list[tuple[str, tuple[int, ...], tuple[int, ...]]],
+    ) -> None:
+        super().__init__(message)
+        self.unknown = unknown
+        self.missing = missing
+        self.wrong_shape = wrong_shape
+
+
+@dataclass(frozen=True)
+class CheckpointTensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def checkpoint_metadata(path: str | Path) -> dict[str, CheckpointTensor]:
+    """Names, dtypes and shapes of every tensor in a Hugging Face safetensors checkpoint directory (headers only)."""
+    from safetensors import safe_open
+
+    root = Path(path)
+    files = sorted(root.glob("*.safetensors")) if root.is_dir() else [root]
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {root}: the pre-flight check needs the checkpoint")
+    out: dict[str, CheckpointTensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            for name in handle.keys():
+                sl = handle.get_slice(name)
+                out[name] = CheckpointTensor(name, str(sl.get_dtype()), tuple(int(d) for d in sl.get_shape()))
+    return out
+
+
+def tied_output_names(path: str | Path) -> set[str]:
+    """Names a checkpoint may omit because the model ties them (``tie_word_embeddings``: ``lm_head.weight``)."""
+    cfg_path = Path(path) / "config.json" if Path(path).is_dir() else Path(path).parent / "config.json"
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, ValueError):
+        return set()
+    text = cfg.get("text_config", cfg)
+    tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    return {"lm_head.weight"} if tie else set()
+
+
+def compare_with_checkpoint(
+    metadata: Iterable[ParamMeta],
+    checkpoint: Mapping[str, CheckpointTensor],
+    *,
+    may_be_missing: Iterable[str] = (),
+    extra_names: Mapping[str, str] | None = None,
+) -> None:
+    """Raise :class:`CheckpointMismatchError` listing every name the checkpoint lacks, every checkpoint name the
+    stream does not produce (except ``may_be_missing``) and every shape that differs.
+
+    ``extra_names`` maps aliases the sink sends besides the stream's own names (tied weights) to their source.
+    """
+    shapes = {m.name: tuple(m.shape) for m in metadata}
+    for alias, primary in (extra_names or {}).items():
+        if primary in shapes:
+            shapes[alias] = shapes[primary]
+    optional = set(may_be_missing) | set(extra_names or {})
+    unknown = [n for n in shapes if n not in checkpoint and n not in optional]
+    missing = [n for n in checkpoint if n not in shapes and n not in optional]
+    wrong = [(n, s, checkpoint[n].shape) for n, s in shapes.items() if n in checkpoint and checkpoint[n].shape != s]
+    if unknown or missing or wrong:
+        parts = []
+        if unknown:
+            parts.append(f"{len(unknown)} name(s) the checkpoint does not have: {unknown[:20]}")
+        if missing:
+            parts.append(f"{len(missing)} checkpoint name(s) the stream does not produce: {missing[:20]}")
+        if wrong:
+            parts.append(f"{len(wrong)} shape mismatch(es) (name, stream, checkpoint): {wrong[:20]}")
+        raise CheckpointMismatchError(
+            "the stream does not match the engine's checkpoint; nothing was sent. " + "; ".join(parts),
+            unknown=unknown,
+            missing=missing,
+            wrong_shape=wrong,
+        )

@@ -1,0 +1,47 @@
+"""What one sync did, returned by every sink and logged as one line."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+__all__ = ["SyncRecord"]
+
+logger = logging.getLogger("lora_stream")
+
+
+@dataclass(frozen=True)
+class SyncRecord:
+    """One weight sync: what was sent and how long it took.
+
+    ``peak_gathered_bytes`` is the largest group the trainer held whole for it (the memory bound in action);
+    ``peak_group_bytes`` the largest group of output tensors handed to the engine at once.
+    """
+
+    sink: str
+    tensors: int
+    bytes: int
+    groups: int
+    seconds: float
+    peak_group_bytes: int
+    peak_gathered_bytes: int
+    version: str | None = None
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+    def log(self) -> None:
+        logger.info(
+            "lora_stream %s sync%s: %d tensors, %.1f MiB in %d groups, %.3f s (%.2f GB/s), peak group %.1f MiB, "
+            "peak gathered %.1f MiB",
+            self.sink,
+            f" (version {self.version})" if self.version else "",
+            self.tensors,
+            self.bytes / 2**20,
+            self.groups,
+            self.seconds,
+            self.gbps,
+            self.peak_group_bytes / 2**20,
+            self.peak_gathered_bytes / 2**20,
+        )

