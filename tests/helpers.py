@@ -126,7 +126,7 @@ def assert_bitwise_equal(model: nn.Module, before: dict[str, torch.Tensor]) -> N
         assert now[n].dtype == t.dtype and torch.equal(now[n].detach(), t), f"{n} changed"
 
 
-# -- vLLM ---------------------------------------------------------------------------------------------------------------
+# -- vLLM ----------------------------------------------------------------------------------------------------------
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
 PROMPTS = [[1, 17, 42, 99, 5], [7, 300, 2, 11, 64, 8, 900]]
 
@@ -179,6 +179,8 @@ def vllm_generate(llm: Any) -> list[tuple[list[int], list[float]]]:
 def assert_vllm_serves(generated: list[tuple[list[int], list[float]]], hf_model: nn.Module, tol: float = 2e-3) -> None:
     """vLLM's greedy tokens and logprobs equal those of a transformers model holding the expected weights."""
     hf_model = hf_model.float().eval()
+    # A saturated model (every logprob 0) would match any weights: refuse to compare against one.
+    assert any(lp < -1e-3 for _, lps in generated for lp in lps), f"degenerate test model: {generated}"
     for prompt, (ids, logprobs) in zip(PROMPTS, generated):
         full = torch.tensor([prompt + ids])
         with torch.no_grad():

@@ -1,0 +1,63 @@
+"""ZeRO-3 trainer + vLLM external_launcher engine (TP=2) in each of 2 ranks; and an engine in a child process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import require, save_for_vllm, vllm_llama
+from launch import TESTS, assert_all_ok, describe, launch
+
+
+@pytest.fixture(autouse=True)
+def _stack() -> None:
+    require("vllm")
+    require("deepspeed")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("ckpt")
+    return {
+        "untied": save_for_vllm(vllm_llama(tie=False), str(root / "untied")),
+        "tied": save_for_vllm(vllm_llama(tie=True), str(root / "tied")),
+    }
+
+
+@pytest.mark.parametrize(("scenario", "ckpt"), [("lora", "untied"), ("tied", "tied"), ("mts", "untied")])
+def test_zero3_trainer_syncs_into_tp2_engines(scenario: str, ckpt: str, checkpoints: dict[str, str]) -> None:
+    results = launch("vllm_colocated_dist", scenario, checkpoints[ckpt], timeout=300)
+    assert_all_ok(results)
+    assert all("vLLM serves the merged weights before and after a step" in r.output for r in results), describe(results)
+
+
+def test_a_consumer_failure_mid_sync_raises_on_every_rank(checkpoints: dict[str, str]) -> None:
+    results = launch("vllm_colocated_dist", "fail", checkpoints["untied"], timeout=300)
+    assert_all_ok(results)
+    r0, r1 = results
+    assert "RAISED RuntimeError" in r1.output and "injected" in r1.output, describe(results)
+    assert "RAISED StreamAbortedError" in r0.output and "rank 1" in r0.output, describe(results)
+    assert all("ENGINE-ALIVE" in r.output for r in results)
+
+
+def test_engine_in_a_child_process_through_the_worker_extension(tmp_path: Path) -> None:
+    path = save_for_vllm(vllm_llama(tie=False), str(tmp_path / "m"))
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    }
+    env.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
+    proc = subprocess.run(
+        [sys.executable, str(TESTS / "workers" / "vllm_child_engine.py"), path],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "CHILD-ENGINE-MATCH" in proc.stdout and "NO-EXTENSION-ERROR" in proc.stdout, proc.stdout[-3000:]

@@ -1,0 +1,44 @@
+"""An engine in a child process (VLLM_ENABLE_V1_MULTIPROCESSING=1): the sink reaches it through collective_rpc."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(path: str) -> None:
+    from helpers import assert_vllm_serves, lora, merged_copy, vllm_generate
+    from transformers import LlamaForCausalLM
+    from vllm import LLM
+
+    from lora_stream import ParamStream, VLLMColocatedSink
+    from lora_stream.sinks import WORKER_EXTENSION
+
+    kw = dict(
+        dtype="float32",
+        max_model_len=128,
+        enforce_eager=True,
+        seed=0,
+        skip_tokenizer_init=True,
+        gpu_memory_utilization=0.5,
+    )
+    llm = LLM(model=path, worker_extension_cls=WORKER_EXTENSION, **kw)
+    sink = VLLMColocatedSink(llm)
+    assert not sink.in_process
+    pm = lora(LlamaForCausalLM.from_pretrained(path), target_modules="all-linear", lora_alpha=16)
+    record = sink.sync(ParamStream(pm, group_by="layer"))
+    assert_vllm_serves(vllm_generate(llm), merged_copy(pm))
+    print(f"CHILD-ENGINE-MATCH {record.tensors} tensors in {record.seconds:.3f} s", flush=True)
+    del llm, sink
+
+    from lora_stream import LoraStreamError
+
+    plain = LLM(model=path, **kw)
+    try:
+        VLLMColocatedSink(plain).sync(ParamStream(pm, group_by="layer"))
+    except LoraStreamError as exc:
+        assert "worker_extension_cls" in str(exc), exc
+        print("NO-EXTENSION-ERROR", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,120 @@
+"""Rank worker: a ZeRO-3 trainer and an external_launcher vLLM engine (TP=2 across the ranks) in every rank.
+
+Usage: vllm_colocated_dist.py SCENARIO CHECKPOINT_DIR
+  lora   LoRA on all linear layers: sync, check; one optimizer step; sync, check the new weights are served.
+  tied   tied-embedding checkpoint, LoRA on q_proj and embed_tokens.
+  mts    modules_to_save=["lm_head"] on an untied checkpoint.
+  fail   rank 1's consumer fails in the middle of the sync: both ranks raise, nobody hangs.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import time
+
+for _k, _v in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
+    os.environ.setdefault(_k, _v)
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from helpers import assert_vllm_serves, lora, oracle, vllm_generate  # noqa: E402
+
+from lora_stream import ParamStream, StreamAbortedError, VLLMColocatedSink  # noqa: E402
+
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+DS_CONFIG = {
+    "train_micro_batch_size_per_gpu": 1,
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    "zero_allow_untested_optimizer": True,
+}
+
+
+def reference(engine, template: torch.nn.Module) -> torch.nn.Module:  # type: ignore[no-untyped-def]
+    """An unsharded transformers model holding merge_and_unload() of the engine's current weights."""
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+        src = dict(engine.module.named_parameters())
+        with torch.no_grad():
+            for n, p in template.named_parameters():
+                p.copy_(src[n].data)
+    merged = copy.deepcopy(template).float().merge_and_unload()
+    expected = oracle(template)
+    assert list(dict(merged.named_parameters())) == list(expected)
+    return merged
+
+
+def main() -> None:
+    from transformers import LlamaForCausalLM
+    from vllm import LLM
+
+    scenario, path = sys.argv[1], sys.argv[2]
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    llm = LLM(
+        model=path,
+        dtype="float32",
+        max_model_len=128,
+        enforce_eager=True,
+        seed=0,
+        skip_tokenizer_init=True,
+        tensor_parallel_size=2,
+        distributed_executor_backend="external_launcher",
+        gpu_memory_utilization=0.5,
+    )
+    kw = {
+        "lora": dict(target_modules="all-linear", lora_alpha=32),
+        "tied": dict(target_modules=["q_proj", "embed_tokens"], lora_alpha=4),
+        "mts": dict(target_modules=["q_proj"], modules_to_save=["lm_head"]),
+        "fail": dict(target_modules="all-linear"),
+    }[scenario]
+    pm = lora(LlamaForCausalLM.from_pretrained(path), **kw)
+    if scenario == "mts":
+        with torch.no_grad():
+            pm.base_model.model.lm_head.modules_to_save["default"].weight.mul_(-1.0)
+    template = copy.deepcopy(pm)
+    opt = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=0.5)
+    engine, *_ = deepspeed.initialize(model=pm, optimizer=opt, config=DS_CONFIG)
+    sink = VLLMColocatedSink(llm)
+    assert sink.in_process
+
+    if scenario == "fail":
+        start = time.monotonic()
+
+        class Failing(ParamStream):
+            def iter_groups(self):  # type: ignore[no-untyped-def,override]
+                for i, batch in enumerate(super().iter_groups()):
+                    if rank == 1 and i == 2:
+                        raise RuntimeError("injected consumer failure on rank 1")
+                    yield batch
+
+        try:
+            sink.sync(Failing(engine, group_by="layer"))
+        except (RuntimeError, StreamAbortedError) as exc:
+            print(f"RAISED {type(exc).__name__} after {time.monotonic() - start:.2f}s: {exc}", flush=True)
+            vllm_generate(llm)  # the engine still runs
+            print("ENGINE-ALIVE", flush=True)
+            return
+        raise AssertionError("the sync should have raised")
+
+    record = sink.sync(ParamStream(engine, group_by="layer"))
+    first = vllm_generate(llm)
+    assert any(lp < -1e-3 for _, lps in first for lp in lps), f"degenerate test model: {first}"
+    assert_vllm_serves(first, reference(engine, template))
+    ids = torch.tensor([[1, 17, 42, 99, 5, 7, 300]])
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    sink.sync(ParamStream(engine, group_by="layer"))
+    second = vllm_generate(llm)
+    assert second != first, "the optimizer step should change what vLLM serves"
+    assert_vllm_serves(second, reference(engine, template))
+    print(
+        f"rank {rank}: vLLM serves the merged weights before and after a step; {record.tensors} tensors, "
+        f"{record.seconds:.3f} s, peak gathered {record.peak_gathered_bytes} bytes",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()
