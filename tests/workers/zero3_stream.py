@@ -215,15 +215,22 @@ def scenario_failure(kind: str) -> None:
                 raise ValueError("consumer on rank 1 failed at the third group")
     except ValueError as exc:
         print(f"CONSUMER-RAISED {exc} after {time.monotonic() - start:.2f}s", flush=True)
-        sys.exit(0)
+        _exit(0)
     except StreamAbortedError as exc:
         print(
             f"ABORTED after {time.monotonic() - start:.2f}s failed_ranks={exc.failed_ranks}: {exc}",
             flush=True,
         )
-        sys.exit(3)
+        _exit(3)
     print("COMPLETED (should not happen)", flush=True)
-    sys.exit(4)
+    _exit(4)
+
+
+def _exit(code: int) -> None:
+    # Leave without tearing the process group down: when the peer is gone or still mid-collective, gloo's C++
+    # destructors can abort the process at interpreter exit ("terminate called without an active exception").
+    sys.stdout.flush()
+    os._exit(code)
 
 
 def main() -> None:

@@ -46,6 +46,9 @@ class Fsdp1Gatherer(GathererBase):
 
     With ``use_orig_params=True`` the original ``nn.Parameter`` objects are the refs; with ``use_orig_params=False``
     they do not exist between forwards, and a slot ``(module, name)`` stands in until the unit is summoned.
+
+    Tensors are handed out as copies (FSDP1 frees unsharded storage in place on exit), so this gatherer does not
+    honour "yielded without a copy"; the copies are one tensor at a time, like merged outputs.
     """
 
     name = "fsdp1"
@@ -135,7 +138,10 @@ class Fsdp1Gatherer(GathererBase):
 
             def full_of(p: ParamRef) -> torch.Tensor:
                 t = getattr(p.module, p.name) if isinstance(p, _Slot) else p
-                whole: torch.Tensor = t.detach()
+                # A copy, unlike every other gatherer: on exit FSDP1 frees the unsharded storage in place
+                # (resize_ to 0) whatever still points at it, so a view handed to a consumer that keeps it would
+                # read freed memory (a segfault, seen with list(stream)).
+                whole: torch.Tensor = t.detach().clone()
                 return whole
 
             try:
