@@ -99,7 +99,7 @@ def test_tied_embeddings_send_lm_head_too(tied) -> None:  # type: ignore[no-unty
     from transformers import LlamaForCausalLM
 
     path, llm = tied
-    pm = lora(LlamaForCausalLM.from_pretrained(path), target_modules=["q_proj", "embed_tokens"], lora_alpha=32)
+    pm = lora(LlamaForCausalLM.from_pretrained(path), target_modules=["q_proj", "embed_tokens"], lora_alpha=4)
     stream = ParamStream(pm, group_by="layer")
     assert stream.tied_aliases() == {"lm_head.weight": "model.embed_tokens.weight"}
     record = VLLMColocatedSink(llm).sync(stream)

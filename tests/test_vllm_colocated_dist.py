@@ -16,6 +16,10 @@ from launch import TESTS, assert_all_ok, describe, launch
 def _stack() -> None:
     require("vllm")
     require("deepspeed")
+    # vLLM's CPU tensor-parallel engines share memory through fixed-name segments; a worker killed by an earlier
+    # test's hard timeout leaves them behind and the next engine fails to start ("create shm ... errno: 17").
+    for seg in Path("/dev/shm").glob("*-cpushm_*"):
+        seg.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")

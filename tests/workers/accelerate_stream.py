@@ -21,7 +21,7 @@ os.environ.setdefault("ACCELERATE_TORCH_DEVICE", "cpu")
 import deepspeed
 import torch
 import torch.distributed as dist
-from helpers import assert_matches, lora, oracle, tiny_llama
+from helpers import assert_matches, finish, lora, oracle, tiny_llama
 
 from lora_stream import (
     Fsdp1Gatherer,
@@ -106,3 +106,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()

@@ -2,7 +2,7 @@
 
 import torch
 import torch.distributed as dist
-from helpers import assert_matches, lora, oracle, tiny_llama
+from helpers import assert_matches, finish, lora, oracle, tiny_llama
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lora_stream import ParamStream, PlainGatherer
@@ -28,7 +28,7 @@ def main() -> None:
         dist.broadcast(ref, 0)
         assert torch.equal(ref, t)
     print(f"rank {rank}: {len(got)} tensors match", flush=True)
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

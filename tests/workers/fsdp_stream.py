@@ -15,13 +15,12 @@ Scenarios:
 from __future__ import annotations
 
 import copy
-import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-from helpers import assert_matches, lora, oracle, tiny_llama
+from helpers import assert_matches, finish, lora, oracle, tiny_llama
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -151,11 +150,11 @@ def run_failure(model: torch.nn.Module) -> None:
                 raise ValueError("consumer on rank 1 failed at the third group")
     except ValueError as exc:
         print(f"CONSUMER-RAISED {exc}", flush=True)
-        _exit(0)
+        finish(0)
     except StreamAbortedError as exc:
         print(f"ABORTED after {time.monotonic() - start:.2f}s failed_ranks={exc.failed_ranks}: {exc}", flush=True)
-        _exit(3)
-    _exit(4)
+        finish(3)
+    finish(4)
 
 
 def wrap_fsdp1(model: torch.nn.Module, use_orig_params: bool, forward: bool = True) -> torch.nn.Module:
@@ -248,13 +247,6 @@ def scenario_fsdp1_noforward() -> None:
     raise AssertionError("expected UnsupportedModelError")
 
 
-def _exit(code: int) -> None:
-    # Leave without tearing the process group down: when the peer is gone or still mid-collective, gloo's C++
-    # destructors can abort the process at interpreter exit ("terminate called without an active exception").
-    sys.stdout.flush()
-    os._exit(code)
-
-
 def main() -> None:
     dist.init_process_group("gloo")
     {
@@ -266,7 +258,7 @@ def main() -> None:
         "fsdp1-raise": scenario_fsdp1_raise,
         "fsdp1-noforward": scenario_fsdp1_noforward,
     }[sys.argv[1]]()
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

@@ -117,4 +117,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # A normal exit, unlike the other workers: vLLM's CPU tensor-parallel shared memory is unlinked at exit, and a
+    # segment left behind makes the next engine fail ("create shm in SHMManager failed. errno: 17").
     main()

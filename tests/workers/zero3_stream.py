@@ -20,7 +20,7 @@ import time
 import deepspeed
 import torch
 import torch.distributed as dist
-from helpers import assert_matches, lora, oracle, tiny_llama
+from helpers import assert_matches, finish, lora, oracle, tiny_llama
 
 from lora_stream import ParamStream, StreamAbortedError, ZeroThreeGatherer
 
@@ -215,22 +215,15 @@ def scenario_failure(kind: str) -> None:
                 raise ValueError("consumer on rank 1 failed at the third group")
     except ValueError as exc:
         print(f"CONSUMER-RAISED {exc} after {time.monotonic() - start:.2f}s", flush=True)
-        _exit(0)
+        finish(0)
     except StreamAbortedError as exc:
         print(
             f"ABORTED after {time.monotonic() - start:.2f}s failed_ranks={exc.failed_ranks}: {exc}",
             flush=True,
         )
-        _exit(3)
+        finish(3)
     print("COMPLETED (should not happen)", flush=True)
-    _exit(4)
-
-
-def _exit(code: int) -> None:
-    # Leave without tearing the process group down: when the peer is gone or still mid-collective, gloo's C++
-    # destructors can abort the process at interpreter exit ("terminate called without an active exception").
-    sys.stdout.flush()
-    os._exit(code)
+    finish(4)
 
 
 def main() -> None:
@@ -245,6 +238,7 @@ def main() -> None:
             "mixed": scenario_mixed,
             "drift": scenario_drift,
         }[scenario](*args)
+    finish()
 
 
 if __name__ == "__main__":
