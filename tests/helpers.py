@@ -207,3 +207,39 @@ def assert_vllm_serves(generated: list[tuple[list[int], list[float]]], hf_model:
 
 def merged_copy(peft_model: nn.Module) -> nn.Module:
     return copy.deepcopy(peft_model).float().merge_and_unload()
+
+
+def save_tokenizer(path: str, vocab: int = 1000) -> None:
+    """A word-level tokenizer over tokens t0..t{vocab-1}, so vLLM's server can run (prompts are token ids)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2").save_pretrained(path)
+
+
+def server_generate(base_url: str, api_key: str | None = None) -> list[tuple[list[int], list[float]]]:
+    """Greedy continuation of PROMPTS from a vLLM server's /v1/completions, with the chosen tokens' logprobs."""
+    import requests
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    out = []
+    for prompt in PROMPTS:
+        r = requests.post(
+            f"{base_url}/v1/completions",
+            headers=headers,
+            timeout=60,
+            json={
+                "model": requests.get(f"{base_url}/v1/models", headers=headers, timeout=10).json()["data"][0]["id"],
+                "prompt": prompt,
+                "max_tokens": 8,
+                "temperature": 0,
+                "logprobs": 1,
+                "return_tokens_as_token_ids": True,
+            },
+        )
+        r.raise_for_status()
+        lp = r.json()["choices"][0]["logprobs"]
+        out.append(([int(t.split(":")[1]) for t in lp["tokens"]], [float(x) for x in lp["token_logprobs"]]))
+    return out

@@ -19,16 +19,25 @@ from .gatherers import Fsdp1Gatherer, Fsdp2Gatherer, Gatherer, PlainGatherer, Ze
 from .grouping import DEFAULT_BUDGET_BYTES, GroupBy
 from .merge import DEFAULT_MERGE_BLOCK_BYTES
 from .names import Renames, register_wrapper
-from .sinks import CheckpointMismatchError, SyncRecord, VLLMColocatedSink, VLLMLoadError
+from .sinks import (
+    CheckpointMismatchError,
+    ServerError,
+    SyncRecord,
+    VLLMColocatedSink,
+    VLLMLoadError,
+    VLLMServerSink,
+)
 from .stream import ParamMeta, ParamStream, StreamStats, stream_merged_params
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointMismatchError",
+    "ServerError",
     "SyncRecord",
     "VLLMColocatedSink",
     "VLLMLoadError",
+    "VLLMServerSink",
     "DEFAULT_BUDGET_BYTES",
     "DEFAULT_MERGE_BLOCK_BYTES",
     "Fsdp1Gatherer",

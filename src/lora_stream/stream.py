@@ -208,6 +208,17 @@ class ParamStream:
         self._passes.add(gen)
         return gen  # type: ignore[return-value]
 
+    def agree(self, ok: bool, what: str) -> None:
+        """Every rank says whether it can go on; if any cannot, every other rank raises ``StreamAbortedError``.
+
+        A collective outside any pass, for sinks that must decide together (rank 0 found the server down, say)
+        before the ranks start gathering. The rank that passes ``ok=False`` does not raise here: it raises its own
+        error. A no-op when the gatherer does not communicate.
+        """
+        lock = self._lockstep()
+        if lock is not None:
+            lock.exchange(Status.OK if ok else Status.FAILED, what)
+
     # -- lifetime ---------------------------------------------------------------------------------------------------
     def close(self) -> None:
         """Stop every pass still open on this stream and release what it holds (peers are told, see point 7)."""

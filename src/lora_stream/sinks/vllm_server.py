@@ -1,0 +1,261 @@
+"""Push a stream into a running vLLM OpenAI server through vLLM's own weight-transfer protocol.
+
+The server must run with ``VLLM_SERVER_DEV_MODE=1`` and ``--weight-transfer-config '{"backend": "gloo"}'`` (CPU; the
+backend ships with lora_stream as a vLLM plugin) or ``'{"backend": "nccl"}'`` (GPUs). The sink builds vLLM's
+trainer-side engine for that backend through ``WeightTransferTrainerFactory`` with the :class:`~lora_stream.ParamStream`
+as its ``WeightSource``, and per sync runs vLLM's bracket: start, update (one metadata message, then the data plane),
+finish with a weight version.
+
+Every trainer rank calls :meth:`VLLMServerSink.sync` (the stream's gathers are collectives); rank 0 talks to the
+server and sends. Failures end the sync on every rank with an error, never a hang: each HTTP call and each
+broadcast has a timeout, the ranks agree on the outcome before and after the transfer, and a server-side error
+stops the sender between chunks.
+
+Security: vLLM's ``--api-key`` protects ``/v1/...`` only. The dev-mode routes (``/init_weight_transfer_engine``,
+``/update_weights``, ``/collective_rpc``, ...) answer anyone who reaches the port, and the gloo data plane listens on
+the trainer's address. Keep both on a private network or loopback; see ``docs/vllm_server.md``.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import time
+from typing import Any
+
+from ..errors import LoraStreamError
+from ..stream import ParamStream
+from .preflight import checkpoint_metadata, compare_with_checkpoint, tied_output_names
+from .record import SyncRecord
+
+__all__ = ["ServerError", "VLLMServerClient", "VLLMServerSink"]
+
+
+class ServerError(LoraStreamError):
+    """The vLLM server is unreachable, refused the request (status and body included), or needs an API key."""
+
+
+class VLLMServerClient:
+    """vLLM's weight-sync routes over HTTP, with the API key and timeouts (vLLM's ``VLLMWeightSyncClient`` protocol).
+
+    vLLM's own ``HTTPVLLMWeightSyncClient`` sends no credentials; this one sends ``Authorization: Bearer <key>`` on
+    every request and turns transport failures into :class:`ServerError`.
+    """
+
+    def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 120.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def _request(self, method: str, path: str, json: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
+        import requests
+
+        url = f"{self.base_url}/{path}"
+        try:
+            response = requests.request(method, url, json=json, headers=self.headers, timeout=timeout or self.timeout)
+        except requests.RequestException as exc:
+            raise ServerError(f"vLLM server at {self.base_url} unreachable on {method} /{path}: {exc}") from exc
+        if response.status_code == 401:
+            raise ServerError(f"vLLM server at {self.base_url} requires an API key (401 on /{path}); pass api_key=")
+        if response.status_code >= 400:
+            raise ServerError(f"vLLM server answered {response.status_code} on {method} /{path}: {response.text[:500]}")
+        return response.json() if response.content else None
+
+    # -- vLLM's VLLMWeightSyncClient protocol --------------------------------------------------------------------------
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._request("POST", "init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self._request("POST", "start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._request("POST", "update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._request(
+            "POST", "finish_weight_update", {"weight_version": weight_version} if weight_version is not None else None
+        )
+
+    # -- the rest of what the sink needs ---------------------------------------------------------------------------
+    def check_access(self) -> dict[str, Any]:
+        """``GET /v1/models``: reachability and, if the server has ``--api-key``, that ours is accepted."""
+        out: dict[str, Any] = self._request("GET", "v1/models")
+        return out
+
+    def world_size(self) -> int:
+        return int(self._request("GET", "get_world_size")["world_size"])
+
+    def weight_version(self) -> str | None:
+        version = self._request("GET", "weight_info")["weight_version"]
+        return None if version is None else str(version)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._request("POST", "shutdown_weight_transfer_engine")
+
+
+def _free_port(address: str) -> int:
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return int(s.getsockname()[1])
+
+
+class VLLMServerSink:
+    """Streams :class:`~lora_stream.ParamStream` passes into a vLLM server's weights.
+
+    >>> sink = VLLMServerSink("http://127.0.0.1:8000", rank=dist.get_rank())     # doctest: +SKIP
+    >>> sink.sync(ParamStream(model, group_by="layer"), version="step-42")     # every trainer rank
+
+    Args:
+        base_url: the server's address.
+        rank: this trainer rank (rank 0 sends). Defaults to ``torch.distributed``'s rank, or 0.
+        api_key: sent as a bearer token (the server's ``--api-key``).
+        backend: ``"gloo"`` (CPU, shipped by lora_stream) or ``"nccl"`` (vLLM's, GPUs).
+        master_address: the address the data plane's store listens on (rank 0's host, reachable by the server).
+        buffer_bytes: packing buffer size; chunks follow the stream's groups and a larger tensor travels alone.
+        timeout: seconds for every HTTP call, the group rendezvous and each chunk's broadcast.
+        checkpoint: where to read the served model's safetensors headers for the pre-flight check; defaults to
+            the path the server reports in ``/v1/models`` (when it exists on this machine). ``False`` skips it.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        rank: int | None = None,
+        api_key: str | None = None,
+        backend: str = "gloo",
+        master_address: str = "127.0.0.1",
+        buffer_bytes: int = 256 * 1024 * 1024,
+        timeout: float = 120.0,
+        checkpoint: str | bool | None = None,
+    ) -> None:
+        if rank is None:
+            import torch.distributed as dist
+
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.rank = rank
+        self.client = VLLMServerClient(base_url, api_key=api_key, timeout=timeout)
+        self.backend = backend
+        self.master_address = master_address
+        self.buffer_bytes = buffer_bytes
+        self.timeout = timeout
+        self.checkpoint = checkpoint
+        self._engine: Any = None
+        self._ckpt: dict[str, Any] | None = None
+
+    @property
+    def is_sender(self) -> bool:
+        return self.rank == 0
+
+    def _prepare(self, stream: ParamStream) -> None:
+        """Sender only: reachability, credentials, pre-flight. Raises before anything is sent."""
+        models = self.client.check_access()
+        if self.checkpoint is False:
+            return
+        path = self.checkpoint
+        if path is None or path is True:
+            data = models.get("data") or [{}]
+            path = data[0].get("root")
+        try:
+            ckpt = self._ckpt or checkpoint_metadata(str(path))
+        except (FileNotFoundError, OSError) as exc:
+            raise ServerError(
+                f"cannot read the served checkpoint {path!r} for the pre-flight check ({exc}); pass checkpoint= "
+                "(a copy of the model directory), or checkpoint=False to skip the check"
+            ) from exc
+        self._ckpt = ckpt
+        tied = tied_output_names(str(path))
+        compare_with_checkpoint(stream.metadata(), ckpt, may_be_missing=tied)
+
+    def _init_engine(self, stream: ParamStream) -> Any:
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        from ..vllm_plugin import register
+
+        register()
+        if self.backend == "gloo":
+            from ..transfer.gloo_trainer import GlooTrainerInitInfo
+
+            port = _free_port(self.master_address) if self.is_sender else 0
+            world = 1 + self.client.world_size() if self.is_sender else 0
+            info: Any = GlooTrainerInitInfo(
+                master_address=self.master_address,
+                master_port=port,
+                world_size=world,
+                buffer_bytes=self.buffer_bytes,
+                timeout_s=self.timeout,
+                rank=self.rank,
+            )
+        elif self.backend == "nccl":
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+            port = _free_port(self.master_address) if self.is_sender else 0
+            world = 1 + self.client.world_size() if self.is_sender else 0
+            info = NCCLTrainerInitInfo(
+                master_address=self.master_address,
+                master_port=port,
+                world_size=world,
+                packed_buffer_size_bytes=self.buffer_bytes,
+                rank=self.rank,
+            )
+        else:
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
+        return WeightTransferTrainerFactory.trainer_init(
+            info,
+            client=self.client,  # type: ignore[arg-type]
+            source=stream,  # type: ignore[arg-type]  # ParamStream is a WeightSource structurally
+        )
+
+    def sync(self, stream: ParamStream, version: str | None = None) -> SyncRecord:
+        """Send one full pass of ``stream``; on success the server serves it and reports ``version``."""
+        start = time.perf_counter()
+        error: BaseException | None = None
+        if self.is_sender:
+            try:
+                self._prepare(stream)
+                if self._engine is None:
+                    self._engine = self._init_engine(stream)
+            except BaseException as exc:
+                error = exc
+        # Everyone learns whether rank 0 can go on before any rank starts gathering.
+        stream.agree(error is None, "before the transfer (server checks on rank 0)")
+        if error is not None:
+            raise error
+        if self._engine is None:
+            self._engine = self._init_engine(stream)
+        self._engine.source = stream
+        self._engine.weight_version = version
+        try:
+            self._engine.send_weights()
+        except BaseException as exc:
+            # The data plane may be half-used: start over with a new group next time.
+            self.close()
+            error = exc
+        stream.agree(error is None, "after the transfer")
+        if error is not None:
+            raise error
+        if version is not None and self.is_sender and self.backend != "gloo":
+            # vLLM's nccl trainer engine finishes without a version; set it in a second call.
+            self.client._request("POST", "update_weight_version", {"new_version": version})
+        sizes = [math.prod(m.shape) * m.dtype.itemsize for m in stream.metadata()]
+        group_bytes, i = [], 0
+        for names in stream.groups():
+            group_bytes.append(sum(sizes[i : i + len(names)]))
+            i += len(names)
+        record = SyncRecord(
+            sink=f"vllm-server/{self.backend}",
+            tensors=stream.last_stats.tensors,
+            bytes=stream.last_stats.bytes,
+            groups=stream.last_stats.groups,
+            seconds=time.perf_counter() - start,
+            peak_group_bytes=max(group_bytes, default=0),
+            peak_gathered_bytes=stream.last_stats.peak_gathered_bytes,
+            version=version,
+        )
+        record.log()
+        return record
+
+    def close(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.shutdown()

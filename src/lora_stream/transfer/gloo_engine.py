@@ -1,0 +1,166 @@
+"""The worker side of lora_stream's ``gloo`` weight-transfer backend, loaded into vLLM through its plugin system.
+
+vLLM ships an ``nccl`` backend for its weight-update protocol; on machines without GPUs there is none. This engine
+speaks the same protocol (init once; per sync: start, update, finish, with the layerwise reload bracket in start and
+finish) over a ``ProcessGroupGloo`` between the trainer (rank 0) and every vLLM worker (ranks 1..N), built on a
+``TCPStore`` the trainer hosts. Registered under the name ``gloo`` by :func:`lora_stream.vllm_plugin.register`.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from vllm.distributed.weight_transfer.base import (  # type: ignore[import-not-found,unused-ignore]
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from .packing import plan_chunks, unpack
+
+__all__ = ["GlooInitInfo", "GlooUpdateInfo", "GlooWeightTransferEngine", "TransferGroup"]
+
+STORE_PREFIX = "lora_stream_weight_transfer"
+
+
+@dataclass
+class GlooInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
+    """What every worker needs to join the trainer's group (sent once, by ``/init_weight_transfer_engine``)."""
+
+    master_address: str
+    master_port: int
+    world_size: int
+    rank_offset: int = 1
+    buffer_bytes: int = 256 * 1024 * 1024
+    timeout_s: float = 120.0
+
+
+@dataclass
+class GlooUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
+    """One sync's metadata, sent once by ``/update_weights`` before any byte: names, dtypes, shapes, groups."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    group_sizes: list[int]
+    chunk_sizes: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        if len(self.dtype_names) != n or len(self.shapes) != n or sum(self.group_sizes) != n:
+            raise ValueError("names, dtype_names, shapes and group_sizes describe different numbers of tensors")
+
+
+class TransferGroup:
+    """A gloo process group of its own between the trainer (rank 0) and the vLLM workers, with its store.
+
+    Not torch.distributed's default group: the trainer has its own, and vLLM's workers theirs.
+    """
+
+    def __init__(self, address: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        # The store must outlive the group; rank 0 (the trainer) hosts it.
+        self.store = dist.TCPStore(  # type: ignore[attr-defined]
+            address, port, world_size, is_master=rank == 0, timeout=timeout, use_libuv=False
+        )
+        prefixed = dist.PrefixStore(STORE_PREFIX, self.store)  # type: ignore[attr-defined]
+        self.pg: Any = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+
+    def broadcast(self, tensor: torch.Tensor) -> Any:
+        """Start broadcasting ``tensor`` from rank 0; returns the work to wait on."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        opts.rootTensor = 0
+        return self.pg.broadcast([tensor], opts)
+
+    def close(self) -> None:
+        try:
+            self.pg.abort()
+        except Exception:
+            pass
+
+
+class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):  # type: ignore[misc]
+    """Receives packed chunks over gloo and loads them with the model's ``load_weights`` inside the reload bracket.
+
+    Contract with the trainer (:class:`lora_stream.transfer.gloo_trainer.GlooTrainerWeightTransferEngine`):
+    the trainer broadcasts, in order, one uint8 buffer per chunk of the plan both sides compute from the update
+    info (:func:`lora_stream.transfer.packing.plan_chunks`). A receiver whose plan differs from the chunk sizes the
+    trainer sent raises before receiving anything. If the transfer fails half-way (the trainer died), the reload
+    bracket is closed before the error propagates, so the engine keeps serving; the layers that had all their
+    weights hold the new ones, the others the old ones, and the weight version is not advanced.
+    """
+
+    init_info_cls = GlooInitInfo
+    update_info_cls = GlooUpdateInfo
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.model: Any = model
+        self.group: Any = None
+        self.buffer_bytes = GlooInitInfo.buffer_bytes
+        self._bracket_open = False
+
+    def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        self.shutdown()  # a new trainer (after a failed one) starts a new group
+        pc = self.parallel_config
+        rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
+        self.buffer_bytes = init_info.buffer_bytes
+        self.group = TransferGroup(
+            init_info.master_address, init_info.master_port, rank, init_info.world_size, init_info.timeout_s
+        )
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+        self._bracket_open = True
+
+    def finish_weight_update(self) -> None:
+        self._close_bracket()
+
+    def _close_bracket(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        if self._bracket_open:
+            self._bracket_open = False
+            finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call]
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class calls torch.accelerator.synchronize() afterwards, which has no meaning on CPU.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+        if self.group is None:
+            raise RuntimeError("gloo weight transfer is not initialized: call /init_weight_transfer_engine first")
+        dtypes = [getattr(torch, d) for d in update_info.dtype_names]
+        plan = plan_chunks(update_info.shapes, dtypes, update_info.group_sizes, self.buffer_bytes)
+        if update_info.chunk_sizes and [len(c) for c in plan.chunks] != update_info.chunk_sizes:
+            raise ValueError(
+                f"chunk plan mismatch: trainer sent {update_info.chunk_sizes}, worker computed "
+                f"{[len(c) for c in plan.chunks]} (different lora_stream versions on the two sides?)"
+            )
+        try:
+            for c, chunk in enumerate(plan.chunks):
+                # A fresh buffer per chunk: the reload bracket may keep views until the layer is complete.
+                buffer = torch.empty(plan.chunk_bytes(c), dtype=torch.uint8)
+                self.group.broadcast(buffer).wait()
+                views = unpack(buffer, plan, c, update_info.shapes, dtypes)
+                self.model.load_weights(list(zip([update_info.names[i] for i in chunk], views)))
+        except BaseException:
+            # Never leave layers on the meta device: the next forward would kill the engine.
+            self._close_bracket()
+            self.shutdown()
+            raise
+
+    def shutdown(self) -> None:
+        group, self.group = self.group, None
+        if group is not None:
+            try:
+                group.abort()
+            except Exception:
+                pass

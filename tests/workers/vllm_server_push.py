@@ -1,0 +1,113 @@
+"""Rank worker: a 2-rank ZeRO-3 trainer pushes its merged LoRA weights into a vLLM server over the gloo backend.
+
+Usage: vllm_server_push.py SCENARIO BASE_URL CHECKPOINT [API_KEY]
+  push          sync v1, check the served output equals the merged reference; a step; sync v2, check again.
+  server-down   the server is not there: every rank raises at once.
+  unknown-name  a renamed parameter: rank 0 raises CheckpointMismatchError, rank 1 StreamAbortedError; nothing sent.
+  die-mid       rank 0 dies in the middle of the transfer (the test then checks the server).
+  hold-mid      pause in the middle of the transfer (the test stops the server meanwhile): every rank raises.
+  no-key        the server has --api-key and the sink has none: every rank raises.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import time
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from helpers import assert_vllm_serves, finish, lora, server_generate
+
+from lora_stream import LoraStreamError, ParamStream, StreamAbortedError, VLLMServerSink
+
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+DS = {
+    "train_micro_batch_size_per_gpu": 1,
+    "zero_allow_untested_optimizer": True,
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+}
+
+
+def reference(engine, template: torch.nn.Module) -> torch.nn.Module:  # type: ignore[no-untyped-def]
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+        src = dict(engine.module.named_parameters())
+        with torch.no_grad():
+            for n, p in template.named_parameters():
+                p.copy_(src[n].data)
+    return copy.deepcopy(template).float().merge_and_unload()
+
+
+class Interrupted(ParamStream):
+    """Calls ``action`` on one rank when the third group is produced (the middle of the transfer)."""
+
+    action = None
+    on_rank = 0
+
+    def iter_groups(self):  # type: ignore[no-untyped-def,override]
+        for i, batch in enumerate(super().iter_groups()):
+            if i == 2 and dist.get_rank() == self.on_rank and self.action is not None:
+                self.action()
+            yield batch
+
+
+def main() -> None:
+    from transformers import LlamaForCausalLM
+
+    scenario, url, ckpt = sys.argv[1], sys.argv[2], sys.argv[3]
+    api_key = sys.argv[4] if len(sys.argv) > 4 else None
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    pm = lora(LlamaForCausalLM.from_pretrained(ckpt), target_modules="all-linear", lora_alpha=16)
+    template = copy.deepcopy(pm)
+    opt = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=0.5)
+    engine, *_ = deepspeed.initialize(model=pm, optimizer=opt, config=DS)
+    sink = VLLMServerSink(url, rank=rank, api_key=api_key, timeout=30)
+    start = time.monotonic()
+    if scenario == "push":
+        record = sink.sync(ParamStream(engine, group_by="layer"), version="v1")
+        expected = reference(engine, template)  # a gather: every rank takes part
+        first = server_generate(url, api_key) if rank == 0 else None
+        if rank == 0:
+            assert_vllm_serves(first, expected)
+        ids = torch.tensor([[1, 17, 42, 99, 5, 7, 300]])
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        sink.sync(ParamStream(engine, group_by="layer"), version="v2")
+        expected = reference(engine, template)
+        if rank == 0:
+            second = server_generate(url, api_key)
+            assert second != first, "the step should change what the server serves"
+            assert_vllm_serves(second, expected)
+        print(
+            f"rank {rank}: PUSH-OK {record.tensors} tensors {record.bytes} bytes in {record.seconds:.3f} s "
+            f"({record.gbps:.3f} GB/s)",
+            flush=True,
+        )
+        finish()
+    streams = {"unknown-name": lambda: ParamStream(engine, renames={"model.norm": "model.final_norm"})}
+    stream = streams.get(scenario, lambda: Interrupted(engine, group_by="layer"))()
+    if scenario == "die-mid":
+        Interrupted.action = staticmethod(lambda: os._exit(9))
+    if scenario == "hold-mid":
+
+        def hold() -> None:
+            with open(os.environ["LORA_STREAM_TEST_MARKER"], "w") as f:
+                f.write("holding")
+            time.sleep(8)
+
+        Interrupted.action = staticmethod(hold)
+        Interrupted.on_rank = 1
+    try:
+        sink.sync(stream, version="never")
+    except (LoraStreamError, StreamAbortedError) as exc:
+        print(f"RAISED {type(exc).__name__} after {time.monotonic() - start:.2f}s: {exc}", flush=True)
+        finish(0)
+    print("NO-ERROR", flush=True)
+    finish(5)
+
+
+if __name__ == "__main__":
+    main()
