@@ -12,6 +12,7 @@ from .errors import (
     NameCollisionError,
     RenameError,
     StreamAbortedError,
+    TransferError,
     UnsupportedAdapterError,
     UnsupportedModelError,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "Renames",
     "StreamAbortedError",
     "StreamStats",
+    "TransferError",
     "UnsupportedAdapterError",
     "UnsupportedModelError",
     "ZeroThreeGatherer",

@@ -13,6 +13,7 @@ __all__ = [
     "NameCollisionError",
     "RenameError",
     "StreamAbortedError",
+    "TransferError",
 ]
 
 
@@ -49,3 +50,7 @@ class StreamAbortedError(LoraStreamError):
     def __init__(self, message: str, *, failed_ranks: tuple[int, ...] = ()) -> None:
         super().__init__(message)
         self.failed_ranks = failed_ranks
+
+
+class TransferError(LoraStreamError):
+    """The server side of a weight transfer failed or went away mid-transfer; the sync did not complete."""

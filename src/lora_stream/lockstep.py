@@ -68,8 +68,8 @@ class Lockstep:
         buf = torch.zeros(2 * self.world, dtype=torch.int64, device=self.device)
         buf[self.rank] = int(status)
         buf[self.world + self.rank] = self.digest
-        work = dist.all_reduce(buf, group=self.group, async_op=True)  # type: ignore[arg-type]
         try:
+            work = dist.all_reduce(buf, group=self.group, async_op=True)  # type: ignore[arg-type]
             ok = work.wait(timeout=self.timeout)
         except Exception as exc:  # the transport failed: a peer died or the wait timed out
             self.closed = True

@@ -20,15 +20,11 @@ from vllm.distributed.weight_transfer.base import (  # type: ignore[import-not-f
     TrainerWeightTransferEngine,
 )
 
-from ..errors import LoraStreamError
+from ..errors import TransferError
 from .gloo_engine import TransferGroup
 from .packing import plan_chunks
 
 __all__ = ["GlooTrainerInitInfo", "GlooTrainerWeightTransferEngine", "TransferError"]
-
-
-class TransferError(LoraStreamError):
-    """The server side of a weight transfer failed or went away; the sync did not complete."""
 
 
 @dataclass(kw_only=True)
@@ -41,16 +37,22 @@ class GlooTrainerInitInfo(TrainerInitInfo):  # type: ignore[misc]
     timeout_s: float = 120.0
 
 
-def _poll(work: Any, pending: concurrent.futures.Future[Any] | None, timeout_s: float) -> None:
-    """Wait for a broadcast, failing fast if the server's HTTP call already failed."""
+def _send(
+    group: TransferGroup, payload: torch.Tensor, pending: concurrent.futures.Future[Any], timeout_s: float
+) -> None:
+    """Broadcast one chunk, failing fast if the server's HTTP call already failed or the data plane broke."""
     deadline = time.monotonic() + timeout_s
-    while not work.is_completed():
-        if pending is not None and pending.done() and pending.exception() is not None:
-            raise TransferError(f"the server failed the update while receiving: {pending.exception()}")
-        if time.monotonic() > deadline:
-            raise TransferError(f"a chunk broadcast did not complete within {timeout_s} s")
-        time.sleep(0.0005)
-    work.wait()
+    try:
+        work = group.broadcast(payload)
+        while not work.is_completed():
+            if pending.done() and pending.exception() is not None:
+                raise TransferError(f"the server failed the update while receiving: {pending.exception()}")
+            if time.monotonic() > deadline:
+                raise TransferError(f"a chunk broadcast did not complete within {timeout_s} s")
+            time.sleep(0.0005)
+        work.wait()
+    except RuntimeError as exc:  # gloo: the server's worker went away ("Connection closed by peer")
+        raise TransferError(f"the data plane to the vLLM server broke mid-transfer: {exc}") from exc
 
 
 class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):  # type: ignore[misc]
@@ -138,7 +140,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                         buffer[off : off + n].copy_(tensor.contiguous().view(-1).view(torch.uint8))
                         payload = buffer[: plan.chunk_bytes(c)] if index == members[-1] else None
                     if payload is not None:
-                        _poll(self.group.broadcast(payload), pending, timeout)
+                        _send(self.group, payload, pending, timeout)
                     index += 1
             if index != len(meta):
                 raise TransferError(f"stream yielded {index} tensors where metadata() promised {len(meta)}")
