@@ -67,6 +67,52 @@ def run_variant(variant: str, extra: list[str], common: list[str], tmp: str, tim
     return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
 
 
+def unsharded_drift(args: argparse.Namespace, cycles: int) -> dict[str, dict[str, float]]:
+    """Drift of the training weights on an unsharded bf16 model, where the baseline's in-place merge is real.
+
+    Under ZeRO-3, TRL's merge_adapter() writes into the gathered copy that GatheredParameters(modifier_rank=None)
+    discards, so the partitions do not drift (the table shows 0 for both). Without ZeRO-3 -- DDP, a single GPU --
+    the same code merges into the live weights and unmerges again, in bf16, every sync. Same model shape, fewer
+    layers (drift is per element), in this process.
+    """
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lora_stream import ParamStream
+
+    cfg = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=2,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=args.hidden // 64,
+    )
+    out = {}
+    for variant in ("whole_gather", "lora_stream"):
+        torch.manual_seed(0)
+        model = get_peft_model(
+            LlamaForCausalLM(cfg).to(torch.bfloat16),
+            LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", init_lora_weights=False),
+        )
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        for _ in range(cycles):
+            if variant == "whole_gather":
+                model.merge_adapter()
+                for _n, _p in model.named_parameters():
+                    pass
+                model.unmerge_adapter()
+            else:
+                for _n, _t in ParamStream(model):
+                    pass
+        now = {n: p.detach() for n, p in model.named_parameters()}
+        changed = sum(int((p != before[n]).sum()) for n, p in now.items())
+        worst = max(float((p.float() - before[n].float()).abs().max()) for n, p in now.items())
+        out[variant] = {"changed_elements": changed, "max_abs": worst}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=16)
@@ -126,8 +172,14 @@ def main() -> None:
         f"{args.syncs} syncs per variant, 2 ranks\n"
     )
     print("\n".join(lines))
+    drift = unsharded_drift(args, cycles=args.syncs)
+    print(
+        f"\ndrift of the training weights after {args.syncs} syncs of an unsharded bf16 model (2 layers, same shapes):"
+    )
+    for variant, d in drift.items():
+        print(f"  {variant:<14} {d['changed_elements']:>10} elements changed, max |change| {d['max_abs']:.3g}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows, "unsharded_drift": drift}, indent=1))
     print(f"\nwrote {args.out}")
 
 

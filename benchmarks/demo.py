@@ -29,8 +29,15 @@ def build_model(seed: int = 0):  # type: ignore[no-untyped-def]
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=2000, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    cfg = LlamaConfig(
+        vocab_size=2000,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():
         for p in model.parameters():
@@ -54,14 +61,28 @@ def rank_main(path: str) -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
-    llm = LLM(model=path, dtype="float32", max_model_len=128, enforce_eager=True, seed=0, skip_tokenizer_init=True,
-              tensor_parallel_size=2, distributed_executor_backend="external_launcher", gpu_memory_utilization=0.5)
+    llm = LLM(
+        model=path,
+        dtype="float32",
+        max_model_len=128,
+        enforce_eager=True,
+        seed=0,
+        skip_tokenizer_init=True,
+        tensor_parallel_size=2,
+        distributed_executor_backend="external_launcher",
+        gpu_memory_utilization=0.5,
+    )
     torch.manual_seed(0)
-    model = get_peft_model(LlamaForCausalLM.from_pretrained(path),
-                           LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False))
+    model = get_peft_model(
+        LlamaForCausalLM.from_pretrained(path),
+        LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False),
+    )
     template = copy.deepcopy(model)
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     ids = torch.randint(0, 2000, (1, 16), generator=torch.Generator().manual_seed(rank))
@@ -79,8 +100,11 @@ def rank_main(path: str) -> None:
                 p.copy_(src[n].data)
     reference = template.float().merge_and_unload().eval()
     prompts = [[1, 17, 42, 99, 5], [7, 300, 2, 11, 64, 8, 900]]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=12, logprobs=1), use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=12, logprobs=1),
+        use_tqdm=False,
+    )
     worst, tokens_match = 0.0, True
     for p, o in zip(prompts, outs):
         c = o.outputs[0]
@@ -97,8 +121,11 @@ def rank_main(path: str) -> None:
             ("groups / tensors", f"{record.groups} / {record.tensors}"),
             ("bytes streamed", f"{record.bytes / 2**20:.2f} MiB"),
             ("sync time", f"{record.seconds:.3f} s"),
-            ("peak gathered per rank", f"{record.peak_gathered_bytes / 2**20:.2f} MiB of {model_bytes / 2**20:.2f} "
-             f"MiB model ({record.peak_gathered_bytes / model_bytes:.0%})"),
+            (
+                "peak gathered per rank",
+                f"{record.peak_gathered_bytes / 2**20:.2f} MiB of {model_bytes / 2**20:.2f} "
+                f"MiB model ({record.peak_gathered_bytes / model_bytes:.0%})",
+            ),
             ("vLLM greedy tokens == merged reference", str(tokens_match)),
             ("max |logprob diff| vs merged reference", f"{worst:.2e} (tolerance 2e-3)"),
         ]
@@ -120,11 +147,26 @@ def main() -> None:
             port = s.getsockname()[1]
         procs = []
         for rank in range(2):
-            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
-                   "RANK": str(rank), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "ERROR",
-                   "TRANSFORMERS_VERBOSITY": "error"}
-            procs.append(subprocess.Popen([sys.executable, __file__, "--rank", path], env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            env = {
+                **os.environ,
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "WORLD_SIZE": "2",
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "OMP_NUM_THREADS": "1",
+                "VLLM_LOGGING_LEVEL": "ERROR",
+                "TRANSFORMERS_VERBOSITY": "error",
+            }
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, __file__, "--rank", path],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
         outputs = [p.communicate(timeout=600)[0] for p in procs]
     codes = [p.returncode for p in procs]
     table = outputs[0][outputs[0].find("\nlora_stream demo") :] if "lora_stream demo" in outputs[0] else ""
