@@ -243,3 +243,19 @@ def server_generate(base_url: str, api_key: str | None = None) -> list[tuple[lis
         lp = r.json()["choices"][0]["logprobs"]
         out.append(([int(t.split(":")[1]) for t in lp["tokens"]], [float(x) for x in lp["token_logprobs"]]))
     return out
+
+
+def zero3_whole_into(engine: Any, template: nn.Module) -> nn.Module:
+    """Copy a DeepSpeed ZeRO-3 engine's current whole weights into ``template``, an unsharded copy of its module.
+
+    A gather of every parameter: every rank must call it together.
+    """
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+        src = dict(engine.module.named_parameters())
+        with torch.no_grad():
+            for n, p in template.named_parameters():
+                assert src[n].shape == p.shape, (n, src[n].shape, p.shape)
+                p.copy_(src[n].data.to(p.dtype))
+    return template

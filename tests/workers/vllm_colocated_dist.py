@@ -20,7 +20,7 @@ for _k, _v in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": 
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from helpers import assert_vllm_serves, lora, oracle, vllm_generate  # noqa: E402
+from helpers import assert_vllm_serves, lora, oracle, vllm_generate, zero3_whole_into  # noqa: E402
 
 from lora_stream import ParamStream, StreamAbortedError, VLLMColocatedSink  # noqa: E402
 
@@ -34,14 +34,8 @@ DS_CONFIG = {
 
 def reference(engine, template: torch.nn.Module) -> torch.nn.Module:  # type: ignore[no-untyped-def]
     """An unsharded transformers model holding merge_and_unload() of the engine's current weights."""
-    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
-        src = dict(engine.module.named_parameters())
-        with torch.no_grad():
-            for n, p in template.named_parameters():
-                p.copy_(src[n].data)
-    merged = copy.deepcopy(template).float().merge_and_unload()
-    expected = oracle(template)
-    assert list(dict(merged.named_parameters())) == list(expected)
+    merged = copy.deepcopy(zero3_whole_into(engine, template)).float().merge_and_unload()
+    assert list(dict(merged.named_parameters())) == list(oracle(template))
     return merged
 
 

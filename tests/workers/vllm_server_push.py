@@ -19,7 +19,7 @@ import time
 import deepspeed
 import torch
 import torch.distributed as dist
-from helpers import assert_vllm_serves, finish, lora, server_generate
+from helpers import assert_vllm_serves, finish, lora, server_generate, zero3_whole_into
 
 from lora_stream import LoraStreamError, ParamStream, StreamAbortedError, VLLMServerSink
 
@@ -32,12 +32,7 @@ DS = {
 
 
 def reference(engine, template: torch.nn.Module) -> torch.nn.Module:  # type: ignore[no-untyped-def]
-    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
-        src = dict(engine.module.named_parameters())
-        with torch.no_grad():
-            for n, p in template.named_parameters():
-                p.copy_(src[n].data)
-    return copy.deepcopy(template).float().merge_and_unload()
+    return copy.deepcopy(zero3_whole_into(engine, template)).float().merge_and_unload()
 
 
 class Interrupted(ParamStream):

@@ -20,7 +20,7 @@ import time
 import deepspeed
 import torch
 import torch.distributed as dist
-from helpers import assert_matches, finish, lora, oracle, tiny_llama
+from helpers import assert_matches, finish, lora, oracle, tiny_llama, zero3_whole_into
 
 from lora_stream import ParamStream, StreamAbortedError, ZeroThreeGatherer
 
@@ -49,13 +49,7 @@ def train_step(engine, vocab: int = 128) -> None:  # type: ignore[no-untyped-def
 
 def unsharded(engine, template: torch.nn.Module) -> torch.nn.Module:  # type: ignore[no-untyped-def]
     """The oracle's input: ``template`` (an unsharded copy) holding the engine's current full weights."""
-    params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-        src = dict(engine.module.named_parameters())
-        for n, p in template.named_parameters():
-            assert src[n].shape == p.shape, (n, src[n].shape, p.shape, getattr(src[n], "ds_status", None))
-            p.data.copy_(src[n].data.to(p.dtype))
-    return template
+    return zero3_whole_into(engine, template)
 
 
 class CollectiveCounter:

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..merge import FullTensor
 
-__all__ = ["Gatherer", "GathererBase", "ParamRef", "detached", "nbytes"]
+__all__ = ["Gatherer", "GathererBase", "ParamRef", "ShardedGathererBase", "detached", "nbytes"]
 
 #: What identifies one parameter to a gatherer: the ``nn.Parameter`` itself for every built-in gatherer except FSDP1
 #: with ``use_orig_params=False``, whose original parameters do not exist between forwards (a slot object stands in).
@@ -142,3 +142,22 @@ class GathererBase:
 
     def held_bytes(self) -> int:
         return 0
+
+
+class ShardedGathererBase(GathererBase):
+    """Defaults for gatherers whose ``gather`` is a collective over ``self._group``, counting what they hold."""
+
+    _group: object | None = None
+    _held: int = 0
+
+    @property
+    def collective(self) -> bool:
+        return True
+
+    @property
+    def process_group(self) -> object | None:
+        return self._group
+
+    def held_bytes(self) -> int:
+        """Whole bytes this gatherer currently holds because of the stream."""
+        return self._held

@@ -12,7 +12,7 @@ from torch import nn
 
 from ..errors import UnsupportedModelError
 from ..merge import FullTensor
-from .base import GathererBase, ParamRef, nbytes
+from .base import ParamRef, ShardedGathererBase, nbytes
 
 __all__ = ["Fsdp1Gatherer", "is_fsdp1_model"]
 
@@ -36,7 +36,7 @@ class _Slot:
     name: str
 
 
-class Fsdp1Gatherer(GathererBase):
+class Fsdp1Gatherer(ShardedGathererBase):
     """``FSDP.summon_full_params(unit, recurse=False, writeback=False)`` on the units that own one group.
 
     FSDP1 keeps each unit's parameters in one ``FlatParameter``, so the unit is the smallest thing it can unshard:
@@ -59,6 +59,7 @@ class Fsdp1Gatherer(GathererBase):
         if not self._units:
             raise ValueError("Fsdp1Gatherer needs a model wrapped in torch.distributed.fsdp.FullyShardedDataParallel")
         self._root = self._units[0]
+        self._group = self._root.process_group
         self._refs: dict[tuple[int, str], ParamRef] = {}
         self._by_module: dict[int, list[tuple[str, ParamRef]]] = {}
         self._unit_of: dict[int, int] = {}
@@ -148,16 +149,3 @@ class Fsdp1Gatherer(GathererBase):
                 yield full_of
             finally:
                 self._held = 0
-
-    @property
-    def collective(self) -> bool:
-        return True
-
-    @property
-    def process_group(self) -> object | None:
-        group: object | None = self._root.process_group
-        return group
-
-    def held_bytes(self) -> int:
-        """Whole bytes of the FSDP units this gatherer currently holds unsharded."""
-        return self._held

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..merge import FullTensor
-from .base import GathererBase
+from .base import ShardedGathererBase
 
 __all__ = ["Fsdp2Gatherer", "is_dtensor"]
 
@@ -37,7 +37,7 @@ def _whole(p: Any) -> torch.Tensor:
     return full
 
 
-class Fsdp2Gatherer(GathererBase):
+class Fsdp2Gatherer(ShardedGathererBase):
     """``DTensor.full_tensor()`` on each parameter of one group, never the whole model.
 
     ``fully_shard``'s own ``unshard()`` works on a whole FSDP unit (usually a decoder layer) and changes the module's
@@ -74,15 +74,3 @@ class Fsdp2Gatherer(GathererBase):
         finally:
             whole.clear()
             self._held = 0
-
-    @property
-    def collective(self) -> bool:
-        return True
-
-    @property
-    def process_group(self) -> object | None:
-        return self._group
-
-    def held_bytes(self) -> int:
-        """Bytes of whole tensors this gatherer currently holds (they are its own all-gather outputs)."""
-        return self._held

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..merge import FullTensor
-from .base import GathererBase, detached
+from .base import ShardedGathererBase, detached
 
 __all__ = ["ZeroThreeGatherer", "is_zero3_model"]
 
@@ -20,7 +20,7 @@ def is_zero3_model(model: nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
-class ZeroThreeGatherer(GathererBase):
+class ZeroThreeGatherer(ShardedGathererBase):
     """``deepspeed.zero.GatheredParameters(group, modifier_rank=None)`` around one group at a time.
 
     ``modifier_rank=None`` makes the gather read-only: DeepSpeed re-partitions on exit without broadcasting
@@ -46,14 +46,6 @@ class ZeroThreeGatherer(GathererBase):
 
         with deepspeed.zero.GatheredParameters(list(params), modifier_rank=None):
             yield detached
-
-    @property
-    def collective(self) -> bool:
-        return True
-
-    @property
-    def process_group(self) -> object | None:
-        return self._group
 
     def held_bytes(self) -> int:
         """Whole bytes of the parameters ZeRO-3 currently holds gathered, not counting persistent ones."""
