@@ -23,6 +23,7 @@ STACK = [
     "peft==0.21.2",
     "accelerate==1.15.0",
     "safetensors==0.8.0",
+    "bitsandbytes==0.50.2",  # only for the test that a quantized base is refused
 ]
 TEST_TOOLS = ["pytest>=8", "hypothesis>=6", "psutil"]
 
@@ -78,7 +79,7 @@ def typecheck(session: nox.Session) -> None:
 def stack(session: nox.Session) -> None:
     """Create or refresh the shared virtualenv (.nox/stack) that tests, demo and bench run in."""
     install_stack(session)
-    session.run("python", "-c", "import vllm, deepspeed, peft, lora_stream; print('stack ok')")
+    session.run("python", "-c", "import vllm, deepspeed, peft, bitsandbytes, lora_stream; print('stack ok')")
 
 
 def _in_stack(session: nox.Session, cmd: list[str], env: dict[str, str] | None = None) -> None:
@@ -96,5 +97,5 @@ def _in_stack(session: nox.Session, cmd: list[str], env: dict[str, str] | None =
 
 
 def _stack_ready(python: str) -> bool:
-    check = [python, "-c", "import vllm, deepspeed, peft, lora_stream"]
+    check = [python, "-c", "import vllm, deepspeed, peft, bitsandbytes, lora_stream"]
     return subprocess.run(check, capture_output=True).returncode == 0

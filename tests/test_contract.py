@@ -15,6 +15,7 @@ from helpers import (
     merged_flags,
     oracle,
     rel_err,
+    require,
     snapshot,
     tiny_gpt2,
     tiny_llama,
@@ -145,6 +146,23 @@ def test_prompt_learning_is_unsupported() -> None:
 
     pm = get_peft_model(tiny_llama(), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
     with pytest.raises(UnsupportedAdapterError, match="prompt"):
+        ParamStream(pm)
+
+
+def test_bitsandbytes_quantized_base_is_refused_before_anything_is_produced() -> None:
+    bnb = require("bitsandbytes")
+
+    class Quantized(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = bnb.nn.Linear8bitLt(64, 64, has_fp16_weights=False)
+            self.head = nn.Linear(64, 8)
+
+    model = Quantized()
+    model.proj.load_state_dict(nn.Linear(64, 64).state_dict())
+    pm = lora(model, target_modules=["proj"])
+    assert type(pm.base_model.model.proj.base_layer.weight).__module__.startswith("bitsandbytes")
+    with pytest.raises(UnsupportedModelError, match=r"'base_model\.model\.proj'.*quantized base weight"):
         ParamStream(pm)
 
 
