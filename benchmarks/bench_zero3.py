@@ -14,57 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-MiB = 2**20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def run_variant(variant: str, extra: list[str], common: list[str], tmp: str, timeout: float) -> list[dict]:
-    out = os.path.join(tmp, f"{variant}-{'-'.join(extra) or 'default'}".replace("/", "_"))
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = {
-            **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "WORLD_SIZE": "2",
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "OMP_NUM_THREADS": "1",
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(HERE / "zero3_worker.py"), variant, *extra, *common, "--out", out],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=timeout)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-    if any(p.returncode for p in procs):
-        raise SystemExit(f"variant {variant} {extra} failed:\n" + "\n".join(log[-3000:] for log in logs))
-    return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
+sys.path.insert(0, str(HERE))
+from common import MiB, run_variant, table  # noqa: E402
 
 
 def unsharded_drift(args: argparse.Namespace, cycles: int) -> dict[str, dict[str, float]]:
@@ -147,31 +103,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for variant, extra in variants:
             print(f"running {variant} {' '.join(extra)} ...", flush=True)
-            rows += run_variant(variant, extra, common, tmp, timeout=1800)
-    base = {r["rank"]: r for r in rows if r["variant"] == "whole_gather"}
-    header = (
-        f"{'variant':<22} {'options':<14} {'budget':>7} {'rank':>4} {'median sync':>11} {'x base':>7} "
-        f"{'peak gathered':>14} {'x fewer':>7} {'RSS growth':>11} {'x less':>7} {'largest grp':>11} "
-        f"{'drift (elements)':>16}"
-    )
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        b = base[r["rank"]]
-        budget = f"{r['budget_bytes'] // MiB}M" if r["budget_bytes"] else "-"
-        lines.append(
-            f"{r['variant']:<22} {','.join(r['options']) or '-':<14} {budget:>7} {r['rank']:>4} "
-            f"{r['median_sync_s']:>10.2f}s "
-            f"{r['median_sync_s'] / b['median_sync_s']:>7.2f} {r['peak_gathered_bytes'] / MiB:>11.1f}MiB "
-            f"{b['peak_gathered_bytes'] / max(r['peak_gathered_bytes'], 1):>7.1f} "
-            f"{r['rss_growth_bytes'] / MiB:>8.0f}MiB {b['rss_growth_bytes'] / max(r['rss_growth_bytes'], 1):>7.1f} "
-            f"{r['largest_group_bytes'] / MiB:>8.1f}MiB {r['drift_changed_elements']:>16}"
-        )
+            rows += run_variant(HERE / "zero3_worker.py", variant, extra, common, tmp, timeout=1800)
     model_mib = rows[0]["model_bytes"] / MiB
     print(
         f"\nmodel: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}: {model_mib:.0f} MiB bf16; "
         f"{args.syncs} syncs per variant, 2 ranks\n"
     )
-    print("\n".join(lines))
+    print(table(rows, "whole_gather"))
     drift = unsharded_drift(args, cycles=args.syncs)
     print(
         f"\ndrift of the training weights after {args.syncs} syncs of an unsharded bf16 model (2 layers, same shapes):"

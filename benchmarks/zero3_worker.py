@@ -11,41 +11,19 @@ import argparse
 import ctypes
 import gc
 import json
-import os
 import statistics
-import threading
+import sys
 import time
+from pathlib import Path
 
 import deepspeed
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RssSampler, rss
+
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE
-
-
-class RssSampler(threading.Thread):
-    def __init__(self, period: float = 0.002) -> None:
-        super().__init__(daemon=True)
-        self.period = period
-        self.peak = rss()
-        self.running = True
-
-    def run(self) -> None:
-        while self.running:
-            self.peak = max(self.peak, rss())
-            time.sleep(self.period)
-
-    def stop(self) -> int:
-        self.running = False
-        self.join()
-        return max(self.peak, rss())
 
 
 def build(args: argparse.Namespace):  # type: ignore[no-untyped-def]

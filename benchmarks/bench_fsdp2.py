@@ -1,0 +1,66 @@
+"""FSDP2 sync benchmark: whole-model full_tensor() versus lora_stream per group, 2 CPU ranks over gloo.
+
+    python3 -m nox -s bench -- fsdp2            # or, inside the stack: python benchmarks/bench_fsdp2.py
+
+Same model and columns as bench_zero3.py (Llama-shaped bf16, 16 layers, LoRA r=16 on all linear layers). The
+baseline gathers every parameter with full_tensor() at once, then merges each LoRA module in float32 (what a
+trainer that "gathers the full state dict, then merges" does). Writes benchmarks/results/fsdp2.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from common import MiB, run_variant, table  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--intermediate", type=int, default=2816)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--syncs", type=int, default=10)
+    ap.add_argument("--budgets-mib", default="32,128")
+    ap.add_argument("--out", default=str(HERE / "results" / "fsdp2.json"))
+    args = ap.parse_args()
+    common = [
+        "--layers",
+        str(args.layers),
+        "--hidden",
+        str(args.hidden),
+        "--intermediate",
+        str(args.intermediate),
+        "--vocab",
+        str(args.vocab),
+        "--syncs",
+        str(args.syncs),
+    ]
+    variants: list[tuple[str, list[str]]] = [("whole_full_tensor", [])]
+    variants += [("lora_stream", ["--budget", str(int(b) * MiB)]) for b in args.budgets_mib.split(",")]
+    variants += [("lora_stream", ["--group-by", "layer"])]
+    first = str(int(args.budgets_mib.split(",")[0]) * MiB)
+    variants += [("lora_stream", ["--budget", first, "--no-release"])]
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for variant, extra in variants:
+            print(f"running {variant} {' '.join(extra)} ...", flush=True)
+            rows += run_variant(HERE / "fsdp2_worker.py", variant, extra, common, tmp, timeout=1800)
+    print(
+        f"\nmodel: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}: "
+        f"{rows[0]['model_bytes'] / MiB:.0f} MiB bf16; {args.syncs} syncs per variant, 2 ranks, FSDP2\n"
+    )
+    print(table(rows, "whole_full_tensor"))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

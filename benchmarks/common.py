@@ -1,0 +1,108 @@
+"""Shared pieces of the sync benchmarks: RSS sampling, launching 2 ranks per variant, the result table."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+MiB = 2**20
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+class RssSampler(threading.Thread):
+    """Samples this process's resident set every ``period`` seconds; ``stop()`` returns the peak."""
+
+    def __init__(self, period: float = 0.002) -> None:
+        super().__init__(daemon=True)
+        self.period = period
+        self.peak = rss()
+        self.running = True
+
+    def run(self) -> None:
+        while self.running:
+            self.peak = max(self.peak, rss())
+            time.sleep(self.period)
+
+    def stop(self) -> int:
+        self.running = False
+        self.join()
+        return max(self.peak, rss())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_variant(
+    worker: Path, variant: str, extra: list[str], common: list[str], tmp: str, timeout: float
+) -> list[dict]:
+    """Run one variant as 2 fresh ranks (so one variant's freed heap cannot flatter the next one's RSS)."""
+    out = os.path.join(tmp, f"{variant}-{'-'.join(extra) or 'default'}".replace("/", "_"))
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": "2",
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(worker), variant, *extra, *common, "--out", out],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    if any(p.returncode for p in procs):
+        raise SystemExit(f"variant {variant} {extra} failed:\n" + "\n".join(log[-3000:] for log in logs))
+    return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
+
+
+def table(rows: list[dict], baseline: str) -> str:
+    """Per variant and rank: time, gathered bytes, RSS growth, drift; ratios against ``baseline`` of the same run."""
+    base = {r["rank"]: r for r in rows if r["variant"] == baseline}
+    header = (
+        f"{'variant':<22} {'options':<14} {'budget':>7} {'rank':>4} {'median sync':>11} {'x base':>7} "
+        f"{'peak gathered':>14} {'x fewer':>7} {'RSS growth':>11} {'x less':>7} {'largest grp':>11} "
+        f"{'drift (elements)':>16}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        b = base[r["rank"]]
+        budget = f"{r['budget_bytes'] // MiB}M" if r["budget_bytes"] else "-"
+        lines.append(
+            f"{r['variant']:<22} {','.join(r['options']) or '-':<14} {budget:>7} {r['rank']:>4} "
+            f"{r['median_sync_s']:>10.2f}s "
+            f"{r['median_sync_s'] / b['median_sync_s']:>7.2f} {r['peak_gathered_bytes'] / MiB:>11.1f}MiB "
+            f"{b['peak_gathered_bytes'] / max(r['peak_gathered_bytes'], 1):>7.1f} "
+            f"{r['rss_growth_bytes'] / MiB:>8.0f}MiB {b['rss_growth_bytes'] / max(r['rss_growth_bytes'], 1):>7.1f} "
+            f"{r['largest_group_bytes'] / MiB:>8.1f}MiB {r['drift_changed_elements']:>16}"
+        )
+    return "\n".join(lines)
