@@ -54,6 +54,15 @@ def test_unknown_name_is_caught_before_any_byte_is_sent(server: Server, checkpoi
     assert server.version() == before and server.healthy()
 
 
+def test_server_answering_an_error_raises_on_every_rank(server: Server, checkpoint: str) -> None:
+    before = server.version()
+    results = launch("vllm_server_push", "server-error", server.url, checkpoint, timeout=300)
+    _raised(results)
+    assert "ServerError" in results[0].output and "start_weight_update" in results[0].output, describe(results)
+    assert "StreamAbortedError" in results[1].output and "rank 0" in results[1].output, describe(results)
+    assert server.healthy() and server.version() == before
+
+
 def test_server_down_raises_on_every_rank(checkpoint: str) -> None:
     from launch import free_port
 

@@ -7,6 +7,7 @@ Usage: vllm_server_push.py SCENARIO BASE_URL CHECKPOINT [API_KEY]
   die-mid       rank 0 dies in the middle of the transfer (the test then checks the server).
   hold-mid      pause in the middle of the transfer (the test stops the server meanwhile): every rank raises.
   no-key        the server has --api-key and the sink has none: every rank raises.
+  server-error  the server answers an error (an update is already in progress): every rank raises.
 """
 
 from __future__ import annotations
@@ -95,10 +96,14 @@ def main() -> None:
 
         Interrupted.action = staticmethod(hold)
         Interrupted.on_rank = 1
+    if scenario == "server-error" and rank == 0:
+        sink.client.start_weight_update()  # leave an update open: the sync's own start is refused
     try:
         sink.sync(stream, version="never")
     except (LoraStreamError, StreamAbortedError) as exc:
         print(f"RAISED {type(exc).__name__} after {time.monotonic() - start:.2f}s: {exc}", flush=True)
+        if scenario == "server-error" and rank == 0:
+            sink.client.finish_weight_update()  # close the update this test left open
         finish(0)
     print("NO-ERROR", flush=True)
     finish(5)

@@ -225,13 +225,18 @@ class VLLMServerSink:
             self._engine = self._init_engine(stream)
         self._engine.source = stream
         self._engine.weight_version = version
+        previous_pass = stream.last_stats
         try:
             self._engine.send_weights()
         except BaseException as exc:
             # The data plane may be half-used: start over with a new group next time.
             self.close()
             error = exc
-        stream.agree(error is None, "after the transfer")
+        # Tell the other ranks how it ended -- unless the pass itself already did: a pass that started and did not
+        # complete has exchanged its stop with every rank (one more exchange here would find no partner).
+        started = stream.last_stats is not previous_pass
+        if not started or stream.last_stats.complete:
+            stream.agree(error is None, "after the transfer")
         if error is not None:
             raise error
         if version is not None and self.is_sender and self.backend != "gloo":
