@@ -259,3 +259,58 @@ def zero3_whole_into(engine: Any, template: nn.Module) -> nn.Module:
                 assert src[n].shape == p.shape, (n, src[n].shape, p.shape)
                 p.copy_(src[n].data.to(p.dtype))
     return template
+
+
+class CollectiveCounter:
+    """Counts every collective asked of the given namespaces (torch.distributed, deepspeed.comm, c10d ops) while active.
+
+    Used to prove that planning and ``metadata()`` communicate nothing; a test also checks the counter does see the
+    gathers of an iteration, so that a count of zero means something.
+    """
+
+    NAMES = (
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_into_tensor_coalesced",
+        "_all_gather_base",
+        "broadcast",
+        "barrier",
+        "reduce_scatter_tensor",
+        "all_to_all_single",
+        "send",
+        "recv",
+        "isend",
+        "irecv",
+        "gather",
+        "scatter",
+        "wait_tensor",
+    )
+
+    def __init__(self, *namespaces: Any) -> None:
+        self.namespaces = namespaces
+        self.count = 0
+        self.saved: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self) -> CollectiveCounter:
+        self.count, self.saved = 0, []
+        for ns in self.namespaces:
+            for name in self.NAMES:
+                fn = getattr(ns, name, None)
+                if fn is None:
+                    continue
+
+                def wrapper(*a: Any, __fn: Any = fn, **k: Any) -> Any:
+                    self.count += 1
+                    return __fn(*a, **k)
+
+                try:
+                    setattr(ns, name, wrapper)
+                except (AttributeError, TypeError):
+                    continue
+                self.saved.append((ns, name, fn))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for ns, name, fn in self.saved:
+            setattr(ns, name, fn)

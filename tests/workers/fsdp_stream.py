@@ -20,7 +20,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from helpers import assert_matches, finish, lora, oracle, tiny_llama
+from helpers import CollectiveCounter, assert_matches, finish, lora, oracle, tiny_llama
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -56,44 +56,21 @@ def unsharded(model: torch.nn.Module, template: torch.nn.Module) -> torch.nn.Mod
     return template
 
 
-class CollectiveCounter:
-    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "barrier", "reduce_scatter_tensor")
+def counter() -> CollectiveCounter:
+    from torch.distributed import distributed_c10d as c10d
 
-    def __enter__(self) -> CollectiveCounter:
-        from torch.distributed import distributed_c10d as c10d
-
-        self.count, self.saved = 0, []
-        for mod in (dist, c10d, torch.ops._c10d_functional):
-            for name in (*self.NAMES, "all_gather_into_tensor_coalesced", "wait_tensor"):
-                fn = getattr(mod, name, None)
-                if fn is None:
-                    continue
-                self.saved.append((mod, name, fn))
-
-                def wrapper(*a, __fn=fn, **k):  # type: ignore[no-untyped-def]
-                    self.count += 1
-                    return __fn(*a, **k)
-
-                try:
-                    setattr(mod, name, wrapper)
-                except (AttributeError, TypeError):
-                    self.saved.pop()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for mod, name, fn in self.saved:
-            setattr(mod, name, fn)
+    return CollectiveCounter(dist, c10d, torch.ops._c10d_functional)
 
 
 def check(model: torch.nn.Module, template: torch.nn.Module, budget: int) -> None:
     ref = oracle(unsharded(model, template))
-    with CollectiveCounter() as counter:
+    with counter() as calls:
         stream = ParamStream(model, budget_bytes=budget)
         meta = stream.metadata()
-    assert counter.count == 0, counter.count
-    with CollectiveCounter() as counter:  # the probe does see the gathers iteration makes
+    assert calls.count == 0, calls.count
+    with counter() as calls:  # the probe does see the gathers iteration makes
         next(iter(stream))
-    assert counter.count > 0
+    assert calls.count > 0
     assert isinstance(stream.gatherer, Fsdp2Gatherer)
     assert [m.name for m in meta] == list(ref)
     bound = max(budget, max(ParamStream(model, group_by="module").group_gathered_bytes))

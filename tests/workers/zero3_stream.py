@@ -20,7 +20,7 @@ import time
 import deepspeed
 import torch
 import torch.distributed as dist
-from helpers import assert_matches, finish, lora, oracle, tiny_llama, zero3_whole_into
+from helpers import CollectiveCounter, assert_matches, finish, lora, oracle, tiny_llama, zero3_whole_into
 
 from lora_stream import ParamStream, StreamAbortedError, ZeroThreeGatherer
 
@@ -52,57 +52,22 @@ def unsharded(engine, template: torch.nn.Module) -> torch.nn.Module:  # type: ig
     return zero3_whole_into(engine, template)
 
 
-class CollectiveCounter:
-    """Counts every collective torch.distributed or deepspeed.comm is asked for while active."""
+def counter() -> CollectiveCounter:
+    import deepspeed.comm as dscomm
 
-    NAMES = (
-        "all_reduce",
-        "all_gather",
-        "all_gather_into_tensor",
-        "_all_gather_base",
-        "broadcast",
-        "barrier",
-        "reduce_scatter_tensor",
-        "all_to_all_single",
-        "send",
-        "recv",
-        "isend",
-        "irecv",
-        "gather",
-        "scatter",
-    )
-
-    def __enter__(self) -> CollectiveCounter:
-        import deepspeed.comm as dscomm
-
-        self.count = 0
-        self.saved = []
-        for mod in (dist, dscomm):
-            for name in self.NAMES:
-                fn = getattr(mod, name, None)
-                if fn is None:
-                    continue
-                self.saved.append((mod, name, fn))
-
-                def wrapper(*a, __fn=fn, **k):  # type: ignore[no-untyped-def]
-                    self.count += 1
-                    return __fn(*a, **k)
-
-                setattr(mod, name, wrapper)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for mod, name, fn in self.saved:
-            setattr(mod, name, fn)
+    return CollectiveCounter(dist, dscomm)
 
 
 def check_stream(engine, template, budget: int) -> None:  # type: ignore[no-untyped-def]
     ref = oracle(unsharded(engine, template))
-    with CollectiveCounter() as counter:
+    with counter() as calls:
         stream = ParamStream(engine, budget_bytes=budget)
         meta = stream.metadata()
         stream.groups()
-    assert counter.count == 0, f"planning and metadata() called {counter.count} collectives"
+    assert calls.count == 0, f"planning and metadata() called {calls.count} collectives"
+    with counter() as calls:  # the probe does see the gathers iteration makes
+        next(iter(stream))
+    assert calls.count > 0
     assert isinstance(stream.gatherer, ZeroThreeGatherer)
     assert [m.name for m in meta] == list(ref)
     largest_module = max(ParamStream(engine, group_by="module").group_gathered_bytes)
