@@ -9,7 +9,6 @@ trainer that "gathers the full state dict, then merges" does). Writes benchmarks
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -17,31 +16,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import MiB, run_variant, table  # noqa: E402
+from common import MiB, model_cli, run_variant, table  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--intermediate", type=int, default=2816)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--syncs", type=int, default=10)
-    ap.add_argument("--budgets-mib", default="32,128")
-    ap.add_argument("--out", default=str(HERE / "results" / "fsdp2.json"))
-    args = ap.parse_args()
-    common = [
-        "--layers",
-        str(args.layers),
-        "--hidden",
-        str(args.hidden),
-        "--intermediate",
-        str(args.intermediate),
-        "--vocab",
-        str(args.vocab),
-        "--syncs",
-        str(args.syncs),
-    ]
+    args, common = model_cli(__doc__ or "", syncs=10, out=HERE / "results" / "fsdp2.json")
     variants: list[tuple[str, list[str]]] = [("whole_full_tensor", [])]
     variants += [("lora_stream", ["--budget", str(int(b) * MiB)]) for b in args.budgets_mib.split(",")]
     variants += [("lora_stream", ["--group-by", "layer"])]

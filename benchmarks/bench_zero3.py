@@ -20,7 +20,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import MiB, run_variant, table  # noqa: E402
+from common import MiB, model_cli, run_variant, table  # noqa: E402
 
 
 def unsharded_drift(args: argparse.Namespace, cycles: int) -> dict[str, dict[str, float]]:
@@ -70,27 +70,7 @@ def unsharded_drift(args: argparse.Namespace, cycles: int) -> dict[str, dict[str
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--intermediate", type=int, default=2816)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--syncs", type=int, default=20)
-    ap.add_argument("--budgets-mib", default="32,128")
-    ap.add_argument("--out", default=str(HERE / "results" / "zero3.json"))
-    args = ap.parse_args()
-    common = [
-        "--layers",
-        str(args.layers),
-        "--hidden",
-        str(args.hidden),
-        "--intermediate",
-        str(args.intermediate),
-        "--vocab",
-        str(args.vocab),
-        "--syncs",
-        str(args.syncs),
-    ]
+    args, common = model_cli(__doc__ or "", syncs=20, out=HERE / "results" / "zero3.json")
     variants: list[tuple[str, list[str]]] = [("whole_gather", [])]
     variants += [("lora_stream", ["--budget", str(int(b) * MiB)]) for b in args.budgets_mib.split(",")]
     variants += [("lora_stream", ["--group-by", "layer"])]

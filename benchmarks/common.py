@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -44,6 +45,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def model_cli(description: str, syncs: int, out: Path) -> tuple[argparse.Namespace, list[str]]:
+    """The orchestrators' command line (model shape, syncs, budgets, output), and the arguments for the workers."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--intermediate", type=int, default=2816)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--syncs", type=int, default=syncs)
+    ap.add_argument("--budgets-mib", default="32,128")
+    ap.add_argument("--out", default=str(out))
+    args = ap.parse_args()
+    worker_args = [f"--{k}={getattr(args, k)}" for k in ("layers", "hidden", "intermediate", "vocab", "syncs")]
+    return args, worker_args
 
 
 def run_variant(

@@ -129,6 +129,8 @@ class VLLMServerSink:
         timeout: float = 120.0,
         checkpoint: str | bool | None = None,
     ) -> None:
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         if rank is None:
             import torch.distributed as dist
 
@@ -173,11 +175,12 @@ class VLLMServerSink:
         from ..vllm_plugin import register
 
         register()
+        # Only the sender hosts the rendezvous and asks the server its size; the other ranks just iterate.
+        port = _free_port(self.master_address) if self.is_sender else 0
+        world = 1 + self.client.world_size() if self.is_sender else 0
         if self.backend == "gloo":
             from ..transfer.gloo_trainer import GlooTrainerInitInfo
 
-            port = _free_port(self.master_address) if self.is_sender else 0
-            world = 1 + self.client.world_size() if self.is_sender else 0
             info: Any = GlooTrainerInitInfo(
                 master_address=self.master_address,
                 master_port=port,
@@ -186,11 +189,9 @@ class VLLMServerSink:
                 timeout_s=self.timeout,
                 rank=self.rank,
             )
-        elif self.backend == "nccl":
+        else:
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
-            port = _free_port(self.master_address) if self.is_sender else 0
-            world = 1 + self.client.world_size() if self.is_sender else 0
             info = NCCLTrainerInitInfo(
                 master_address=self.master_address,
                 master_port=port,
@@ -198,8 +199,6 @@ class VLLMServerSink:
                 packed_buffer_size_bytes=self.buffer_bytes,
                 rank=self.rank,
             )
-        else:
-            raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
         return WeightTransferTrainerFactory.trainer_init(
             info,
             client=self.client,  # type: ignore[arg-type]
