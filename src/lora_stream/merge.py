@@ -7,13 +7,15 @@ rounds the base weight twice per sync in bf16 and drifts the training weights a 
 
 The math lives in one place per layer kind, as in peft's ``get_delta_weight``:
 
-* :class:`LoraWeightMerge` -- LoRA / rsLoRA / DoRA on ``nn.Linear``, GPT-2's ``Conv1D`` (``fan_in_fan_out``) and
-  ``nn.Embedding``. The delta is a low-rank product ``left @ right``, so the merge is computed in blocks of output
+* :class:`LoraWeightMerge` -- LoRA / rsLoRA / DoRA on ``nn.Linear``, GPT-2's ``Conv1D`` (``fan_in_fan_out``),
+  ``nn.Embedding``, convolutions and bitsandbytes-quantized (QLoRA) bases. The delta is a low-rank product ``left @ right``, so the merge is computed in blocks of output
   rows (or columns), each block accumulated in float32 and rounded once into the output dtype. Temporaries are
   bounded by ``block_bytes`` whatever the weight's size: no full float32 copy of a large weight is ever made.
 * :class:`LoraBiasMerge` -- ``lora_bias=True``: base bias + ``lora_B.bias * scaling``.
-* :class:`DeltaMerge` -- any other additive tuner (LoHa, LoKr, LoRA on convolutions): the tuner layer's own
-  ``get_delta_weight`` gives the delta, which is added to the base in float32. The delta is a full tensor here.
+* :class:`LycorisMerge` -- LoHa and LoKr: peft's own LyCORIS weight functions applied to the gathered factors,
+  added to the base in float32. The delta is a full tensor here.
+
+Which merge a layer gets, and which peft options are refused, is decided by the table in :mod:`lora_stream.rules`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .base_weights import BaseWeight
 from .buffers import Scratch
 
 __all__ = [
@@ -32,7 +35,7 @@ __all__ = [
     "LoraTerm",
     "LoraWeightMerge",
     "LoraBiasMerge",
-    "DeltaMerge",
+    "LycorisMerge",
     "FullTensor",
     "ShapeOf",
 ]
@@ -92,23 +95,36 @@ def _oriented(t: torch.Tensor, transposed: bool) -> torch.Tensor:
     return t.t() if transposed else t
 
 
+def _matrix(t: torch.Tensor) -> torch.Tensor:
+    """A factor or weight as the matrix the merge works on: convolutions as ``[out, in * kernel]``."""
+    return t if t.dim() == 2 else t.reshape(t.shape[0], -1)
+
+
 @dataclass
 class LoraWeightMerge(Merge):
     """``base + sum(left @ right * scaling)`` computed in float32 blocks, with DoRA's per-channel rescale.
 
-    ``channel_dim`` is the dimension of the base weight that indexes output channels (0 for ``nn.Linear``'s
-    ``[out, in]``, 1 for ``Conv1D``'s ``[in, out]`` and for an embedding under DoRA). Blocks are taken along it so
-    that DoRA's per-channel norm is complete inside each block and the merge is a single pass.
+    The base is read through a :class:`~lora_stream.base_weights.BaseWeight`, so a bitsandbytes-quantized base is
+    dequantized block by block and its storage is only read. A convolution's weight ``[out, in, *kernel]`` is merged
+    as the matrix ``[out, in * kernel]`` (peft's conv delta, ``conv(A^T, B)^T`` with a 1x1 ``B``, is exactly
+    ``B @ A`` on those matrices), and DoRA's norm over every non-output dimension is the row norm of that matrix.
+    With no terms this is a plain dequantization (a quantized layer without an adapter).
+
+    ``channel_dim`` is the dimension of the base matrix that indexes output channels (0 for ``nn.Linear``'s
+    ``[out, in]`` and for convolutions, 1 for ``Conv1D``'s ``[in, out]`` and for an embedding under DoRA). Blocks are
+    taken along it so that DoRA's per-channel norm is complete inside each block and the merge is a single pass.
     """
 
-    base: nn.Parameter
+    base: BaseWeight
     terms: Sequence[LoraTerm]
     channel_dim: int = 0
     block_bytes: int = DEFAULT_MERGE_BLOCK_BYTES
     _params: list[nn.Parameter] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        ps: list[nn.Parameter] = [self.base]
+        if self.channel_dim != 0 and self.base.quantized:
+            raise ValueError("a quantized base is read by rows; its channel dimension must be 0")
+        ps: list[nn.Parameter] = [self.base.param]
         for t in self.terms:
             ps += [t.left, t.right]
             if t.magnitude is not None:
@@ -122,51 +138,69 @@ class LoraWeightMerge(Merge):
     def params(self) -> list[nn.Parameter]:
         return self._params
 
-    def _block_len(self, shape: torch.Size) -> int:
-        across = shape[1 - self.channel_dim]
-        return max(1, self.block_bytes // (4 * max(1, across)))
+    def _matrix_shape(self) -> tuple[int, int]:
+        shape = self.base.shape
+        return shape[0], shape.numel() // max(1, shape[0])
+
+    def _block_len(self) -> int:
+        mshape = self._matrix_shape()
+        across = mshape[1 - self.channel_dim]
+        n = max(1, self.block_bytes // (4 * max(1, across)))
+        multiple = self.base.row_multiple if self.channel_dim == 0 else 1
+        return max(multiple, n // multiple * multiple)
 
     def peak_temp_bytes(self, shape_of: ShapeOf) -> int:
-        shape = shape_of(self.base)
-        n = min(self._block_len(shape), shape[self.channel_dim])
-        block = n * shape[1 - self.channel_dim] * 4
-        # Running block and one delta block; with DoRA also the unmerged base block and the norm's operand.
-        blocks = 4 if self.has_dora else 2
+        mshape = self._matrix_shape()
+        n = min(self._block_len(), mshape[self.channel_dim])
+        block = n * mshape[1 - self.channel_dim] * 4
+        # Running block; with terms one delta block; with DoRA also the unmerged base block and the norm's operand;
+        # a quantized base adds its dequantized rows (at most float32-sized).
+        blocks = (4 if self.has_dora else 2 if self.terms else 1) + (1 if self.base.quantized else 0)
         factors = sum((shape_of(t.left).numel() + shape_of(t.right).numel()) * 4 for t in self.terms)
         return blocks * block + factors
 
     def compute(self, full: FullTensor, out_dtype: torch.dtype, scratch: Scratch) -> torch.Tensor:
-        base = full(self.base)
-        if base.dim() != 2:
-            raise ValueError(f"LoRA merge expects a 2-D base weight, got shape {tuple(base.shape)}")
-        out = scratch.empty(base.shape, out_dtype, base.device)
+        out = scratch.empty(self.base.shape, out_dtype, _device_of(full(self.base.param)))
+        out_m = out.view(self._matrix_shape())
         cd = self.channel_dim
-        # Factors as float32, oriented so that delta = left @ right in the base's layout. They are rank-r, small.
+        dense_m = None if cd == 0 else _matrix(self.base.dense(full))
+        # Factors as float32 matrices, oriented so that delta = left @ right in the base's layout. They are rank-r.
         terms = [
             (
-                _oriented(full(t.left), t.left_transposed).to(torch.float32),
-                _oriented(full(t.right), t.right_transposed).to(torch.float32),
+                _matrix(_oriented(full(t.left), t.left_transposed)).to(torch.float32),
+                _matrix(_oriented(full(t.right), t.right_transposed)).to(torch.float32),
                 float(t.scaling),
                 None if t.magnitude is None else full(t.magnitude).reshape(-1).to(torch.float32),
             )
             for t in self.terms
         ]
-        n_channels = base.shape[cd]
-        across = base.shape[1 - cd]
-        step = min(self._block_len(base.shape), n_channels)
+        n_channels, across = out_m.shape[cd], out_m.shape[1 - cd]
+        step = min(self._block_len(), n_channels)
         # Flat float32 workspaces, shared by every merge of the pass and reused for every block (viewed contiguous),
         # so the allocator sees a few buffers for the whole pass instead of fresh temporaries per block.
         n_ws = 3 if self.has_dora else 1
-        ws = [scratch.workspace.get(i, step * across, base.device) for i in range(n_ws)]
+        ws = [scratch.workspace.get(i, step * across, out.device) for i in range(n_ws)]
 
         def view(buf: torch.Tensor, n: int) -> torch.Tensor:
             flat = buf.narrow(0, 0, n * across)
             return flat.view(n, across) if cd == 0 else flat.view(across, n)
 
+        def read_base(start: int, n: int, into: torch.Tensor) -> None:
+            # A copy either way: never accumulate into the trainer's weight.
+            if dense_m is None:
+                self.base.read_rows(full, start, n, into)
+            else:
+                into.copy_(dense_m.narrow(cd, start, n))
+
         for start in range(0, n_channels, step):
             n = min(step, n_channels - start)
             running = view(ws[0], n)
-            running.copy_(base.narrow(cd, start, n))  # a copy: never accumulate into the trainer's weight
+            if self.has_dora:
+                base_block = view(ws[2], n)
+                read_base(start, n, base_block)
+                running.copy_(base_block)
+            else:
+                read_base(start, n, running)
             for left, right, scaling, magnitude in terms:
                 lhs = left.narrow(0, start, n) if cd == 0 else left
                 rhs = right if cd == 0 else right.narrow(1, start, n)
@@ -175,16 +209,19 @@ class LoraWeightMerge(Merge):
                     continue
                 # DoRA: the norm is over the *unmerged* base plus this adapter's delta, as peft computes it in
                 # forward and in merge; the factor then scales the running weight (base + earlier adapters).
-                delta, unmerged = view(ws[1], n), view(ws[2], n)
+                delta = view(ws[1], n)
                 torch.mm(lhs, rhs, out=delta)
                 delta.mul_(scaling)
-                unmerged.copy_(base.narrow(cd, start, n))
-                unmerged.add_(delta)
-                norm = torch.linalg.vector_norm(unmerged, dim=1 - cd)
                 running.add_(delta)
+                delta.add_(base_block)
+                norm = torch.linalg.vector_norm(delta, dim=1 - cd)
                 running.mul_((magnitude.narrow(0, start, n) / norm).unsqueeze(1 - cd))
-            out.narrow(cd, start, n).copy_(running)
+            out_m.narrow(cd, start, n).copy_(running)
         return out
+
+
+def _device_of(t: torch.Tensor) -> torch.device:
+    return t.device
 
 
 @dataclass
@@ -208,29 +245,58 @@ class LoraBiasMerge(Merge):
 
 
 @dataclass
-class DeltaMerge(Merge):
-    """Generic additive tuner: ``base + layer.get_delta_weight(adapter)`` for each active adapter.
+class LycorisMerge(Merge):
+    """LoHa / LoKr: ``base + sum(delta(adapter))``, each delta built by peft's own LyCORIS weight functions
+    (``make_weight``, ``make_weight_cp``, ``make_kron``) from the gathered factors, in float32, rounded once.
 
-    Used for tuner kinds whose merge peft defines as adding ``get_delta_weight`` (LoHa, LoKr, LoRA on
-    convolutions). The delta is computed by peft from the layer's own (whole) adapter parameters, in their dtype;
-    peft keeps adapters in float32 by default, so the sum is float32 and rounded once.
+    The factors are read through the gatherer's accessor, never from the layer's attributes: under FSDP2 those are
+    DTensor shards. Which function applies follows from which tensors the adapter holds
+    (:func:`lora_stream.rules.lycoris_spec` checked that the set is a known one). The delta is a whole tensor of
+    the base's shape (these products are not low-rank, so they cannot be blocked by rows the way LoRA is).
     """
 
-    base: nn.Parameter
-    layer: nn.Module
-    adapters: Sequence[str]
-    adapter_params: Sequence[nn.Parameter]
+    family: str
+    base: BaseWeight
+    adapters: Sequence[tuple[float, dict[str, nn.Parameter]]]
 
     def params(self) -> list[nn.Parameter]:
-        return [self.base, *self.adapter_params]
+        return [self.base.param, *(p for _, factors in self.adapters for p in factors.values())]
 
     def peak_temp_bytes(self, shape_of: ShapeOf) -> int:
-        return 3 * 4 * shape_of(self.base).numel()
+        factors = sum(shape_of(p).numel() * 4 for _, fs in self.adapters for p in fs.values())
+        return 3 * 4 * self.base.shape.numel() + factors
+
+    def _delta(self, scaling: float, t: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.family == "loha":
+            from peft.tuners.loha.layer import make_weight, make_weight_cp
+
+            scale = torch.tensor(scaling)
+            w = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
+            if "hada_t1" in t:
+                delta: torch.Tensor = make_weight_cp(
+                    t["hada_t1"], t[w[0]], t[w[1]], t["hada_t2"], t[w[2]], t[w[3]], scale=scale
+                )
+            else:
+                delta = make_weight(*(t[k] for k in w), scale=scale)
+            return delta
+        from peft.tuners.lokr.layer import make_kron
+        from peft.tuners.lokr.layer import make_weight_cp as lokr_cp
+
+        w1 = t["lokr_w1"] if "lokr_w1" in t else t["lokr_w1_a"] @ t["lokr_w1_b"]
+        if "lokr_w2" in t:
+            w2 = t["lokr_w2"]
+        elif "lokr_t2" in t:
+            w2 = lokr_cp(t["lokr_t2"], t["lokr_w2_a"], t["lokr_w2_b"])
+        else:
+            w2 = t["lokr_w2_a"] @ t["lokr_w2_b"]
+        kron: torch.Tensor = make_kron(w1, w2, scaling)
+        return kron
 
     def compute(self, full: FullTensor, out_dtype: torch.dtype, scratch: Scratch) -> torch.Tensor:
-        acc = full(self.base).to(torch.float32, copy=True)
-        for adapter in self.adapters:
-            delta = self.layer.get_delta_weight(adapter)  # type: ignore[operator]
-            acc.add_(delta.to(torch.float32).reshape(acc.shape))
-            del delta
+        acc = self.base.dense(full).to(torch.float32, copy=True)
+        with torch.no_grad():
+            for scaling, factors in self.adapters:
+                delta = self._delta(scaling, {k: full(p).to(torch.float32) for k, p in factors.items()})
+                acc.add_(delta.reshape(acc.shape))
+                del delta
         return acc.to(out_dtype)

@@ -18,7 +18,9 @@ import torch
 from torch import nn
 
 from .errors import NameCollisionError, UnsupportedAdapterError, UnsupportedModelError
-from .merge import DeltaMerge, LoraBiasMerge, LoraTerm, LoraWeightMerge, Merge
+from .base_weights import QUANTIZED_DEFAULT_DTYPE, BaseWeight, base_weight_of
+from .merge import LoraBiasMerge, LoraTerm, LoraWeightMerge, LycorisMerge, Merge
+from .rules import LayerRule, lora_spec, lycoris_spec, rule_for
 from .names import NameNormalizer, join, wrapped_child_attr
 
 if TYPE_CHECKING:
@@ -52,36 +54,10 @@ class Unit:
 
 
 def _peft_classes() -> dict[str, tuple[Any, ...]]:
-    from peft.tuners import lora
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 
-    generic: list[type] = [lora.layer._ConvNd]
-    for mod_name, names in (
-        ("peft.tuners.loha.layer", ("Linear", "Conv2d", "Conv1d")),
-        ("peft.tuners.lokr.layer", ("Linear", "Conv2d", "Conv1d")),
-    ):
-        try:
-            mod = __import__(mod_name, fromlist=list(names))
-        except ImportError:  # pragma: no cover - older peft
-            continue
-        generic += [getattr(mod, n) for n in names if hasattr(mod, n)]
-    return {
-        "tuner": (BaseTunerLayer,),
-        "lora_linear": (lora.layer.Linear,),
-        "lora_embedding": (lora.layer.Embedding,),
-        "generic": tuple(generic),
-        "aux": (AuxiliaryTrainingWrapper,),
-        "mts": (ModulesToSaveWrapper,),
-    }
-
-
-def _is_quantized(module: nn.Module) -> bool:
-    w = getattr(module, "weight", None)
-    kinds = [type(module), type(w)]
-    if any(k.__module__.split(".")[0] in ("bitsandbytes", "auto_gptq", "awq", "hqq", "torchao") for k in kinds):
-        return True
-    return isinstance(w, torch.Tensor) and not (w.is_floating_point() or w.is_meta)
+    return {"tuner": (BaseTunerLayer,), "aux": (AuxiliaryTrainingWrapper,), "mts": (ModulesToSaveWrapper,)}
 
 
 class _Planner:
@@ -112,12 +88,34 @@ class _Planner:
         if other is not None:
             raise NameCollisionError(f"parameters {other!r} and {src!r} both normalize to {name!r}")
         self.names[name] = src
+        base = getattr(merge, "base", None)
+        if isinstance(base, BaseWeight) and base.quantized:
+            # A dequantized base has its logical shape, not its storage's, and no dtype of its own to keep.
+            return Target(name, src, p, self.dtype or QUANTIZED_DEFAULT_DTYPE, base.shape, merge)
         out_dtype = self.dtype or self.g.full_dtype(p)
         return Target(name, src, p, out_dtype, self.g.full_shape(p), merge)
+
+    def _base_weight(self, module: nn.Module, src: str) -> BaseWeight | None:
+        """``module``'s weight as a merge reads it (dequantized if bitsandbytes stores it); ``None`` if it has none."""
+        weight = dict(self.g.module_params(module)).get("weight")
+        if weight is None:
+            return None
+        bw = base_weight_of(module, weight, self.g.full_shape(weight), self.g.full_dtype(weight), repr(src))
+        if bw.quantized and self.g.collective:
+            raise UnsupportedModelError(
+                f"module {src!r} has a quantized base weight under the {self.g.name} gatherer; quantized (QLoRA) "
+                "bases are streamed with the plain/DDP gatherer only"
+            )
+        return bw
 
     def _own_params(
         self, module: nn.Module, hf: str, src: str, unit: Unit, merges: dict[str, Merge] | None = None
     ) -> None:
+        merges = dict(merges or {})
+        if "weight" not in merges:
+            bw = self._base_weight(module, src)
+            if bw is not None and bw.quantized:  # a quantized layer without an adapter: dequantize it
+                merges["weight"] = LoraWeightMerge(bw, [], 0, self.block_bytes)
         for pname, p in self.g.module_params(module):
             psrc = join(src, pname)
             if id(p) in self.seen_params:
@@ -129,7 +127,7 @@ class _Planner:
                     self.aliases[alias] = primary
                 continue
             self.seen_params[id(p)] = psrc
-            merge = (merges or {}).get(pname)
+            merge = merges.get(pname)
             target = self._target(join(hf, pname), psrc, p, merge)
             self.final_names[id(p)] = target.name
             unit.targets.append(target)
@@ -181,33 +179,14 @@ class _Planner:
             self.visit(wrapper.original_module, hf, join(src, "original_module"))
 
     def _tuner(self, layer: Any, hf: str, src: str) -> None:
-        kind = f"{type(layer).__module__}.{type(layer).__qualname__}"
-        base = layer.get_base_layer()  # type: ignore[operator]
-        if _is_quantized(base) or type(layer).__module__.rsplit(".", 1)[-1] in (
-            "bnb",
-            "gptq",
-            "awq",
-            "hqq",
-            "torchao",
-            "eetq",
-            "aqlm",
-        ):
-            raise UnsupportedModelError(
-                f"module {src!r} ({kind}) has a quantized base weight; an exact out-of-place merge needs the "
-                "unquantized weight (dequantize the base model, or stream the adapter on its own)"
-            )
+        base = layer.get_base_layer()
         if getattr(layer, "merged", False):
             raise UnsupportedModelError(
                 f"module {src!r} has adapters {list(layer.merged_adapters)} merged into its base weight in place; "
                 "call model.unmerge_adapter() first (lora_stream merges out of place and never needs merge_adapter)"
             )
-        is_lora = isinstance(layer, self.cls["lora_linear"] + self.cls["lora_embedding"])
-        if not is_lora and not isinstance(layer, self.cls["generic"]):
-            raise UnsupportedAdapterError(
-                f"module {src!r} is a {kind}, whose merge is not an additive delta lora_stream can compute out of "
-                "place (supported: peft LoRA/rsLoRA/DoRA on Linear, Conv1D and Embedding; LoRA on convolutions; "
-                "LoHa; LoKr)"
-            )
+        # The table decides, for every tuner layer, adapters active or not: an unknown layer is refused up front.
+        rule = rule_for(layer, src)
         adapters_present = set(_adapter_keys(layer))
         active: list[str] = []
         if not layer.disable_adapters:
@@ -215,40 +194,37 @@ class _Planner:
         bsrc = join(src, "base_layer")
         unit = Unit(src)
         merges: dict[str, Merge] = {}
-        weight = dict(self.g.module_params(base)).get("weight")
-        if active and weight is not None:
-            if id(weight) in self.seen_params:
+        bw = self._base_weight(base, bsrc)
+        if active and bw is not None:
+            if id(bw.param) in self.seen_params:
                 raise UnsupportedAdapterError(
-                    f"module {src!r} adapts a weight tied to {self.seen_params[id(weight)]!r}, which comes earlier "
+                    f"module {src!r} adapts a weight tied to {self.seen_params[id(bw.param)]!r}, which comes earlier "
                     "in the model and is streamed unmerged; peft's merge would change both"
                 )
-            if is_lora:
-                merges.update(self._lora_merges(layer, base, active, src))
+            if rule.family == "lora":
+                merges.update(self._lora_merges(rule, layer, base, bw, active, src))
             else:
-                merges["weight"] = DeltaMerge(weight, layer, active, self._adapter_params(layer, active))
+                specs = [lycoris_spec(rule, layer, a, src) for a in active]
+                factors = [(sp.scaling, {k: self._param(getattr(layer, k), sp.adapter) for k in sp.keys}) for sp in specs]
+                merges["weight"] = LycorisMerge(rule.family, bw, factors)
         self._own_params(base, hf, bsrc, unit, merges)
         self._emit(unit)
         for cname, child in base._modules.items():
             if child is not None:
                 self.visit(child, join(hf, cname), join(bsrc, cname))
 
-    def _lora_merges(self, layer: Any, base: Any, active: list[str], src: str) -> dict[str, Merge]:
-        from peft.tuners.lora import variants
-
-        embedding = isinstance(layer, self.cls["lora_embedding"])
-        dora_kinds = (variants.DoraLinearVariant, variants.DoraEmbeddingVariant)
+    def _lora_merges(
+        self, rule: LayerRule, layer: Any, base: Any, bw: BaseWeight, active: list[str], src: str
+    ) -> dict[str, Merge]:
+        embedding = rule.layout == "embedding"
+        has_bias = "bias" in dict(self.g.module_params(base))
         terms: list[LoraTerm] = []
         bias_terms: list[tuple[ParamRef, float]] = []
         param = self._param
         fan_in_fan_out = bool(getattr(layer, "fan_in_fan_out", False))
         for a in active:
-            variant = getattr(layer, "lora_variant", {}).get(a)
-            if variant is not None and not isinstance(variant, dora_kinds):
-                raise UnsupportedAdapterError(
-                    f"module {src!r} adapter {a!r} uses the LoRA variant {type(variant).__name__}; only plain LoRA, "
-                    "rsLoRA and DoRA are merged"
-                )
-            magnitude = param(layer.lora_magnitude_vector[a], "weight") if variant is not None else None
+            spec = lora_spec(rule, layer, a, src, has_bias)
+            magnitude = param(layer.lora_magnitude_vector[a], "weight") if spec.dora else None
             scaling = float(layer.scaling[a])
             if embedding:
                 # delta = (B @ A).T = A.T @ B.T, with A: [r, num_embeddings], B: [dim, r].
@@ -262,25 +238,20 @@ class _Planner:
                         magnitude=magnitude,
                     )
                 )
-            else:
-                a_w, b_w = param(layer.lora_A[a], "weight"), param(layer.lora_B[a], "weight")
-                if fan_in_fan_out:  # base is [in, out]: delta = (B @ A).T = A.T @ B.T
-                    terms.append(LoraTerm(a_w, b_w, scaling, True, True, magnitude))
-                else:
-                    terms.append(LoraTerm(b_w, a_w, scaling, False, False, magnitude))
-                if layer.lora_bias.get(a, False):
-                    if "bias" not in dict(self.g.module_params(base)):
-                        raise UnsupportedAdapterError(
-                            f"module {src!r} adapter {a!r} has lora_bias=True but the base layer has no bias"
-                        )
-                    bias_terms.append((param(layer.lora_B[a], "bias"), scaling))
-        # DoRA's per-channel norm runs over output channels: rows of nn.Linear's [out, in], columns of Conv1D's
-        # [in, out] and of an embedding's [num_embeddings, dim] (peft's DoraEmbeddingLayer uses fan_in_fan_out=True).
+                continue
+            a_w, b_w = param(layer.lora_A[a], "weight"), param(layer.lora_B[a], "weight")
+            if fan_in_fan_out:  # base is [in, out]: delta = (B @ A).T = A.T @ B.T
+                terms.append(LoraTerm(a_w, b_w, scaling, True, True, magnitude))
+            else:  # nn.Linear [out, in], and a convolution as the matrix [out, in * kernel]
+                terms.append(LoraTerm(b_w, a_w, scaling, False, False, magnitude))
+            if spec.bias:
+                bias_terms.append((param(layer.lora_B[a], "bias"), scaling))
+        # DoRA's per-channel norm runs over output channels: rows of nn.Linear's [out, in] and of a convolution's
+        # [out, in * kernel], columns of Conv1D's [in, out] and of an embedding's [num_embeddings, dim] (peft's
+        # DoraEmbeddingLayer uses fan_in_fan_out=True).
         has_dora = any(t.magnitude is not None for t in terms)
         channel_dim = 1 if has_dora and (embedding or fan_in_fan_out) else 0
-        merges: dict[str, Merge] = {
-            "weight": LoraWeightMerge(param(base, "weight"), terms, channel_dim, self.block_bytes)
-        }
+        merges: dict[str, Merge] = {"weight": LoraWeightMerge(bw, terms, channel_dim, self.block_bytes)}
         if bias_terms:
             merges["bias"] = LoraBiasMerge(param(base, "bias"), bias_terms)
         return merges
@@ -291,22 +262,6 @@ class _Planner:
         while (attr := wrapped_child_attr(module)) is not None:
             module = module._modules[attr]  # type: ignore[assignment]
         return self.g.param(module, name)
-
-    def _adapter_params(self, layer: Any, adapters: list[str]) -> list[ParamRef]:
-        """Every parameter of the given adapters, for a merge (``get_delta_weight``) that reads them itself."""
-        out: list[ParamRef] = []
-        for attr in getattr(layer, "adapter_layer_names", ()):
-            container = getattr(layer, attr, None)
-            if not isinstance(container, (nn.ModuleDict, nn.ParameterDict)):
-                continue
-            for a in adapters:
-                if a not in container:
-                    continue
-                if isinstance(container, nn.ParameterDict):
-                    out.append(self._param(container, a))
-                else:
-                    out += [p for m in container[a].modules() for _, p in self.g.module_params(m)]
-        return out
 
 
 def _adapter_keys(layer: Any) -> list[str]:

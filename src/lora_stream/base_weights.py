@@ -1,0 +1,177 @@
+"""Base weights as a merge reads them: dense parameters, and bitsandbytes-quantized ones dequantized block by block.
+
+A merge reads its base weight one block of output channels at a time into a float32 buffer. For a dense parameter
+that is a narrow-and-copy. For a QLoRA base (bitsandbytes ``Params4bit`` / ``Int8Params``) it is bitsandbytes' own
+dequantization of just those rows, so a merged 4-bit weight never needs a whole float copy of the base and the
+quantized storage is only read. The dequantized values are exactly what bitsandbytes' (and peft's)
+``dequantize_bnb_weight`` gives for the whole weight: the same kernel, in the same dtype, on a slice that starts and
+ends on a quantization-block boundary.
+
+Everything else that is quantized (GPTQ, AWQ, HQQ, torchao, ...) is refused by :func:`base_weight_of`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import UnsupportedModelError
+
+__all__ = ["BaseWeight", "DenseWeight", "Bnb4BitWeight", "Bnb8BitWeight", "base_weight_of", "is_quantized"]
+
+#: Output dtype of a merged quantized base when the stream is given none: what vLLM and most trainers serve in.
+QUANTIZED_DEFAULT_DTYPE = torch.bfloat16
+
+_QUANTIZER_PACKAGES = ("bitsandbytes", "auto_gptq", "gptqmodel", "awq", "hqq", "torchao", "optimum", "eetq", "aqlm")
+
+
+class BaseWeight:
+    """How a merge reads one base weight.
+
+    ``param`` is what the gatherer must make whole. ``shape`` is the logical (dequantized) shape of the weight,
+    ``dtype`` the dtype the model computes with. ``read_rows(full, start, n, out)`` writes rows ``[start, start+n)``
+    of the weight viewed as a matrix ``[shape[0], -1]`` into the float32 tensor ``out``; ``row_multiple`` is the
+    granularity at which row blocks may start (quantization blocks must not be cut).
+    """
+
+    param: Any
+    shape: torch.Size
+    dtype: torch.dtype
+    row_multiple: int = 1
+    quantized: bool = False
+
+    def read_rows(self, full: Any, start: int, n: int, out: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def dense(self, full: Any) -> torch.Tensor:
+        """The whole weight (for merges that are not blocked): the parameter itself for a dense weight."""
+        raise NotImplementedError
+
+
+class DenseWeight(BaseWeight):
+    """A plain floating-point parameter, whole once gathered."""
+
+    def __init__(self, param: Any, shape: torch.Size, dtype: torch.dtype) -> None:
+        self.param, self.shape, self.dtype = param, shape, dtype
+
+    def read_rows(self, full: Any, start: int, n: int, out: torch.Tensor) -> None:
+        w: torch.Tensor = full(self.param)
+        out.copy_(w.reshape(w.shape[0], -1).narrow(0, start, n))
+
+    def dense(self, full: Any) -> torch.Tensor:
+        t: torch.Tensor = full(self.param)
+        return t
+
+
+class Bnb4BitWeight(BaseWeight):
+    """A bitsandbytes ``Params4bit`` (nf4 / fp4, with or without double quantization).
+
+    The packed storage holds two 4-bit codes per byte in row-major order of the logical ``[out, in]`` weight, one
+    absmax per ``blocksize`` codes. A row block whose element range starts and ends on a multiple of ``blocksize``
+    (an even number) is a byte range of the storage and a range of absmax entries, so it is dequantized on its own
+    by ``bitsandbytes.functional.dequantize_4bit``. Double-quantized absmax is dequantized once per read (it is
+    ``1/blocksize`` of the weight's elements).
+    """
+
+    quantized = True
+
+    def __init__(self, param: Any) -> None:
+        state = param.quant_state
+        self.param = param
+        self.shape = torch.Size(state.shape)
+        self.dtype = state.dtype
+        self._state = state
+        cols = math.prod(self.shape[1:]) if len(self.shape) > 1 else 1
+        self._cols = cols
+        block = int(state.blocksize)
+        # Rows per block boundary: n * cols must be a multiple of blocksize (itself even, so bytes stay whole).
+        self.row_multiple = block // math.gcd(block, cols)
+
+    def _absmax(self) -> torch.Tensor:
+        import bitsandbytes.functional as F
+
+        s = self._state
+        if s.nested:
+            absmax = F.dequantize_blockwise(s.absmax, s.state2)
+            absmax += s.offset
+            return absmax.float()
+        absmax: torch.Tensor = s.absmax.float()
+        return absmax
+
+    def read_rows(self, full: Any, start: int, n: int, out: torch.Tensor) -> None:
+        import bitsandbytes.functional as F
+
+        s = self._state
+        packed = full(self.param).detach().reshape(-1).view(torch.uint8)
+        first, count = start * self._cols, n * self._cols
+        block = int(s.blocksize)
+        absmax = self._absmax().narrow(0, first // block, math.ceil(count / block))
+        codes = packed.narrow(0, first // 2, (count + 1) // 2).reshape(-1, 1)
+        rows_state = F.QuantState(
+            absmax=absmax, shape=torch.Size((n, self._cols)), blocksize=block, quant_type=s.quant_type, dtype=self.dtype
+        )
+        out.copy_(F.dequantize_4bit(codes, rows_state))
+
+    def dense(self, full: Any) -> torch.Tensor:
+        import bitsandbytes.functional as F
+
+        return F.dequantize_4bit(full(self.param).detach(), self._state)
+
+
+class Bnb8BitWeight(BaseWeight):
+    """A bitsandbytes ``Int8Params`` (LLM.int8()): int8 rows with one absmax per row (``SCB``)."""
+
+    quantized = True
+
+    def __init__(self, param: Any, scb: torch.Tensor) -> None:
+        self.param = param
+        self.shape = torch.Size(param.shape)
+        self.dtype = torch.float16  # the dtype LLM.int8() computes in
+        self._scb = scb
+
+    def read_rows(self, full: Any, start: int, n: int, out: torch.Tensor) -> None:
+        import bitsandbytes.functional as F
+
+        data = full(self.param).detach()
+        out.copy_(F.int8_vectorwise_dequant(data.narrow(0, start, n), self._scb.narrow(0, start, n).to(data.device)))
+
+    def dense(self, full: Any) -> torch.Tensor:
+        import bitsandbytes.functional as F
+
+        data = full(self.param).detach()
+        return F.int8_vectorwise_dequant(data, self._scb.to(data.device))
+
+
+def is_quantized(module: nn.Module) -> bool:
+    """Whether ``module``'s weight is stored quantized (by bitsandbytes or another quantizer)."""
+    w = getattr(module, "weight", None)
+    if any(k.__module__.split(".")[0] in _QUANTIZER_PACKAGES for k in (type(module), type(w))):
+        return True
+    return isinstance(w, torch.Tensor) and not (w.is_floating_point() or w.is_meta)
+
+
+def base_weight_of(module: nn.Module, param: Any, shape: torch.Size, dtype: torch.dtype, where: str) -> BaseWeight:
+    """The reader of ``module``'s weight ``param``; raises :class:`UnsupportedModelError` for a quantization that
+    cannot be dequantized exactly here."""
+    kind = type(param).__name__
+    if kind == "Params4bit" and getattr(param, "quant_state", None) is not None:
+        return Bnb4BitWeight(param)
+    if kind == "Int8Params" and param.dtype == torch.int8:
+        scb = getattr(param, "SCB", None)
+        if scb is None:
+            scb = getattr(getattr(module, "state", None), "SCB", None)
+        if scb is None:
+            raise UnsupportedModelError(f"{where}: an int8 bitsandbytes weight without its row scales (SCB)")
+        return Bnb8BitWeight(param, scb)
+    if kind in ("Params4bit", "Int8Params") and param.is_floating_point():
+        return DenseWeight(param, shape, dtype)  # bitsandbytes class, not quantized (yet): read as it is
+    if is_quantized(module):
+        raise UnsupportedModelError(
+            f"{where} ({type(module).__name__}, weight {kind}) has a quantized base weight that lora_stream cannot "
+            "dequantize exactly; bitsandbytes 4-bit and 8-bit bases are supported (dequantize the model, or "
+            "stream the adapter on its own)"
+        )
+    return DenseWeight(param, shape, dtype)
