@@ -314,3 +314,46 @@ class CollectiveCounter:
     def __exit__(self, *exc: object) -> None:
         for ns, name, fn in self.saved:
             setattr(ns, name, fn)
+
+
+class Zoo(nn.Module):
+    """One module of every kind peft can adapt, small enough to merge in milliseconds."""
+
+    def __init__(self) -> None:
+        from transformers.pytorch_utils import Conv1D
+
+        super().__init__()
+        self.emb = nn.Embedding(40, 32)
+        self.lin = nn.Linear(32, 48)
+        self.lin_nobias = nn.Linear(48, 32, bias=False)
+        self.c1 = nn.Conv1d(8, 16, 3)
+        self.c2 = nn.Conv2d(8, 16, 3)
+        self.c2_1x1 = nn.Conv2d(16, 8, 1)
+        self.c3 = nn.Conv3d(4, 8, (2, 3, 3))
+        self.c2_groups = nn.Conv2d(8, 16, 3, groups=2)
+        self.c2_dilated = nn.Conv2d(8, 16, 3, dilation=2)
+        self.gpt2 = Conv1D(48, 32)
+        self.mha = nn.MultiheadAttention(32, 2)
+        self.moe = Experts()
+
+
+class Experts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.randn(4, 32, 16))
+
+
+def zoo(seed: int = 0) -> nn.Module:
+    """A :class:`Zoo` with seeded random weights."""
+    torch.manual_seed(seed)
+    return Zoo()
+
+
+def perturb_adapters(model: nn.Module, seed: int = 1) -> None:
+    """Move every trainable tensor (adapter factors, DoRA magnitudes, biases, modules_to_save copies) off peft's
+    initialisation, which hides wrong merges (``lora_B == 0``; DoRA's magnitude equal to ``||W + dW||``)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.requires_grad and p.is_floating_point():
+                p.add_(torch.randn(p.shape, generator=gen) * 0.2 * (p.abs().mean() + 0.1))

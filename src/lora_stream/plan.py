@@ -205,7 +205,8 @@ class _Planner:
                 merges.update(self._lora_merges(rule, layer, base, bw, active, src))
             else:
                 specs = [lycoris_spec(rule, layer, a, src) for a in active]
-                factors = [(sp.scaling, {k: self._param(getattr(layer, k), sp.adapter) for k in sp.keys}) for sp in specs]
+                # sorted: every rank must gather the same parameters in the same order, and set order is per process
+                factors = [(sp.scaling, {k: self._param(getattr(layer, k), sp.adapter) for k in sorted(sp.keys)}) for sp in specs]
                 merges["weight"] = LycorisMerge(rule.family, bw, factors)
         self._own_params(base, hf, bsrc, unit, merges)
         self._emit(unit)
