@@ -357,3 +357,50 @@ def perturb_adapters(model: nn.Module, seed: int = 1) -> None:
         for _, p in model.named_parameters():
             if p.requires_grad and p.is_floating_point():
                 p.add_(torch.randn(p.shape, generator=gen) * 0.2 * (p.abs().mean() + 0.1))
+
+
+# -- QLoRA ---------------------------------------------------------------------------------------------------------
+BNB_CONFIGS: dict[str, dict[str, Any]] = {
+    "nf4": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16),
+    "nf4-double": dict(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16
+    ),
+    "fp4": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_compute_dtype=torch.bfloat16),
+    "fp4-double": dict(
+        load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16
+    ),
+    "int8": dict(load_in_8bit=True),
+}
+
+
+def load_quantized(path: str, quant: str, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """A causal LM from ``path`` quantized by bitsandbytes the way QLoRA users load it (``from_pretrained``)."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    return AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=BitsAndBytesConfig(**BNB_CONFIGS[quant]), device_map="cpu", dtype=dtype
+    )
+
+
+def dequantized_reference(qlora_model: nn.Module, path: str) -> nn.Module:
+    """The QLoRA oracle: peft's ``merge_and_unload()`` on a float32 copy whose bases are bitsandbytes' own
+    dequantization of the quantized weights, carrying the quantized model's adapter weights."""
+    from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+    from peft.utils.integrations import dequantize_bnb_weight
+    from transformers import AutoModelForCausalLM
+
+    dense = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    quantized = qlora_model.get_base_model()  # type: ignore[operator]
+    with torch.no_grad():
+        for name, module in quantized.named_modules():
+            if type(module).__module__.startswith("bitsandbytes"):
+                target = dense.get_submodule(name.replace(".base_layer", ""))  # test-only name fix-up
+                weight = dequantize_bnb_weight(module.weight, state=getattr(module, "state", None))
+                target.weight.copy_(weight.float())
+        for name, p in quantized.named_parameters():
+            if not type(p).__module__.startswith("bitsandbytes") and "lora_" not in name:
+                dense.get_parameter(name.replace(".base_layer", "")).copy_(p.float())
+    config = copy.deepcopy(qlora_model.peft_config["default"])  # type: ignore[index]
+    ref = get_peft_model(dense, config)
+    set_peft_model_state_dict(ref, get_peft_model_state_dict(qlora_model))
+    return ref.merge_and_unload()  # type: ignore[no-any-return]

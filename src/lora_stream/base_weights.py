@@ -25,6 +25,9 @@ __all__ = ["BaseWeight", "DenseWeight", "Bnb4BitWeight", "Bnb8BitWeight", "base_
 #: Output dtype of a merged quantized base when the stream is given none: what vLLM and most trainers serve in.
 QUANTIZED_DEFAULT_DTYPE = torch.bfloat16
 
+#: Rows per interleaved group of bitsandbytes' CPU (AVX512-BF16) 4-bit layout (``block_n`` of its packing).
+_CPU_PACK_ROWS = 32
+
 _QUANTIZER_PACKAGES = ("bitsandbytes", "auto_gptq", "gptqmodel", "awq", "hqq", "torchao", "optimum", "eetq", "aqlm")
 
 
@@ -70,10 +73,12 @@ class Bnb4BitWeight(BaseWeight):
     """A bitsandbytes ``Params4bit`` (nf4 / fp4, with or without double quantization).
 
     The packed storage holds two 4-bit codes per byte in row-major order of the logical ``[out, in]`` weight, one
-    absmax per ``blocksize`` codes. A row block whose element range starts and ends on a multiple of ``blocksize``
-    (an even number) is a byte range of the storage and a range of absmax entries, so it is dequantized on its own
-    by ``bitsandbytes.functional.dequantize_4bit``. Double-quantized absmax is dequantized once per read (it is
-    ``1/blocksize`` of the weight's elements).
+    absmax per ``blocksize`` codes. When a row is a whole number of quantization blocks (every real model: ``in`` is
+    a multiple of 64), a block of rows is a byte range of the storage and a range of absmax entries, dequantized on
+    its own by ``bitsandbytes.functional.dequantize_4bit``. Otherwise the weight is dequantized in one piece: the
+    result must equal bitsandbytes' whole-weight dequantization bit for bit, and its CPU kernel (0.50) indexes
+    blocks per row, so a slice that does not start a row on a block boundary would not. Double-quantized absmax is
+    dequantized once per read (``1/blocksize`` of the weight's elements).
     """
 
     quantized = True
@@ -87,8 +92,11 @@ class Bnb4BitWeight(BaseWeight):
         cols = math.prod(self.shape[1:]) if len(self.shape) > 1 else 1
         self._cols = cols
         block = int(state.blocksize)
-        # Rows per block boundary: n * cols must be a multiple of blocksize (itself even, so bytes stay whole).
-        self.row_multiple = block // math.gcd(block, cols)
+        self._cpu_packed = bool(getattr(state, "packing_format_for_cpu", False))
+        if self._cpu_packed:
+            self.row_multiple = _CPU_PACK_ROWS
+        else:
+            self.row_multiple = 1 if cols % block == 0 else max(1, self.shape[0])
 
     def _absmax(self) -> torch.Tensor:
         import bitsandbytes.functional as F
@@ -105,19 +113,48 @@ class Bnb4BitWeight(BaseWeight):
         import bitsandbytes.functional as F
 
         s = self._state
+        if self._cpu_packed:
+            out.copy_(self._read_cpu_packed(full(self.param).detach(), start, n))
+            return
         packed = full(self.param).detach().reshape(-1).view(torch.uint8)
         first, count = start * self._cols, n * self._cols
         block = int(s.blocksize)
-        absmax = self._absmax().narrow(0, first // block, math.ceil(count / block))
-        codes = packed.narrow(0, first // 2, (count + 1) // 2).reshape(-1, 1)
+        # Copies of the slices (a few bytes per row): bitsandbytes' CPU kernel does not honour a view's offset.
+        absmax = self._absmax().narrow(0, first // block, math.ceil(count / block)).clone()
+        codes = packed.narrow(0, first // 2, (count + 1) // 2).reshape(-1, 1).clone()
         rows_state = F.QuantState(
             absmax=absmax, shape=torch.Size((n, self._cols)), blocksize=block, quant_type=s.quant_type, dtype=self.dtype
         )
         out.copy_(F.dequantize_4bit(codes, rows_state))
 
+    def _read_cpu_packed(self, data: torch.Tensor, start: int, n: int) -> torch.Tensor:
+        """Rows of a weight in bitsandbytes' AVX512-BF16 layout (``packing_format_for_cpu``).
+
+        ``Linear4bit`` converts its weight in place to this layout on its first CPU forward in eval mode without
+        grad (a GRPO loop's no-grad logprob pass does): codes ``[N, K/2]`` interleaved in groups of 32 rows, absmax
+        ``[K/blocksize, N]`` in bfloat16, no double quantization. bitsandbytes ships no dequantization for it (its
+        inverse conversion re-quantizes the absmax), so this undoes ``_convert_weight_packed_for_cpu`` for a group
+        of rows: nibble ``j`` of a 64-code chunk is low for the first 32 codes, high for the next 32. The values are
+        what the layer's own forward multiplies by from then on: the code table rounded to bfloat16 times the
+        bfloat16 absmax, rounded to bfloat16 (checked bit for bit by probing the layer with the identity matrix).
+        """
+        from bitsandbytes.functional import get_4bit_type
+
+        s = self._state
+        block, k = int(s.blocksize), self._cols
+        b = data.narrow(0, start, n).reshape(-1, 32)
+        nibbles = torch.cat([b & 0xF, b >> 4], dim=-1)  # [.., 64]: 32 low, then 32 high
+        codes = nibbles.reshape(n // _CPU_PACK_ROWS, k // 2, _CPU_PACK_ROWS, 2).transpose(1, 2).reshape(n, k)
+        table = get_4bit_type(s.quant_type, device=data.device).to(torch.bfloat16).float()
+        scale = s.absmax.narrow(1, start, n).t().float().repeat_interleave(block, dim=1)[:, :k]
+        # A product of two bfloat16 values is exact in float32, so this rounds once, as the bf16 kernel does.
+        return (table[codes.long()] * scale).to(self.dtype)
+
     def dense(self, full: Any) -> torch.Tensor:
         import bitsandbytes.functional as F
 
+        if self._cpu_packed:
+            return self._read_cpu_packed(full(self.param).detach(), 0, self.shape[0])
         return F.dequantize_4bit(full(self.param).detach(), self._state)
 
 
