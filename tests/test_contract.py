@@ -312,7 +312,7 @@ def test_break_exception_and_close_leave_the_model_untouched_and_release_the_pas
     for i, _ in enumerate(it):
         if i == 3:
             break
-    assert it.gi_frame is not None  # still suspended until closed or collected
+    assert it.active  # still suspended until closed or collected
     del it
     gc.collect()
     assert ref() is None
@@ -326,7 +326,7 @@ def test_break_exception_and_close_leave_the_model_untouched_and_release_the_pas
     it = iter(stream)
     next(it)
     stream.close()
-    assert it.gi_frame is None  # closed: its locals (gathered group, merged tensor) are released
+    assert not it.active  # closed: its locals (gathered group, merged tensor) are released
     with pytest.raises(StopIteration):
         next(it)
 

@@ -157,3 +157,42 @@ def test_a_failure_mid_sync_raises_and_the_engine_keeps_serving(untied) -> None:
     vllm_generate(llm)  # the bracket was closed: the engine still runs
     sink.sync(ParamStream(pm, group_by="layer"))
     assert_vllm_serves(vllm_generate(llm), merged_copy(pm))
+
+
+def test_a_failed_sync_still_resets_the_prefix_cache(untied) -> None:  # type: ignore[no-untyped-def]
+    """Layers loaded before the failure hold new weights: KV blocks cached under the old ones must not be reused."""
+    from transformers import LlamaForCausalLM
+
+    path, llm = untied
+    pm = lora(LlamaForCausalLM.from_pretrained(path), target_modules="all-linear", seed=11)
+    resets = []
+    real = llm.reset_prefix_cache
+
+    def counting_reset(*args, **kwargs):  # type: ignore[no-untyped-def]
+        resets.append(1)
+        return real(*args, **kwargs)
+
+    llm.reset_prefix_cache = counting_reset
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            VLLMColocatedSink(llm).sync(_FailingStream(pm, group_by="layer"))
+    finally:
+        del llm.reset_prefix_cache
+    assert resets == [1]
+
+
+def test_qlora_trainer_syncs_the_dequantized_merge(untied) -> None:  # type: ignore[no-untyped-def]
+    """A 4-bit (nf4, double-quantized) QLoRA trainer: vLLM serves peft's merge on the dequantized base."""
+    from helpers import dequantized_reference, load_quantized, perturb_adapters
+
+    require("bitsandbytes")
+    path, llm = untied
+    pm = lora(load_quantized(path, "nf4-double"), target_modules="all-linear", r=8, lora_alpha=32)
+    perturb_adapters(pm)
+    before = vllm_generate(llm)
+    record = VLLMColocatedSink(llm).sync(ParamStream(pm, group_by="layer", dtype=torch.float32))
+    reference = dequantized_reference(pm, path)
+    assert record.tensors == len(list(reference.named_parameters()))
+    served = vllm_generate(llm)
+    assert served != before
+    assert_vllm_serves(served, reference)

@@ -63,6 +63,20 @@ def test_server_answering_an_error_raises_on_every_rank(server: Server, checkpoi
     assert server.healthy() and server.version() == before
 
 
+def test_an_empty_stream_syncs_nothing_and_the_server_keeps_serving(server: Server) -> None:
+    from torch import nn
+
+    from lora_stream import ParamStream, VLLMServerSink
+
+    sink = VLLMServerSink(server.url, checkpoint=False, timeout=30)
+    try:
+        record = sink.sync(ParamStream(nn.Module()), version="empty")
+    finally:
+        sink.close()
+    assert record.tensors == 0 and record.bytes == 0
+    assert server.healthy() and server.version() == "empty"
+
+
 def test_server_down_raises_on_every_rank(checkpoint: str) -> None:
     from launch import free_port
 

@@ -62,3 +62,12 @@ def test_rank_1_dying_aborts_rank_0_within_seconds() -> None:
     assert r1.returncode == 17, describe(results)
     assert r0.returncode == 3, describe(results)
     assert _abort_seconds(r0.output) < 10
+
+
+def test_a_consumer_raising_inside_with_aborts_peers_even_if_its_pass_is_kept_alive() -> None:
+    """The stop is sent when the exception leaves the ``with`` block, not when the pass is garbage-collected."""
+    results = launch("zero3_stream", "raise-kept", timeout=120)
+    r0, r1 = results
+    assert "CONSUMER-RAISED" in r1.output, describe(results)
+    assert r0.returncode == 3 and "failed_ranks=(1,)" in r0.output, describe(results)
+    assert _abort_seconds(r0.output) < 10

@@ -201,13 +201,17 @@ def base_weight_of(module: nn.Module, param: Any, shape: torch.Size, dtype: torc
         if scb is None:
             scb = getattr(getattr(module, "state", None), "SCB", None)
         if scb is None:
-            raise UnsupportedModelError(f"{where}: an int8 bitsandbytes weight without its row scales (SCB)")
+            raise UnsupportedModelError(f"module {where}: an int8 bitsandbytes weight without its row scales (SCB)")
         return Bnb8BitWeight(param, scb)
-    if kind in ("Params4bit", "Int8Params") and param.is_floating_point():
-        return DenseWeight(param, shape, dtype)  # bitsandbytes class, not quantized (yet): read as it is
+    if kind in ("Params4bit", "Int8Params"):
+        raise UnsupportedModelError(
+            f"module {where} has a bitsandbytes {kind} weight that is not quantized yet: its forward quantizes it on "
+            "the fly, so the stored values are not the quantized base weight it computes with. Load the model with "
+            "from_pretrained(..., quantization_config=BitsAndBytesConfig(...)), or move it to its device, first"
+        )
     if is_quantized(module):
         raise UnsupportedModelError(
-            f"{where} ({type(module).__name__}, weight {kind}) has a quantized base weight that lora_stream cannot "
+            f"module {where} ({type(module).__name__}, weight {kind}) has a quantized base weight that lora_stream cannot "
             "dequantize exactly; bitsandbytes 4-bit and 8-bit bases are supported (dequantize the model, or "
             "stream the adapter on its own)"
         )

@@ -194,7 +194,7 @@ class _Planner:
         bsrc = join(src, "base_layer")
         unit = Unit(src)
         merges: dict[str, Merge] = {}
-        bw = self._base_weight(base, bsrc)
+        bw = self._base_weight(base, src)
         if active and bw is not None:
             if id(bw.param) in self.seen_params:
                 raise UnsupportedAdapterError(

@@ -5,9 +5,10 @@ from __future__ import annotations
 import datetime
 import time
 import weakref
-from collections.abc import Generator, Iterator
+from collections.abc import Generator
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Generic, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,7 @@ from .merge import DEFAULT_MERGE_BLOCK_BYTES, FullTensor
 from .names import NameNormalizer, Renames
 from .plan import Target, plan_model
 
-__all__ = ["ParamMeta", "StreamStats", "ParamStream", "stream_merged_params"]
+__all__ = ["ParamMeta", "StreamStats", "ParamStream", "StreamPass", "stream_merged_params"]
 
 #: ``malloc_trim`` walks the whole heap (~9 ms per call on the benchmark model), so it runs once this many gathered
 #: bytes have been released rather than after every group: freed memory held back stays under this bound.
@@ -67,6 +68,50 @@ class StreamStats:
     complete: bool = False
 
 
+T = TypeVar("T")
+
+
+class StreamPass(Generic[T]):
+    """One pass over a :class:`ParamStream`: an iterator, and a context manager that ends the pass with its block.
+
+    Other ranks learn that this rank stopped (and raise :class:`~lora_stream.StreamAbortedError`) when the pass
+    ends: it is exhausted, ``close()`` is called, its ``with`` block exits, or it is garbage-collected. The last is
+    not prompt when something keeps the pass alive -- a traceback held by an ``except`` clause or a logger, a local
+    variable -- and the peers then wait out the stream's ``timeout``. Iterate inside ``with`` (every sink does) and
+    an exception leaving the block ends the pass at once::
+
+        with stream.iter_groups() as groups:
+            for names, tensors in groups:
+                engine.load(names, tensors)   # if this raises, peers are told before the exception goes on
+    """
+
+    def __init__(self, gen: Generator[T, None, None]) -> None:
+        self._gen = gen
+
+    def __iter__(self) -> StreamPass[T]:
+        return self
+
+    def __next__(self) -> T:
+        return next(self._gen)
+
+    @property
+    def active(self) -> bool:
+        """Whether the pass is still open (started or not, and neither exhausted nor closed)."""
+        return self._gen.gi_frame is not None
+
+    def close(self) -> None:
+        """End the pass now: release what it holds and tell the other ranks (a no-op once ended)."""
+        self._gen.close()
+
+    def __enter__(self) -> StreamPass[T]:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
 class ParamStream:
     """A model's weights as ``(hf_name, tensor)`` pairs, LoRA merged out of place, produced one group at a time.
 
@@ -94,7 +139,9 @@ class ParamStream:
        read-only and as valid until the stream moves past its group; clone it to keep it.
     7. **Early stop** (``break``, an exception in the consumer, ``close()``) leaves the model untouched and releases
        everything the pass held. Under a sharded gatherer the other ranks raise
-       :class:`~lora_stream.StreamAbortedError` naming the rank, at the latest one group later.
+       :class:`~lora_stream.StreamAbortedError` naming the rank, at the latest one group later -- once the pass
+       has ended: iterate inside ``with`` (:class:`StreamPass`) so that it ends when the exception leaves the block,
+       even if a traceback keeps the iterator alive.
     8. ``metadata()`` describes the whole stream without materializing or communicating anything and agrees with
        iteration element for element; ``groups()`` / ``iter_groups()`` expose the groups. Together these satisfy
        vLLM's ``WeightSource`` contract structurally.
@@ -200,17 +247,21 @@ class ParamStream:
     def __len__(self) -> int:
         return len(self._meta)
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """A fresh pass yielding ``(name, tensor)``; every rank of a sharded model must iterate it in lockstep."""
+    def __iter__(self) -> StreamPass[tuple[str, torch.Tensor]]:
+        """A fresh pass yielding ``(name, tensor)``; every rank of a sharded model must iterate it in lockstep.
+
+        Use it as ``with iter(stream) as it:`` (or ``with stream:``) so that an exception in the loop body ends the
+        pass for every rank at once; see :class:`StreamPass`.
+        """
         gen = self._produce(batched=False)
         self._passes.add(gen)
-        return gen  # type: ignore[return-value]
+        return StreamPass(gen)  # type: ignore[arg-type]
 
-    def iter_groups(self) -> Iterator[tuple[list[str], list[torch.Tensor]]]:
-        """A fresh pass yielding one ``(names, tensors)`` batch per group of ``groups()``."""
+    def iter_groups(self) -> StreamPass[tuple[list[str], list[torch.Tensor]]]:
+        """A fresh pass yielding one ``(names, tensors)`` batch per group of ``groups()`` (see :class:`StreamPass`)."""
         gen = self._produce(batched=True)
         self._passes.add(gen)
-        return gen  # type: ignore[return-value]
+        return StreamPass(gen)  # type: ignore[arg-type]
 
     def agree(self, ok: bool, what: str) -> None:
         """Every rank says whether it can go on; if any cannot, every other rank raises ``StreamAbortedError``.
@@ -225,7 +276,9 @@ class ParamStream:
 
     # -- lifetime ---------------------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop every pass still open on this stream and release what it holds (peers are told, see point 7)."""
+        """Stop every pass still open on this stream and release what it holds (peers are told, see point 7).
+
+        ``with ParamStream(...) as stream:`` calls this when the block exits, exception or not."""
         for gen in list(self._passes):
             gen.close()
 
@@ -346,11 +399,12 @@ def stream_merged_params(
     reuse_outputs: bool = False,
     release_memory: bool = True,
     measure_rss: bool = False,
-) -> Iterator[tuple[str, torch.Tensor]]:
+) -> StreamPass[tuple[str, torch.Tensor]]:
     """Iterate ``(hf_name, merged_tensor)`` over ``model``: one pass of a :class:`ParamStream` with these options.
 
-    >>> for name, tensor in stream_merged_params(peft_model):    # doctest: +SKIP
-    ...     llm_model.load_weights([(name, tensor)])
+    >>> with stream_merged_params(peft_model) as weights:    # doctest: +SKIP
+    ...     for name, tensor in weights:
+    ...         llm_model.load_weights([(name, tensor)])
     """
     return iter(
         ParamStream(

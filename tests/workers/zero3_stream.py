@@ -8,6 +8,8 @@ Scenarios:
   drift       bf16 engine, 100 streams: every rank's partition (ds_tensor) bitwise identical afterwards.
   raise       rank 1's consumer raises at the third group (and catches it after the loop).
   die         rank 1's process exits at the third group.
+  raise-kept  rank 1's consumer raises at the third group inside ``with stream.iter_groups()``, and rank 1 keeps the
+              pass and the traceback alive (and its process running) afterwards.
 """
 
 from __future__ import annotations
@@ -185,11 +187,42 @@ def scenario_failure(kind: str) -> None:
     finish(4)
 
 
+def scenario_raise_kept() -> None:
+    pm = lora(tiny_llama(layers=4), target_modules="all-linear")
+    engine = engine_for(pm)
+    # A long timeout: if rank 1's stop were only sent when its pass is collected, rank 0 would wait all of it.
+    stream = ParamStream(engine, group_by="module", timeout=120)
+    rank = dist.get_rank()
+    start = time.monotonic()
+    kept = []
+    try:
+        with stream.iter_groups() as groups:
+            kept.append(groups)
+            for i, _batch in enumerate(groups):
+                if rank == 1 and i == 2:
+                    raise ValueError("consumer on rank 1 failed at the third group")
+    except ValueError as exc:
+        kept.append(exc)  # the traceback keeps this frame, and the pass, alive
+        print(f"CONSUMER-RAISED {exc} after {time.monotonic() - start:.2f}s", flush=True)
+        time.sleep(30)  # still alive: rank 0 cannot learn of the stop from a closed connection
+        finish(0)
+    except StreamAbortedError as exc:
+        print(
+            f"ABORTED after {time.monotonic() - start:.2f}s failed_ranks={exc.failed_ranks}: {exc}",
+            flush=True,
+        )
+        finish(3)
+    print("COMPLETED (should not happen)", flush=True)
+    finish(4)
+
+
 def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     scenario, args = sys.argv[1], sys.argv[2:]
     if scenario in ("raise", "die"):
         scenario_failure(scenario)
+    elif scenario == "raise-kept":
+        scenario_raise_kept()
     else:
         {
             "engine": scenario_engine,

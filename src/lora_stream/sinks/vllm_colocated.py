@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from contextlib import closing
 from typing import Any
 
 import torch
@@ -121,36 +122,44 @@ class VLLMColocatedSink:
         self._begin()
         failed: BaseException | None = None
         try:
-            for names, group in stream.iter_groups():
-                pairs = list(zip(names, group))
-                pairs += [(a, t) for n, t in zip(names, group) for a in by_primary.get(n, ())]
-                loaded = self._load(pairs)
-                check.add([n for n, _ in pairs], loaded)
-                groups += 1
-                group_bytes = sum(t.numel() * t.element_size() for _, t in pairs)
-                tensors += len(pairs)
-                nbytes += group_bytes
-                peak_group = max(peak_group, group_bytes)
-                del pairs, group
+            try:
+                with closing(stream.iter_groups()) as batches:  # a failure below ends the pass for every rank
+                    for names, group in batches:
+                        pairs = list(zip(names, group))
+                        pairs += [(a, t) for n, t in zip(names, group) for a in by_primary.get(n, ())]
+                        loaded = self._load(pairs)
+                        check.add([n for n, _ in pairs], loaded)
+                        groups += 1
+                        group_bytes = sum(t.numel() * t.element_size() for _, t in pairs)
+                        tensors += len(pairs)
+                        nbytes += group_bytes
+                        peak_group = max(peak_group, group_bytes)
+                        del pairs, group
+            except BaseException as exc:
+                failed = exc
+                raise
+            finally:
+                # Always close the bracket: an open one leaves layers on the meta device and the engine's next
+                # forward kills it. Finalizing restores every layer that did not receive all its weights.
+                try:
+                    problems = self._finish(check)
+                except Exception as finish_exc:
+                    if failed is None:
+                        raise
+                    failed.add_note(f"lora_stream: closing vLLM's reload bracket also failed: {finish_exc!r}")
+            if self.check_consumed:
+                unconsumed, incomplete = problems
+                if unconsumed or incomplete:
+                    raise VLLMLoadError(
+                        f"vLLM did not consume {len(unconsumed)} name(s) {unconsumed[:20]} and left fused modules "
+                        f"incomplete {dict(list(incomplete.items())[:20])}"
+                    )
         except BaseException as exc:
-            failed = exc
+            failed = failed or exc
             raise
         finally:
-            # Always close the bracket: an open one leaves layers on the meta device and the engine's next forward
-            # kills it. Finalizing restores every layer that did not receive all its weights.
-            try:
-                problems = self._finish(check)
-            except Exception:
-                if failed is None:
-                    raise
-        if self.check_consumed:
-            unconsumed, incomplete = problems
-            if unconsumed or incomplete:
-                raise VLLMLoadError(
-                    f"vLLM did not consume {len(unconsumed)} name(s) {unconsumed[:20]} and left fused modules "
-                    f"incomplete {dict(list(incomplete.items())[:20])}"
-                )
-        self.llm.reset_prefix_cache()
+            # Whatever happened, some layers may hold new weights now: KV blocks cached under the old ones must go.
+            self._reset_prefix_cache(failed)
         record = SyncRecord(
             sink="vllm-colocated",
             tensors=tensors,
@@ -162,6 +171,15 @@ class VLLMColocatedSink:
         )
         record.log()
         return record
+
+    def _reset_prefix_cache(self, failed: BaseException | None) -> None:
+        try:
+            self.llm.reset_prefix_cache()
+        except Exception as exc:
+            if failed is None:
+                raise
+            # The sync's own error is the one to report; say that the cache may be stale too.
+            failed.add_note(f"lora_stream: resetting vLLM's prefix cache after the failure also failed: {exc!r}")
 
     # -- the bracket, in process or over collective_rpc ------------------------------------------------------------
     def _begin(self) -> None:

@@ -78,10 +78,18 @@ class TransferGroup:
         return self.pg.broadcast([tensor], opts)
 
     def close(self) -> None:
-        try:
-            self.pg.abort()
-        except Exception:
-            pass
+        """Tear the group down, so that a peer blocked in a broadcast fails at once instead of at the timeout.
+
+        Dropping the last reference destroys the gloo group, which closes its connections: a peer waiting in a
+        broadcast raises "Connection closed by peer" within a second. gloo's ``abort()`` and ``shutdown()`` leave
+        the connections open (measured with torch 2.13: the peer waited out its whole timeout either way).
+        Idempotent.
+        """
+        self.pg = None
+
+    @property
+    def closed(self) -> bool:
+        return self.pg is None
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):  # type: ignore[misc]
@@ -160,7 +168,4 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def shutdown(self) -> None:
         group, self.group = self.group, None
         if group is not None:
-            try:
-                group.abort()
-            except Exception:
-                pass
+            group.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+from contextlib import AbstractContextManager, closing, nullcontext
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -35,6 +36,12 @@ class GlooTrainerInitInfo(TrainerInitInfo):  # type: ignore[misc]
     world_size: int
     buffer_bytes: int = 256 * 1024 * 1024
     timeout_s: float = 120.0
+
+
+def _ending(batches: Any) -> AbstractContextManager[Any]:
+    """End a source's pass when the block exits (a ``ParamStream`` then tells its other ranks at once); a plain
+    iterator without ``close()`` is used as it is."""
+    return closing(batches) if hasattr(batches, "close") else nullcontext(batches)
 
 
 def _send(
@@ -100,8 +107,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
     def send_weights(self) -> None:
         source: Any = self.source
         if not self.is_sender:
-            for _ in source.iter_groups():
-                pass  # the gathers are collectives: every trainer rank produces the stream in lockstep
+            with _ending(source.iter_groups()) as batches:
+                for _ in batches:
+                    pass  # the gathers are collectives: every trainer rank produces the stream in lockstep
             return
         meta = source.metadata()
         groups = source.groups()
@@ -121,27 +129,27 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         pool = concurrent.futures.ThreadPoolExecutor(1)
         try:
             pending = pool.submit(self.client.update_weights, update)
-            buffer = torch.empty(
-                min(self.init_info.buffer_bytes, max(plan.chunk_bytes(c) for c in range(len(plan.chunks)))),
-                dtype=torch.uint8,
-            )
+            largest_chunk = max((plan.chunk_bytes(c) for c in range(len(plan.chunks))), default=0)
+            buffer = torch.empty(min(self.init_info.buffer_bytes, largest_chunk), dtype=torch.uint8)
             index = 0
-            for names, tensors in source.iter_groups():
-                for name, tensor in zip(names, tensors):
-                    if name != meta[index].name:
-                        raise TransferError(f"stream yielded {name!r} where metadata() promised {meta[index].name!r}")
-                    c = chunk_of[index]
-                    members = plan.chunks[c]
-                    if len(members) == 1 and plan.sizes[index] > buffer.numel():
-                        # Larger than the buffer: it travels alone, as its own bytes.
-                        payload = tensor.contiguous().view(-1).view(torch.uint8)
-                    else:
-                        off, n = plan.offsets[index], plan.sizes[index]
-                        buffer[off : off + n].copy_(tensor.contiguous().view(-1).view(torch.uint8))
-                        payload = buffer[: plan.chunk_bytes(c)] if index == members[-1] else None
-                    if payload is not None:
-                        _send(self.group, payload, pending, timeout)
-                    index += 1
+            with _ending(source.iter_groups()) as batches:  # a failure below ends the pass for every rank
+                for names, tensors in batches:
+                    for name, tensor in zip(names, tensors):
+                        if index >= len(meta) or name != meta[index].name:
+                            promised = meta[index].name if index < len(meta) else "nothing more"
+                            raise TransferError(f"stream yielded {name!r} where metadata() promised {promised!r}")
+                        c = chunk_of[index]
+                        members = plan.chunks[c]
+                        if len(members) == 1 and plan.sizes[index] > buffer.numel():
+                            # Larger than the buffer: it travels alone, as its own bytes.
+                            payload = tensor.contiguous().view(-1).view(torch.uint8)
+                        else:
+                            off, n = plan.offsets[index], plan.sizes[index]
+                            buffer[off : off + n].copy_(tensor.contiguous().view(-1).view(torch.uint8))
+                            payload = buffer[: plan.chunk_bytes(c)] if index == members[-1] else None
+                        if payload is not None:
+                            _send(self.group, payload, pending, timeout)
+                        index += 1
             if index != len(meta):
                 raise TransferError(f"stream yielded {index} tensors where metadata() promised {len(meta)}")
             try:
@@ -155,7 +163,4 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
     def shutdown(self) -> None:
         group, self.group = self.group, None
         if group is not None:
-            try:
-                group.abort()
-            except Exception:
-                pass
+            group.close()
