@@ -363,11 +363,17 @@ def perturb_adapters(model: nn.Module, seed: int = 1) -> None:
 BNB_CONFIGS: dict[str, dict[str, Any]] = {
     "nf4": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16),
     "nf4-double": dict(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
     ),
     "fp4": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_compute_dtype=torch.bfloat16),
     "fp4-double": dict(
-        load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16
+        load_in_4bit=True,
+        bnb_4bit_quant_type="fp4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
     ),
     "int8": dict(load_in_8bit=True),
 }

@@ -44,7 +44,11 @@ CASES: list[tuple[str, Callable[[], Any], Any]] = [
     ("rslora-linear", lambda: _lora(target_modules=["lin"], use_rslora=True), MATCH),
     ("dora-linear", lambda: _lora(target_modules=["lin", "lin_nobias"], use_dora=True), MATCH),
     ("lora_bias-linear", lambda: _lora(target_modules=["lin"], lora_bias=True), MATCH),
-    ("lora_bias-without-base-bias", lambda: _lora(target_modules=["lin_nobias"], lora_bias=True), UnsupportedAdapterError),
+    (
+        "lora_bias-without-base-bias",
+        lambda: _lora(target_modules=["lin_nobias"], lora_bias=True),
+        UnsupportedAdapterError,
+    ),
     ("lora-embedding", lambda: _lora(target_modules=["emb"]), MATCH),
     ("dora-embedding", lambda: _lora(target_modules=["emb"], use_dora=True), MATCH),
     ("lora-conv", lambda: _lora(target_modules=CONV), MATCH),
@@ -57,17 +61,37 @@ CASES: list[tuple[str, Callable[[], Any], Any]] = [
     ("dora-gpt2-conv1d", lambda: _lora(target_modules=["gpt2"], fan_in_fan_out=True, use_dora=True), MATCH),
     ("lora_bias-gpt2-conv1d", lambda: _lora(target_modules=["gpt2"], fan_in_fan_out=True, lora_bias=True), MATCH),
     ("lora-mha", lambda: _lora(target_modules=["mha"]), UnsupportedAdapterError),
-    ("lora-target_parameters", lambda: _lora(target_modules=[], target_parameters=["moe.gate_up"]), UnsupportedAdapterError),
+    (
+        "lora-target_parameters",
+        lambda: _lora(target_modules=[], target_parameters=["moe.gate_up"]),
+        UnsupportedAdapterError,
+    ),
     ("alora", lambda: _lora(target_modules=["lin"], alora_invocation_tokens=[1]), UnsupportedAdapterError),
     ("lora+modules_to_save", lambda: _lora(target_modules=["lin"], modules_to_save=["c2", "emb"]), MATCH),
-    ("lora-trainable-tokens", lambda: _lora(target_modules=["lin"], trainable_token_indices={"emb": [1, 5]}), UnsupportedAdapterError),
+    (
+        "lora-trainable-tokens",
+        lambda: _lora(target_modules=["lin"], trainable_token_indices={"emb": [1, 5]}),
+        UnsupportedAdapterError,
+    ),
     ("loha-linear", _cfg("LoHaConfig", target_modules=["lin", "lin_nobias"], init_weights=False), MATCH),
     ("loha-conv", _cfg("LoHaConfig", target_modules=["c1", "c2", "c2_1x1"], init_weights=False), MATCH),
-    ("loha-conv-effective", _cfg("LoHaConfig", target_modules=["c2"], init_weights=False, use_effective_conv2d=True), MATCH),
+    (
+        "loha-conv-effective",
+        _cfg("LoHaConfig", target_modules=["c2"], init_weights=False, use_effective_conv2d=True),
+        MATCH,
+    ),
     ("lokr-linear", _cfg("LoKrConfig", target_modules=["lin", "lin_nobias"], init_weights=False), MATCH),
-    ("lokr-linear-decompose", _cfg("LoKrConfig", target_modules=["lin"], init_weights=False, decompose_both=True, decompose_factor=4), MATCH),
+    (
+        "lokr-linear-decompose",
+        _cfg("LoKrConfig", target_modules=["lin"], init_weights=False, decompose_both=True, decompose_factor=4),
+        MATCH,
+    ),
     ("lokr-conv", _cfg("LoKrConfig", target_modules=["c1", "c2", "c2_1x1"], init_weights=False), MATCH),
-    ("lokr-conv-effective", _cfg("LoKrConfig", target_modules=["c2"], init_weights=False, use_effective_conv2d=True), MATCH),
+    (
+        "lokr-conv-effective",
+        _cfg("LoKrConfig", target_modules=["c2"], init_weights=False, use_effective_conv2d=True),
+        MATCH,
+    ),
     ("adalora", _cfg("AdaLoraConfig", target_modules=["lin"], total_step=10, init_r=4), UnsupportedAdapterError),
     ("ia3", _cfg("IA3Config", target_modules=["lin"], feedforward_modules=[]), UnsupportedAdapterError),
     ("oft", _cfg("OFTConfig", target_modules=["lin"], r=0, oft_block_size=8), UnsupportedAdapterError),
@@ -77,7 +101,11 @@ CASES: list[tuple[str, Callable[[], Any], Any]] = [
     ("vblora", _cfg("VBLoRAConfig", target_modules=["lin"], vector_length=16, num_vectors=8), UnsupportedAdapterError),
     ("hra", _cfg("HRAConfig", target_modules=["lin"], r=4), UnsupportedAdapterError),
     ("ln-tuning", _cfg("LNTuningConfig", target_modules=["lin"]), UnsupportedAdapterError),
-    ("trainable-tokens", _cfg("TrainableTokensConfig", target_modules=["emb"], token_indices=[1, 5]), UnsupportedAdapterError),
+    (
+        "trainable-tokens",
+        _cfg("TrainableTokensConfig", target_modules=["emb"], token_indices=[1, 5]),
+        UnsupportedAdapterError,
+    ),
 ]
 
 
@@ -114,7 +142,7 @@ def test_every_configuration_streams_peft_merge_or_is_refused_at_construction(
 
 
 def test_several_active_adapters_on_convolutions_merge_in_turn() -> None:
-    pm = _peft_model(lambda: _lora(target_modules=CONV + ["lin"], use_dora=True))
+    pm = _peft_model(lambda: _lora(target_modules=[*CONV, "lin"], use_dora=True))
     pm.add_adapter("second", _lora(target_modules=CONV, lora_bias=True))
     perturb_adapters(pm, seed=2)
     pm.base_model.set_adapter(["default", "second"])

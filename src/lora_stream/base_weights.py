@@ -103,11 +103,11 @@ class Bnb4BitWeight(BaseWeight):
 
         s = self._state
         if s.nested:
-            absmax = F.dequantize_blockwise(s.absmax, s.state2)
-            absmax += s.offset
-            return absmax.float()
-        absmax: torch.Tensor = s.absmax.float()
-        return absmax
+            nested: torch.Tensor = F.dequantize_blockwise(s.absmax, s.state2)
+            nested += s.offset
+            return nested.float()
+        plain: torch.Tensor = s.absmax.float()
+        return plain
 
     def read_rows(self, full: Any, start: int, n: int, out: torch.Tensor) -> None:
         import bitsandbytes.functional as F
@@ -148,14 +148,16 @@ class Bnb4BitWeight(BaseWeight):
         table = get_4bit_type(s.quant_type, device=data.device).to(torch.bfloat16).float()
         scale = s.absmax.narrow(1, start, n).t().float().repeat_interleave(block, dim=1)[:, :k]
         # A product of two bfloat16 values is exact in float32, so this rounds once, as the bf16 kernel does.
-        return (table[codes.long()] * scale).to(self.dtype)
+        rows: torch.Tensor = (table[codes.long()] * scale).to(self.dtype)
+        return rows
 
     def dense(self, full: Any) -> torch.Tensor:
         import bitsandbytes.functional as F
 
         if self._cpu_packed:
             return self._read_cpu_packed(full(self.param).detach(), 0, self.shape[0])
-        return F.dequantize_4bit(full(self.param).detach(), self._state)
+        whole: torch.Tensor = F.dequantize_4bit(full(self.param).detach(), self._state)
+        return whole
 
 
 class Bnb8BitWeight(BaseWeight):
@@ -179,7 +181,8 @@ class Bnb8BitWeight(BaseWeight):
         import bitsandbytes.functional as F
 
         data = full(self.param).detach()
-        return F.int8_vectorwise_dequant(data, self._scb.to(data.device))
+        whole: torch.Tensor = F.int8_vectorwise_dequant(data, self._scb.to(data.device))
+        return whole
 
 
 def is_quantized(module: nn.Module) -> bool:
@@ -211,8 +214,8 @@ def base_weight_of(module: nn.Module, param: Any, shape: torch.Size, dtype: torc
         )
     if is_quantized(module):
         raise UnsupportedModelError(
-            f"module {where} ({type(module).__name__}, weight {kind}) has a quantized base weight that lora_stream cannot "
-            "dequantize exactly; bitsandbytes 4-bit and 8-bit bases are supported (dequantize the model, or "
+            f"module {where} ({type(module).__name__}, weight {kind}) has a quantized base weight that lora_stream "
+            "cannot dequantize exactly; bitsandbytes 4-bit and 8-bit bases are supported (dequantize the model, or "
             "stream the adapter on its own)"
         )
     return DenseWeight(param, shape, dtype)

@@ -8,8 +8,9 @@ rounds the base weight twice per sync in bf16 and drifts the training weights a 
 The math lives in one place per layer kind, as in peft's ``get_delta_weight``:
 
 * :class:`LoraWeightMerge` -- LoRA / rsLoRA / DoRA on ``nn.Linear``, GPT-2's ``Conv1D`` (``fan_in_fan_out``),
-  ``nn.Embedding``, convolutions and bitsandbytes-quantized (QLoRA) bases. The delta is a low-rank product ``left @ right``, so the merge is computed in blocks of output
-  rows (or columns), each block accumulated in float32 and rounded once into the output dtype. Temporaries are
+  ``nn.Embedding``, convolutions and bitsandbytes-quantized (QLoRA) bases. The delta is a low-rank product
+  ``left @ right``, so the merge is computed in blocks of output rows (or columns), each block accumulated in
+  float32 and rounded once into the output dtype. Temporaries are
   bounded by ``block_bytes`` whatever the weight's size: no full float32 copy of a large weight is ever made.
 * :class:`LoraBiasMerge` -- ``lora_bias=True``: base bias + ``lora_B.bias * scaling``.
 * :class:`LycorisMerge` -- LoHa and LoKr: peft's own LyCORIS weight functions applied to the gathered factors,
@@ -273,11 +274,11 @@ class LycorisMerge(Merge):
             scale = torch.tensor(scaling)
             w = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
             if "hada_t1" in t:
-                delta: torch.Tensor = make_weight_cp(
-                    t["hada_t1"], t[w[0]], t[w[1]], t["hada_t2"], t[w[2]], t[w[3]], scale=scale
+                delta: torch.Tensor = make_weight_cp(  # type: ignore[no-untyped-call]
+                    t["hada_t1"], t[w[0]], t[w[1]], t["hada_t2"], t[w[2]], t[w[3]], scale
                 )
             else:
-                delta = make_weight(*(t[k] for k in w), scale=scale)
+                delta = make_weight(t[w[0]], t[w[1]], t[w[2]], t[w[3]], scale)  # type: ignore[no-untyped-call]
             return delta
         from peft.tuners.lokr.layer import make_kron
         from peft.tuners.lokr.layer import make_weight_cp as lokr_cp
@@ -286,10 +287,10 @@ class LycorisMerge(Merge):
         if "lokr_w2" in t:
             w2 = t["lokr_w2"]
         elif "lokr_t2" in t:
-            w2 = lokr_cp(t["lokr_t2"], t["lokr_w2_a"], t["lokr_w2_b"])
+            w2 = lokr_cp(t["lokr_t2"], t["lokr_w2_a"], t["lokr_w2_b"])  # type: ignore[no-untyped-call]
         else:
             w2 = t["lokr_w2_a"] @ t["lokr_w2_b"]
-        kron: torch.Tensor = make_kron(w1, w2, scaling)
+        kron: torch.Tensor = make_kron(w1, w2, scaling)  # type: ignore[no-untyped-call]
         return kron
 
     def compute(self, full: FullTensor, out_dtype: torch.dtype, scratch: Scratch) -> torch.Tensor:

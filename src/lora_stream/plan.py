@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .errors import NameCollisionError, UnsupportedAdapterError, UnsupportedModelError
 from .base_weights import QUANTIZED_DEFAULT_DTYPE, BaseWeight, base_weight_of
+from .errors import NameCollisionError, UnsupportedAdapterError, UnsupportedModelError
 from .merge import LoraBiasMerge, LoraTerm, LoraWeightMerge, LycorisMerge, Merge
-from .rules import LayerRule, lora_spec, lycoris_spec, rule_for
 from .names import NameNormalizer, join, wrapped_child_attr
+from .rules import LayerRule, lora_spec, lycoris_spec, rule_for
 
 if TYPE_CHECKING:
     from .gatherers.base import Gatherer, ParamRef
@@ -206,7 +206,10 @@ class _Planner:
             else:
                 specs = [lycoris_spec(rule, layer, a, src) for a in active]
                 # sorted: every rank must gather the same parameters in the same order, and set order is per process
-                factors = [(sp.scaling, {k: self._param(getattr(layer, k), sp.adapter) for k in sorted(sp.keys)}) for sp in specs]
+                factors = [
+                    (sp.scaling, {k: self._param(getattr(layer, k), sp.adapter) for k in sorted(sp.keys)})
+                    for sp in specs
+                ]
                 merges["weight"] = LycorisMerge(rule.family, bw, factors)
         self._own_params(base, hf, bsrc, unit, merges)
         self._emit(unit)

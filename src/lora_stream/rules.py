@@ -134,7 +134,10 @@ def rule_for(layer: nn.Module, src: str) -> LayerRule:
     key = class_key(layer)
     rule = LAYER_RULES.get(key)
     if rule is None:
-        supported = "LoRA/rsLoRA/DoRA on Linear, GPT-2 Conv1D, Embedding, Conv1d/2d/3d and bitsandbytes 4/8-bit Linear; LoHa; LoKr"
+        supported = (
+            "LoRA/rsLoRA/DoRA on Linear, GPT-2 Conv1D, Embedding, Conv1d/2d/3d and bitsandbytes 4/8-bit Linear; "
+            "LoHa; LoKr"
+        )
         raise _refuse(
             src, None, f"{key} is not a layer lora_stream knows how to merge exactly (supported: {supported})"
         )

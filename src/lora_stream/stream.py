@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import inspect
 import time
 import weakref
 from collections.abc import Generator
@@ -97,7 +98,7 @@ class StreamPass(Generic[T]):
     @property
     def active(self) -> bool:
         """Whether the pass is still open (started or not, and neither exhausted nor closed)."""
-        return self._gen.gi_frame is not None
+        return inspect.getgeneratorstate(self._gen) != inspect.GEN_CLOSED
 
     def close(self) -> None:
         """End the pass now: release what it holds and tell the other ranks (a no-op once ended)."""
