@@ -140,6 +140,33 @@ def test_other_quantizers_are_refused_with_a_clear_error(tmp_path: Path) -> None
     with pytest.raises(UnsupportedModelError, match=r"'proj'.*quantized base weight"):
         ParamStream(Model())
 
+    class GptqLikeLinear(nn.Module):
+        """A weight-only quantized layer keeps buffers, no `weight`: streaming its other parameters would silently
+        drop the layer's weight."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("qweight", torch.zeros(8, 8, dtype=torch.int32))
+            self.bias = nn.Parameter(torch.zeros(8))
+
+    GptqLikeLinear.__module__ = "auto_gptq.nn_modules.qlinear"
+    model = Model()
+    model.proj = GptqLikeLinear()
+    with pytest.raises(UnsupportedModelError, match=r"'proj' \(GptqLikeLinear"):
+        ParamStream(model)
+
+
+def test_a_float_layer_from_a_quantization_package_is_streamed() -> None:
+    """torchao's Float8Linear trains a float master weight: the module's package alone must not refuse it."""
+    from torch import nn
+
+    class Float8Linear(nn.Linear):
+        pass
+
+    Float8Linear.__module__ = "torchao.float8.float8_linear"
+    model = nn.Sequential(Float8Linear(4, 4))
+    assert [n for n, _ in ParamStream(model)] == ["0.weight", "0.bias"]
+
 
 def test_cpu_packed_4bit_layout_after_an_eval_forward_streams_what_the_layer_computes(checkpoint_128: str) -> None:
     """On AVX512-BF16 CPUs ``Linear4bit`` repacks its weight in place at its first no-grad eval forward (a GRPO

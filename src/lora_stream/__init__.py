@@ -28,7 +28,7 @@ from .sinks import (
     VLLMLoadError,
     VLLMServerSink,
 )
-from .stream import ParamMeta, ParamStream, StreamStats, stream_merged_params
+from .stream import ParamMeta, ParamStream, StreamPass, StreamStats, stream_merged_params
 
 __version__ = "0.1.0"
 
@@ -53,6 +53,7 @@ __all__ = [
     "RenameError",
     "Renames",
     "StreamAbortedError",
+    "StreamPass",
     "StreamStats",
     "TransferError",
     "UnsupportedAdapterError",

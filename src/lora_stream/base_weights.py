@@ -28,7 +28,10 @@ QUANTIZED_DEFAULT_DTYPE = torch.bfloat16
 #: Rows per interleaved group of bitsandbytes' CPU (AVX512-BF16) 4-bit layout (``block_n`` of its packing).
 _CPU_PACK_ROWS = 32
 
-_QUANTIZER_PACKAGES = ("bitsandbytes", "auto_gptq", "gptqmodel", "awq", "hqq", "torchao", "optimum", "eetq", "aqlm")
+#: Packages whose tensor classes hold quantized weights.
+_QUANTIZER_PACKAGES = ("bitsandbytes", "torchao", "hqq", "optimum", "quanto", "compressed_tensors")
+#: Packages whose layers are weight-only quantized, whatever their attributes look like.
+_WEIGHT_ONLY_QUANTIZERS = ("auto_gptq", "gptqmodel", "awq", "hqq", "eetq", "aqlm", "optimum", "quanto", "vptq")
 
 
 class BaseWeight:
@@ -186,16 +189,23 @@ class Bnb8BitWeight(BaseWeight):
 
 
 def is_quantized(module: nn.Module) -> bool:
-    """Whether ``module``'s weight is stored quantized (by bitsandbytes or another quantizer)."""
+    """Whether ``module``'s weight is stored quantized: a quantizer's tensor class, a non-float weight, or a module of
+    a weight-only quantizer (GPTQ, AWQ, ... keep ``qweight`` / ``scales`` instead of a ``weight``).
+
+    The module's class alone does not decide for packages that also ship float layers (torchao's ``Float8Linear``
+    trains a float master weight, which is what an engine should receive)."""
     w = getattr(module, "weight", None)
-    if any(k.__module__.split(".")[0] in _QUANTIZER_PACKAGES for k in (type(module), type(w))):
-        return True
-    return isinstance(w, torch.Tensor) and not (w.is_floating_point() or w.is_meta)
+    if isinstance(w, torch.Tensor) and not w.is_meta:
+        if type(w).__module__.split(".")[0] in _QUANTIZER_PACKAGES or not w.is_floating_point():
+            return True
+    return type(module).__module__.split(".")[0] in _WEIGHT_ONLY_QUANTIZERS
 
 
-def base_weight_of(module: nn.Module, param: Any, shape: torch.Size, dtype: torch.dtype, where: str) -> BaseWeight:
-    """The reader of ``module``'s weight ``param``; raises :class:`UnsupportedModelError` for a quantization that
-    cannot be dequantized exactly here."""
+def base_weight_of(
+    module: nn.Module, param: Any | None, shape: torch.Size, dtype: torch.dtype, where: str
+) -> BaseWeight | None:
+    """The reader of ``module``'s weight ``param`` (``None`` if it has none); raises :class:`UnsupportedModelError`
+    for a quantization that cannot be dequantized exactly here."""
     kind = type(param).__name__
     if kind == "Params4bit" and getattr(param, "quant_state", None) is not None:
         return Bnb4BitWeight(param)
@@ -218,4 +228,4 @@ def base_weight_of(module: nn.Module, param: Any, shape: torch.Size, dtype: torc
             "cannot dequantize exactly; bitsandbytes 4-bit and 8-bit bases are supported (dequantize the model, or "
             "stream the adapter on its own)"
         )
-    return DenseWeight(param, shape, dtype)
+    return None if param is None else DenseWeight(param, shape, dtype)

@@ -98,9 +98,11 @@ class _Planner:
     def _base_weight(self, module: nn.Module, src: str) -> BaseWeight | None:
         """``module``'s weight as a merge reads it (dequantized if bitsandbytes stores it); ``None`` if it has none."""
         weight = dict(self.g.module_params(module)).get("weight")
-        if weight is None:
+        shape = self.g.full_shape(weight) if weight is not None else torch.Size()
+        dtype = self.g.full_dtype(weight) if weight is not None else torch.float32
+        bw = base_weight_of(module, weight, shape, dtype, repr(src))
+        if bw is None:
             return None
-        bw = base_weight_of(module, weight, self.g.full_shape(weight), self.g.full_dtype(weight), repr(src))
         if bw.quantized and self.g.collective:
             raise UnsupportedModelError(
                 f"module {src!r} has a quantized base weight under the {self.g.name} gatherer; quantized (QLoRA) "
