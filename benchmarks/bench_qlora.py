@@ -2,8 +2,9 @@
 
 Model: Llama-shaped (default 8 layers, hidden 1024, intermediate 2816, vocab 32000), LoRA r=16 on all linear layers,
 adapter weights perturbed away from their initialisation. Each variant loads the same checkpoint in a fresh process
-(so one variant's freed heap cannot flatter the next one's RSS) and runs ``--syncs`` full passes, copying every
-tensor into a preallocated bf16 destination (what a colocated engine holds anyway).
+(so one variant's freed heap cannot flatter the next one's RSS), runs one untimed pass, then ``--syncs`` full passes,
+copying every tensor into a preallocated bf16 destination (what a colocated engine holds anyway). RSS growth is the
+peak during the timed passes minus the resident set before them.
 
 Variants:
   bf16          bf16 base (the baseline of the ratios)
@@ -97,6 +98,12 @@ def worker(variant: str, path: str, syncs: int, out: str) -> None:
     times, error = [], None
     if variant == "nf4-peft":
         exact = {n: t.clone() for n, t in ParamStream(pm, dtype=torch.float32)}
+    # One untimed sync first: a bf16 checkpoint is memory-mapped by from_pretrained, and its pages would otherwise
+    # be counted as the first sync's growth.
+    with stream.iter_groups() as groups:
+        for names, tensors in groups:
+            for n, t in zip(names, tensors):
+                dest[n].copy_(t)
     start_rss = rss()
     sampler = RssSampler()
     sampler.start()

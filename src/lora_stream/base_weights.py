@@ -209,7 +209,7 @@ def base_weight_of(
     kind = type(param).__name__
     if kind == "Params4bit" and getattr(param, "quant_state", None) is not None:
         return Bnb4BitWeight(param)
-    if kind == "Int8Params" and param.dtype == torch.int8:
+    if kind == "Int8Params" and param is not None and param.dtype == torch.int8:
         scb = getattr(param, "SCB", None)
         if scb is None:
             scb = getattr(getattr(module, "state", None), "SCB", None)

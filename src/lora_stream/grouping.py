@@ -6,8 +6,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from .gatherers.base import ParamRef
-from .plan import Target, Unit
+from .core import ParamRef, Target, Unit
 
 __all__ = ["GroupBy", "DEFAULT_BUDGET_BYTES", "Group", "partition", "stack_key"]
 

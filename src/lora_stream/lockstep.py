@@ -63,6 +63,15 @@ class Lockstep:
         """Contribute ``status``; raise :class:`StreamAbortedError` if another rank reported a stop."""
         if self.closed:
             return
+        statuses = self.statuses(status, where)
+        bad = tuple(r for r, s in enumerate(statuses) if s != Status.OK and r != self.rank)
+        if bad and status == Status.OK:
+            reasons = "; ".join(f"rank {r} {_WHY.get(Status(statuses[r]), 'stopped')}" for r in bad)
+            raise StreamAbortedError(f"rank {self.rank}: stream aborted {where}: {reasons}", failed_ranks=bad)
+
+    def statuses(self, status: Status, where: str) -> list[int]:
+        """One exchange: every rank's status. Raises :class:`StreamAbortedError` only if the exchange itself fails
+        (a peer died, the wait timed out, or the ranks planned different streams)."""
         if status != Status.OK:
             self.closed = True
         buf = torch.zeros(2 * self.world, dtype=torch.int64, device=self.device)
@@ -80,7 +89,7 @@ class Lockstep:
         if ok is False:
             self.closed = True
             raise StreamAbortedError(f"rank {self.rank}: status exchange {where} timed out after {self.timeout}")
-        statuses = buf[: self.world].tolist()
+        statuses: list[int] = buf[: self.world].tolist()
         digests = buf[self.world :].tolist()
         if len(set(digests)) != 1:
             self.closed = True
@@ -88,9 +97,6 @@ class Lockstep:
                 f"rank {self.rank}: ranks planned different streams (metadata digests {digests}); every rank must "
                 "stream the same model with the same options, or their gathers would not match"
             )
-        bad = tuple(r for r, s in enumerate(statuses) if s != Status.OK and r != self.rank)
-        if bad:
+        if any(s != Status.OK for s in statuses):
             self.closed = True
-            if status == Status.OK:
-                reasons = "; ".join(f"rank {r} {_WHY.get(Status(statuses[r]), 'stopped')}" for r in bad)
-                raise StreamAbortedError(f"rank {self.rank}: stream aborted {where}: {reasons}", failed_ranks=bad)
+        return statuses

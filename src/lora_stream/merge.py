@@ -21,7 +21,7 @@ Which merge a layer gets, and which peft options are refused, is decided by the 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +29,7 @@ from torch import nn
 
 from .base_weights import BaseWeight
 from .buffers import Scratch
+from .core import FullTensor, ShapeOf
 
 __all__ = [
     "DEFAULT_MERGE_BLOCK_BYTES",
@@ -44,11 +45,6 @@ __all__ = [
 #: Largest float32 block a merge holds at once (per temporary). 8 MiB keeps a 4096 x 14336 MLP weight's merge
 #: temporaries under 1% of the weight while each block is still a large enough GEMM to run at full speed.
 DEFAULT_MERGE_BLOCK_BYTES = 8 * 1024 * 1024
-
-#: Gives the whole tensor of a parameter of the group being merged (the gatherer made it whole).
-FullTensor = Callable[[nn.Parameter], torch.Tensor]
-#: Gives a parameter's whole shape without communication (a gatherer's ``full_shape``).
-ShapeOf = Callable[[nn.Parameter], torch.Size]
 
 
 class Merge:

@@ -11,46 +11,22 @@ registration order and makes tied weights come out once, under the name ``named_
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from .base_weights import QUANTIZED_DEFAULT_DTYPE, BaseWeight, base_weight_of
+from .core import ParamRef, Target, Unit
 from .errors import NameCollisionError, UnsupportedAdapterError, UnsupportedModelError
 from .merge import LoraBiasMerge, LoraTerm, LoraWeightMerge, LycorisMerge, Merge
 from .names import NameNormalizer, join, wrapped_child_attr
 from .rules import LayerRule, lora_spec, lycoris_spec, rule_for
 
 if TYPE_CHECKING:
-    from .gatherers.base import Gatherer, ParamRef
+    from .gatherers.base import Gatherer
 
 __all__ = ["Target", "Unit", "plan_model"]
-
-
-@dataclass
-class Target:
-    """One output tensor: its final name, the trainer's path it comes from, and how it is computed."""
-
-    name: str
-    source: str
-    param: ParamRef
-    dtype: torch.dtype
-    shape: torch.Size
-    merge: Merge | None = None
-
-
-@dataclass
-class Unit:
-    """The smallest gather unit: one module's own parameters, or one tuner layer with its adapter weights.
-
-    A unit is never split across groups, so a merge always sees its base weight and its adapter factors whole.
-    """
-
-    module: str
-    targets: list[Target] = field(default_factory=list)
-    params: list[ParamRef] = field(default_factory=list)
 
 
 def _peft_classes() -> dict[str, tuple[Any, ...]]:

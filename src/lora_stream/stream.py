@@ -6,8 +6,9 @@ import datetime
 import inspect
 import time
 import weakref
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
+from enum import Enum
 from types import TracebackType
 from typing import Generic, TypeVar
 
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .buffers import OutputPool, ProcessMemory, Scratch, release_freed_heap
+from .coordination import Coordinator
 from .errors import LoraStreamError, StreamAbortedError
 from .gatherers import Gatherer, auto_gatherer
 from .grouping import DEFAULT_BUDGET_BYTES, GroupBy, partition
@@ -24,7 +26,7 @@ from .merge import DEFAULT_MERGE_BLOCK_BYTES, FullTensor
 from .names import NameNormalizer, Renames
 from .plan import Target, plan_model
 
-__all__ = ["ParamMeta", "StreamStats", "ParamStream", "StreamPass", "stream_merged_params"]
+__all__ = ["ParamMeta", "PassState", "StreamStats", "ParamStream", "StreamPass", "stream_merged_params"]
 
 #: ``malloc_trim`` walks the whole heap (~9 ms per call on the benchmark model), so it runs once this many gathered
 #: bytes have been released rather than after every group: freed memory held back stays under this bound.
@@ -72,6 +74,29 @@ class StreamStats:
 T = TypeVar("T")
 
 
+class PassState(str, Enum):
+    """Where one pass over a stream stands."""
+
+    #: Created, nothing gathered yet.
+    NOT_STARTED = "not started"
+    #: Producing groups.
+    RUNNING = "running"
+    #: Every group produced and, under a sharded gatherer, every rank agreed the pass ended.
+    COMPLETE = "complete"
+    #: Ended early by its consumer (``break``, ``close()``, an exception leaving its ``with`` block); the other
+    #: ranks were told.
+    STOPPED = "stopped"
+    #: The stream itself raised on this rank (a gather, a merge); the other ranks were told.
+    FAILED = "failed"
+    #: Another rank stopped or failed, or the exchange with it failed: this rank raised ``StreamAbortedError``.
+    ABORTED = "aborted"
+
+    @property
+    def ended_early(self) -> bool:
+        """The pass started and ended without completing: its end was already exchanged with the other ranks."""
+        return self in (PassState.STOPPED, PassState.FAILED, PassState.ABORTED)
+
+
 class StreamPass(Generic[T]):
     """One pass over a :class:`ParamStream`: an iterator, and a context manager that ends the pass with its block.
 
@@ -86,8 +111,11 @@ class StreamPass(Generic[T]):
                 engine.load(names, tensors)   # if this raises, peers are told before the exception goes on
     """
 
-    def __init__(self, gen: Generator[T, None, None]) -> None:
-        self._gen = gen
+    def __init__(self, produce: Callable[[StreamPass[T]], Generator[T, None, None]]) -> None:
+        self.state = PassState.NOT_STARTED
+        #: What this pass did so far (the same object as the stream's ``last_stats`` while it is the latest pass).
+        self.stats = StreamStats()
+        self._gen = produce(self)
 
     def __iter__(self) -> StreamPass[T]:
         return self
@@ -213,7 +241,8 @@ class ParamStream:
         self.release_memory = release_memory
         self.measure_rss = measure_rss
         self.last_stats = StreamStats()
-        self._passes: weakref.WeakSet[Generator[object, None, None]] = weakref.WeakSet()
+        self._last_pass: weakref.ref[StreamPass[object]] | None = None
+        self._passes: weakref.WeakSet[StreamPass[object]] = weakref.WeakSet()
 
     # -- the WeightSource channels ----------------------------------------------------------------------------------
     def metadata(self) -> list[ParamMeta]:
@@ -254,34 +283,47 @@ class ParamStream:
         Use it as ``with iter(stream) as it:`` (or ``with stream:``) so that an exception in the loop body ends the
         pass for every rank at once; see :class:`StreamPass`.
         """
-        gen = self._produce(batched=False)
-        self._passes.add(gen)
-        return StreamPass(gen)  # type: ignore[arg-type]
+        return self._open(batched=False)  # type: ignore[return-value]
 
     def iter_groups(self) -> StreamPass[tuple[list[str], list[torch.Tensor]]]:
         """A fresh pass yielding one ``(names, tensors)`` batch per group of ``groups()`` (see :class:`StreamPass`)."""
-        gen = self._produce(batched=True)
-        self._passes.add(gen)
-        return StreamPass(gen)  # type: ignore[arg-type]
+        return self._open(batched=True)  # type: ignore[return-value]
+
+    def _open(self, batched: bool) -> StreamPass[object]:
+        def produce(handle: StreamPass[object]) -> Generator[object, None, None]:
+            return self._produce(batched, handle)
+
+        p: StreamPass[object] = StreamPass(produce)
+        # Weakly: a pass abandoned by its consumer must still be collected, which is what ends it for the peers.
+        self._last_pass = weakref.ref(p)
+        self.last_stats = p.stats
+        self._passes.add(p)
+        return p
+
+    @property
+    def last_pass(self) -> StreamPass[object] | None:
+        """The latest pass opened on this stream while someone still holds it (``None`` otherwise), with its
+        ``state`` and ``stats``. The stream holds its passes weakly."""
+        return self._last_pass() if self._last_pass is not None else None
+
+    @property
+    def coordinator(self) -> Coordinator:
+        """The agreement between the ranks that iterate this stream, for sinks that must decide together outside a
+        pass (rank 0 found the server down, say). A no-op when the gatherer does not communicate."""
+        g = self.gatherer
+        return Coordinator(g.process_group, self._digest(), self.timeout, active=g.collective)
 
     def agree(self, ok: bool, what: str) -> None:
-        """Every rank says whether it can go on; if any cannot, every other rank raises ``StreamAbortedError``.
-
-        A collective outside any pass, for sinks that must decide together (rank 0 found the server down, say)
-        before the ranks start gathering. The rank that passes ``ok=False`` does not raise here: it raises its own
-        error. A no-op when the gatherer does not communicate.
-        """
-        lock = self._lockstep()
-        if lock is not None:
-            lock.exchange(Status.OK if ok else Status.FAILED, what)
+        """``self.coordinator.agree(ok, what)`` (kept for callers of 0.1)."""
+        self.coordinator.agree(ok, what)
 
     # -- lifetime ---------------------------------------------------------------------------------------------------
     def close(self) -> None:
         """Stop every pass still open on this stream and release what it holds (peers are told, see point 7).
 
         ``with ParamStream(...) as stream:`` calls this when the block exits, exception or not."""
-        for gen in list(self._passes):
-            gen.close()
+        for p in list(self._passes):
+            p.close()
 
     def __enter__(self) -> ParamStream:
         return self
@@ -298,8 +340,10 @@ class ParamStream:
             return None
         if dist.get_world_size(g.process_group) == 1:  # type: ignore[arg-type]
             return None
-        digest = ";".join(f"{m.name}:{m.dtype}:{m.shape}" for m in self._meta) + f"|{self.groups()!r}"
-        return Lockstep(g.process_group, digest, self.timeout)
+        return Lockstep(g.process_group, self._digest(), self.timeout)
+
+    def _digest(self) -> str:
+        return ";".join(f"{m.name}:{m.dtype}:{m.shape}" for m in self._meta) + f"|{self.groups()!r}"
 
     def _materialize(self, t: Target, full: FullTensor, stats: StreamStats, scratch: Scratch) -> torch.Tensor:
         if t.merge is None:
@@ -325,9 +369,9 @@ class ParamStream:
             return f"rank {dist.get_rank()}: "
         return ""
 
-    def _produce(self, batched: bool) -> Generator[object, None, None]:
-        stats = StreamStats()
-        self.last_stats = stats
+    def _produce(self, batched: bool, handle: StreamPass[object]) -> Generator[object, None, None]:
+        stats = handle.stats
+        handle.state = PassState.RUNNING
         lock = self._lockstep()
         n = len(self._groups)
         status = Status.OK
@@ -365,13 +409,17 @@ class ParamStream:
             if lock is not None:
                 lock.exchange(Status.OK, "after the last group")
             stats.complete = True
+            handle.state = PassState.COMPLETE
         except GeneratorExit:
             status = Status.STOPPED
+            handle.state = PassState.STOPPED
             raise
         except StreamAbortedError:
+            handle.state = PassState.ABORTED
             raise
         except BaseException:
             status = Status.FAILED
+            handle.state = PassState.FAILED
             raise
         finally:
             stats.seconds = time.perf_counter() - start

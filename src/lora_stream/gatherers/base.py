@@ -4,18 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-from ..merge import FullTensor
+from ..core import FullTensor, ParamRef
 
 __all__ = ["Gatherer", "GathererBase", "ParamRef", "ShardedGathererBase", "detached", "nbytes"]
-
-#: What identifies one parameter to a gatherer: the ``nn.Parameter`` itself for every built-in gatherer except FSDP1
-#: with ``use_orig_params=False``, whose original parameters do not exist between forwards (a slot object stands in).
-ParamRef = Any
 
 
 def detached(param: ParamRef) -> torch.Tensor:

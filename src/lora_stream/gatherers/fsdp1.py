@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core import FullTensor, ParamRef
 from ..errors import UnsupportedModelError
-from ..merge import FullTensor
-from .base import ParamRef, ShardedGathererBase, nbytes
+from .base import ShardedGathererBase, nbytes
 
 __all__ = ["Fsdp1Gatherer", "is_fsdp1_model"]
 

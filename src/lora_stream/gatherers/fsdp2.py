@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..merge import FullTensor
+from ..core import FullTensor
 from .base import ShardedGathererBase
 
 __all__ = ["Fsdp2Gatherer", "is_dtensor"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from ..merge import FullTensor
-from .base import GathererBase, ParamRef, detached
+from ..core import FullTensor, ParamRef
+from .base import GathererBase, detached
 
 __all__ = ["PlainGatherer"]
 

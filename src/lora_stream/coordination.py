@@ -1,0 +1,64 @@
+"""The trainer ranks' agreement on a sink's decisions: can every rank go on?
+
+A sink talks to its engine from one rank (the server sink's sender) or from every rank (the colocated sink), but the
+stream's gathers are collectives on every rank. When rank 0 finds the server down before a sync, or the server
+refuses the update after it, every other rank must learn it -- with the reason -- instead of gathering on, or
+waiting at the next collective for a partner that will not come. :class:`Coordinator` is that one agreement, outside
+any pass over the stream; the stream's own per-group exchanges (:mod:`lora_stream.lockstep`) cover what happens
+inside a pass.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch.distributed as dist
+
+from .errors import StreamAbortedError
+from .lockstep import Lockstep, Status
+
+__all__ = ["Coordinator"]
+
+
+class Coordinator:
+    """Agreement between the ranks of one process group, with the reasons of the ranks that cannot go on.
+
+    ``group=None`` with ``torch.distributed`` not initialized, or a group of one rank, makes every call a no-op: a
+    single process has no one to tell.
+
+    Args:
+        group: the process group of the stream's gatherer (what ``ParamStream.coordinator`` passes).
+        digest: a description of what the ranks are about to do (the stream's plan); ranks that disagree on it fail
+            at once instead of mismatching collectives later.
+        timeout: how long a rank waits for the others.
+    """
+
+    def __init__(self, group: object | None, digest: str, timeout: datetime.timedelta, *, active: bool = True) -> None:
+        self.group = group
+        self.digest = digest
+        self.timeout = timeout
+        self.active = (
+            active and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1  # type: ignore[arg-type]
+        )
+
+    def agree(self, ok: bool, what: str, reason: str = "") -> None:
+        """Every rank says whether it can go on; if any cannot, every *other* rank raises.
+
+        Called by every rank, in the same order (it is a collective). A rank passing ``ok=False`` returns normally
+        -- it raises its own error afterwards -- and its ``reason`` reaches the others inside their
+        :class:`~lora_stream.StreamAbortedError`, whose ``failed_ranks`` names it. A peer that died or never calls
+        makes this raise after ``timeout``.
+        """
+        if not self.active:
+            return
+        lock = Lockstep(self.group, self.digest, self.timeout)
+        statuses = lock.statuses(Status.OK if ok else Status.FAILED, what)
+        bad = tuple(r for r, s in enumerate(statuses) if s != Status.OK)
+        if not bad:
+            return
+        # Everyone is alive and knows that someone failed: one more collective carries the reasons.
+        reasons: list[object] = [None] * len(statuses)
+        dist.all_gather_object(reasons, reason if not ok else "", group=self.group)  # type: ignore[arg-type]
+        if ok:
+            told = "; ".join(f"rank {r}: {reasons[r] or 'cannot go on'}" for r in bad)
+            raise StreamAbortedError(f"rank {lock.rank}: stopped {what}: {told}", failed_ranks=bad)

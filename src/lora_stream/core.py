@@ -1,0 +1,54 @@
+"""The ground floor: the types every layer of lora_stream shares, and nothing else.
+
+Gatherers, merges, the planner, grouping and the sinks all speak of parameters (as a gatherer refers to them), whole
+tensors (as a gatherer hands them out), output tensors (targets) and gather units. Keeping those here lets each of
+those modules depend on this one instead of on each other (a gatherer need not import the merge module for a type
+alias, nor grouping the planner).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .merge import Merge
+
+__all__ = ["FullTensor", "ParamRef", "ShapeOf", "Target", "Unit"]
+
+#: What identifies one parameter to a gatherer: the ``nn.Parameter`` itself for every built-in gatherer except FSDP1
+#: with ``use_orig_params=False``, whose original parameters do not exist between forwards (a slot object stands in).
+ParamRef = Any
+
+#: Gives the whole tensor of a parameter of the group being merged (the gatherer made it whole).
+FullTensor = Callable[[Any], torch.Tensor]
+
+#: Gives a parameter's whole shape without communication (a gatherer's ``full_shape``).
+ShapeOf = Callable[[Any], torch.Size]
+
+
+@dataclass
+class Target:
+    """One output tensor: its final name, the trainer's path it comes from, and how it is computed."""
+
+    name: str
+    source: str
+    param: ParamRef
+    dtype: torch.dtype
+    shape: torch.Size
+    merge: Merge | None = None
+
+
+@dataclass
+class Unit:
+    """The smallest gather unit: one module's own parameters, or one tuner layer with its adapter weights.
+
+    A unit is never split across groups, so a merge always sees its base weight and its adapter factors whole.
+    """
+
+    module: str
+    targets: list[Target] = field(default_factory=list)
+    params: list[ParamRef] = field(default_factory=list)
