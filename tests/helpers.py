@@ -29,6 +29,20 @@ def finish(code: int = 0) -> None:
     os._exit(code)
 
 
+def report(**fields: Any) -> None:
+    """A test worker's result, as one ``RESULT {json}`` line that the test parses (see :func:`results_of`)."""
+    import json
+
+    print("RESULT " + json.dumps(fields, default=str), flush=True)
+
+
+def results_of(output: str) -> list[dict[str, Any]]:
+    """Every ``RESULT`` record a worker printed, in order."""
+    import json
+
+    return [json.loads(line[len("RESULT ") :]) for line in output.splitlines() if line.startswith("RESULT ")]
+
+
 def require(module: str) -> ModuleType:
     """Import a component the test needs; in CI (LORA_STREAM_REQUIRE_ALL=1) a missing one fails instead of skipping."""
     if os.environ.get("LORA_STREAM_REQUIRE_ALL") == "1":

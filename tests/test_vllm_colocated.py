@@ -181,6 +181,25 @@ def test_a_failed_sync_still_resets_the_prefix_cache(untied) -> None:  # type: i
     assert resets == [1]
 
 
+def test_a_fused_module_missing_a_shard_is_named_and_the_engine_keeps_serving(untied) -> None:  # type: ignore[no-untyped-def]
+    """k_proj renamed to a name vLLM skips silently: without the pre-flight, the consumption check must catch it --
+    the same error, naming the same tensors, as the server sink's (test_vllm_server)."""
+    from transformers import LlamaForCausalLM
+
+    from lora_stream import VLLMLoadError
+
+    path, llm = untied
+    pm = lora(LlamaForCausalLM.from_pretrained(path), target_modules="all-linear", seed=13)
+    k0 = "model.layers.0.self_attn.k_proj.weight"
+    with pytest.raises(VLLMLoadError) as err:
+        VLLMColocatedSink(llm, checkpoint=False).sync(ParamStream(pm, group_by="layer", renames={k0: k0[:-6] + "bias"}))
+    assert err.value.unconsumed == ["model.layers.0.self_attn.k_proj.bias"]
+    assert list(err.value.incomplete) == ["model.layers.0.self_attn.qkv_proj.weight"]
+    vllm_generate(llm)  # still serving
+    VLLMColocatedSink(llm).sync(ParamStream(pm, group_by="layer"))
+    assert_vllm_serves(vllm_generate(llm), merged_copy(pm))
+
+
 def test_qlora_trainer_syncs_the_dequantized_merge(untied) -> None:  # type: ignore[no-untyped-def]
     """A 4-bit (nf4, double-quantized) QLoRA trainer: vLLM serves peft's merge on the dequantized base."""
     from helpers import dequantized_reference, load_quantized, perturb_adapters

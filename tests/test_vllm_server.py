@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from helpers import require, save_for_vllm, save_tokenizer, vllm_llama
+from helpers import require, results_of, save_for_vllm, save_tokenizer, vllm_llama
 from launch import assert_all_ok, describe, launch
 from vllm_server import Server
 
@@ -77,6 +77,48 @@ def test_an_empty_stream_syncs_nothing_and_the_server_keeps_serving(server: Serv
     assert server.healthy() and server.version() == "empty"
 
 
+@pytest.fixture(scope="module")
+def tied_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    require("vllm")
+    require("deepspeed")
+    path = save_for_vllm(vllm_llama(tie=True), str(tmp_path_factory.mktemp("served-tied") / "model"))
+    save_tokenizer(path)
+    return path
+
+
+def test_tied_checkpoint_alias_sent_and_separately_saved_lm_head_refused_before_any_byte(tied_checkpoint: str) -> None:
+    """The colocated sink's cases on the server: the tied lm_head alias travels, and a saved lm_head is refused."""
+    s = Server(tied_checkpoint).wait_ready()
+    try:
+        results = launch("vllm_server_push", "push", s.url, tied_checkpoint, timeout=300)
+        assert_all_ok(results)
+        for r in results:
+            (rec,) = results_of(r.output)
+            assert rec["outcome"] == "ok" and rec["tensors"] == rec["streamed"] + (1 if r.rank == 0 else 0), rec
+        assert s.version() == "v2"
+        results = launch("vllm_server_push", "tied-mts", s.url, tied_checkpoint, timeout=300)
+        r0, r1 = (results_of(r.output)[-1] for r in results)
+        assert r0["error"] == "CheckpointMismatchError" and "tie_word_embeddings=false" in r0["message"], r0
+        assert r1["error"] == "StreamAbortedError" and "tie_word_embeddings=false" in r1["message"], r1
+        assert s.version() == "v2" and s.healthy()
+    finally:
+        s.stop()
+
+
+def test_a_fused_module_missing_a_shard_is_named_on_every_rank_and_the_server_keeps_serving(
+    server: Server, checkpoint: str
+) -> None:
+    before = server.version()
+    results = launch("vllm_server_push", "drop-shard", server.url, checkpoint, timeout=300)
+    r0, r1 = (results_of(r.output)[-1] for r in results)
+    assert r0["error"] == "VLLMLoadError", r0
+    assert "model.layers.0.self_attn.k_proj.bias" in r0["message"] and "qkv_proj" in r0["message"], r0
+    assert r1["error"] == "StreamAbortedError" and "qkv_proj" in r1["message"], r1
+    assert server.healthy() and server.version() == before
+    results = launch("vllm_server_push", "push", server.url, checkpoint, timeout=300)  # and the next sync works
+    assert_all_ok(results)
+
+
 def test_server_down_raises_on_every_rank(checkpoint: str) -> None:
     from launch import free_port
 
@@ -130,18 +172,73 @@ def test_server_stopping_mid_transfer_raises_on_every_trainer_rank(checkpoint: s
         s.stop()
 
 
-def test_api_key(checkpoint: str) -> None:
-    s = Server(checkpoint, api_key=KEY).wait_ready()
+GUARD = "lora_stream.vllm_guard.WeightRoutesGuard"
+DEV_ROUTES = [
+    ("POST", "init_weight_transfer_engine"),
+    ("POST", "start_weight_update"),
+    ("POST", "update_weights"),
+    ("POST", "finish_weight_update"),
+    ("POST", "shutdown_weight_transfer_engine"),
+    ("POST", "update_weight_version"),
+    ("POST", "collective_rpc"),
+    ("POST", "pause"),
+    ("POST", "resume"),
+    ("POST", "reset_prefix_cache"),
+    ("GET", "weight_info"),
+    ("GET", "get_world_size"),
+]
+
+
+def test_route_guard_requires_the_key_on_every_dev_route_and_the_sink_with_the_key_syncs(checkpoint: str) -> None:
+    s = Server(checkpoint, api_key=KEY, middleware=(GUARD,)).wait_ready()
+    auth = {"Authorization": f"Bearer {KEY}"}
     try:
-        # What vLLM really protects: /v1 needs the key, the dev-mode weight routes do not.
+        for method, route in DEV_ROUTES:
+            for headers in ({}, {"Authorization": "Bearer wrong-key"}, {"Authorization": KEY}):
+                r = requests.request(method, f"{s.url}/{route}", headers=headers, json={}, timeout=10)
+                assert r.status_code == 401, (route, headers, r.status_code, r.text[:200])
+        assert "API key" in requests.get(f"{s.url}/weight_info", timeout=10).json()["error"]
+        # With the key the routes answer as vLLM makes them answer.
+        assert requests.get(f"{s.url}/get_world_size", headers=auth, timeout=10).json()["world_size"] >= 1
+        assert requests.post(f"{s.url}/reset_prefix_cache", headers=auth, timeout=10).status_code == 200
+        # /v1 is vLLM's own --api-key, unchanged; the liveness probe stays open.
         assert requests.get(f"{s.url}/v1/models", timeout=10).status_code == 401
-        assert requests.get(f"{s.url}/get_world_size", timeout=10).status_code == 200
-        assert requests.get(f"{s.url}/weight_info", timeout=10).status_code == 200
+        assert requests.get(f"{s.url}/v1/models", headers=auth, timeout=10).status_code == 200
+        assert requests.get(f"{s.url}/health", timeout=10).status_code == 200
         results = launch("vllm_server_push", "no-key", s.url, checkpoint, timeout=300)
         _raised(results)
         assert "requires an API key" in results[0].output
         results = launch("vllm_server_push", "push", s.url, checkpoint, KEY, timeout=300)
         assert_all_ok(results)
         assert all("PUSH-OK" in r.output for r in results), describe(results)
+        assert requests.get(f"{s.url}/weight_info", headers=auth, timeout=10).json()["weight_version"] == "v2"
     finally:
         s.stop()
+
+
+def test_guard_without_a_key_configured_refuses_instead_of_running_open() -> None:
+    """The guard is ASGI: exercise it on a bare app, without a server, for the no-key configuration."""
+    import asyncio
+
+    from lora_stream.vllm_guard import WeightRoutesGuard
+
+    calls = []
+
+    async def app(scope, receive, send):  # type: ignore[no-untyped-def]
+        calls.append(scope["path"])
+
+    sent: list[dict] = []
+
+    async def send(message):  # type: ignore[no-untyped-def]
+        sent.append(message)
+
+    async def receive():  # type: ignore[no-untyped-def]
+        return {"type": "http.request", "body": b""}
+
+    guard = WeightRoutesGuard(app)
+    scope = {"type": "http", "method": "POST", "path": "/update_weights", "headers": [], "app": None}
+    asyncio.run(guard(scope, receive, send))
+    assert calls == [] and sent[0]["status"] == 401 and b"no API key" in sent[1]["body"]
+    asyncio.run(guard({**scope, "path": "/health"}, receive, send))
+    asyncio.run(guard({**scope, "path": "/v1/models"}, receive, send))
+    assert calls == ["/health", "/v1/models"]

@@ -13,7 +13,9 @@ from launch import free_port
 
 
 class Server:
-    def __init__(self, model_dir: str, *, api_key: str | None = None, backend: str = "gloo") -> None:
+    def __init__(
+        self, model_dir: str, *, api_key: str | None = None, backend: str = "gloo", middleware: tuple[str, ...] = ()
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile("w+")
@@ -39,6 +41,8 @@ class Server:
         ]
         if api_key:
             cmd += ["--api-key", api_key]
+        for m in middleware:
+            cmd += ["--middleware", m]
         env = {
             **os.environ,
             "VLLM_SERVER_DEV_MODE": "1",

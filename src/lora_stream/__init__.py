@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from .coordination import Coordinator
 from .errors import (
     LoraStreamError,
     NameCollisionError,
@@ -23,24 +24,27 @@ from .names import Renames, register_wrapper
 from .sinks import (
     CheckpointMismatchError,
     ServerError,
+    Sink,
     SyncRecord,
     VLLMColocatedSink,
     VLLMLoadError,
     VLLMServerSink,
 )
-from .stream import ParamMeta, ParamStream, StreamPass, StreamStats, stream_merged_params
+from .stream import ParamMeta, ParamStream, PassState, StreamPass, StreamStats, stream_merged_params
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointMismatchError",
     "ServerError",
+    "Sink",
     "SyncRecord",
     "VLLMColocatedSink",
     "VLLMLoadError",
     "VLLMServerSink",
     "DEFAULT_BUDGET_BYTES",
     "DEFAULT_MERGE_BLOCK_BYTES",
+    "Coordinator",
     "Fsdp1Gatherer",
     "Fsdp2Gatherer",
     "Gatherer",
@@ -49,6 +53,7 @@ __all__ = [
     "NameCollisionError",
     "ParamMeta",
     "ParamStream",
+    "PassState",
     "PlainGatherer",
     "RenameError",
     "Renames",

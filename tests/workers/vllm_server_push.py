@@ -8,6 +8,11 @@ Usage: vllm_server_push.py SCENARIO BASE_URL CHECKPOINT [API_KEY]
   hold-mid      pause in the middle of the transfer (the test stops the server meanwhile): every rank raises.
   no-key        the server has --api-key and the sink has none: every rank raises.
   server-error  the server answers an error (an update is already in progress): every rank raises.
+  tied-mts      modules_to_save=["lm_head"] on a tied checkpoint: refused by rank 0's pre-flight, nothing sent.
+  drop-shard    k_proj of layer 0 renamed to a name vLLM ignores (pre-flight off): the server's consumption check
+                names it and the incomplete qkv_proj on every rank.
+
+Every outcome is printed as one RESULT {json} line: {"rank", "outcome": "ok"|"raised", "error", "message", ...}.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import time
 import deepspeed
 import torch
 import torch.distributed as dist
-from helpers import assert_vllm_serves, finish, lora, server_generate, zero3_whole_into
+from helpers import assert_vllm_serves, finish, lora, report, server_generate, zero3_whole_into
 
 from lora_stream import LoraStreamError, ParamStream, StreamAbortedError, VLLMServerSink
 
@@ -56,7 +61,8 @@ def main() -> None:
     api_key = sys.argv[4] if len(sys.argv) > 4 else None
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
-    pm = lora(LlamaForCausalLM.from_pretrained(ckpt), target_modules="all-linear", lora_alpha=16)
+    saved = ["lm_head"] if scenario == "tied-mts" else None
+    pm = lora(LlamaForCausalLM.from_pretrained(ckpt), target_modules="all-linear", lora_alpha=16, modules_to_save=saved)
     template = copy.deepcopy(pm)
     opt = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=0.5)
     engine, *_ = deepspeed.initialize(model=pm, optimizer=opt, config=DS)
@@ -82,8 +88,16 @@ def main() -> None:
             f"({record.gbps:.3f} GB/s)",
             flush=True,
         )
+        report(rank=rank, outcome="ok", tensors=record.tensors, streamed=len(ParamStream(engine)), version="v2")
         finish()
-    streams = {"unknown-name": lambda: ParamStream(engine, renames={"model.norm": "model.final_norm"})}
+    k0 = "model.layers.0.self_attn.k_proj.weight"
+    streams = {
+        "unknown-name": lambda: ParamStream(engine, renames={"model.norm": "model.final_norm"}),
+        "tied-mts": lambda: ParamStream(engine, group_by="layer"),
+        "drop-shard": lambda: ParamStream(engine, group_by="layer", renames={k0: k0.replace(".weight", ".bias")}),
+    }
+    if scenario == "drop-shard":
+        sink = VLLMServerSink(url, rank=rank, api_key=api_key, timeout=30, checkpoint=False)
     stream = streams.get(scenario, lambda: Interrupted(engine, group_by="layer"))()
     if scenario == "die-mid":
         Interrupted.action = staticmethod(lambda: os._exit(9))
@@ -102,10 +116,20 @@ def main() -> None:
         sink.sync(stream, version="never")
     except (LoraStreamError, StreamAbortedError) as exc:
         print(f"RAISED {type(exc).__name__} after {time.monotonic() - start:.2f}s: {exc}", flush=True)
+        report(
+            rank=rank,
+            outcome="raised",
+            error=type(exc).__name__,
+            message=str(exc),
+            seconds=time.monotonic() - start,
+            unconsumed=getattr(exc, "unconsumed", None),
+            incomplete=getattr(exc, "incomplete", None),
+        )
         if scenario == "server-error" and rank == 0:
             sink.client.finish_weight_update()  # close the update this test left open
         finish(0)
     print("NO-ERROR", flush=True)
+    report(rank=rank, outcome="ok")
     finish(5)
 
 

@@ -1,21 +1,42 @@
-"""Sinks consume a :class:`~lora_stream.ParamStream`: an inference engine, a checkpoint on disk."""
+"""Sinks consume a :class:`~lora_stream.ParamStream`: an inference engine, a checkpoint on disk.
+
+Every sink implements :class:`Sink`. The vLLM sinks share their parts and differ only in transport: one pre-flight
+(:func:`preflight`), one description of what is sent (:class:`SyncSource`, which also builds the
+:class:`SyncRecord`), and one reload bracket with its consumption check (:class:`ReloadBracket`), run in the
+trainer's process, in an engine's child process, or in a vLLM server's worker.
+"""
 
 from __future__ import annotations
 
-from .preflight import CheckpointMismatchError, checkpoint_metadata, compare_with_checkpoint
+from .base import Sink
+from .preflight import (
+    CheckpointMismatchError,
+    EngineCheckpoint,
+    checkpoint_metadata,
+    compare_with_checkpoint,
+    preflight,
+)
 from .record import SyncRecord
-from .vllm_colocated import WORKER_EXTENSION, VLLMColocatedSink, VLLMLoadError
+from .reload import LoadReport, ReloadBracket, VLLMLoadError
+from .source import SyncSource
+from .vllm_colocated import WORKER_EXTENSION, VLLMColocatedSink
 from .vllm_server import ServerError, VLLMServerClient, VLLMServerSink
 
 __all__ = [
     "WORKER_EXTENSION",
     "CheckpointMismatchError",
+    "EngineCheckpoint",
+    "LoadReport",
+    "ReloadBracket",
     "ServerError",
+    "Sink",
     "SyncRecord",
+    "SyncSource",
     "VLLMColocatedSink",
     "VLLMLoadError",
     "VLLMServerClient",
     "VLLMServerSink",
     "checkpoint_metadata",
     "compare_with_checkpoint",
+    "preflight",
 ]

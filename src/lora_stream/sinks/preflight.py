@@ -9,13 +9,20 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import LoraStreamError
 from ..stream import ParamMeta
 
-__all__ = ["CheckpointMismatchError", "CheckpointTensor", "checkpoint_metadata", "compare_with_checkpoint"]
+__all__ = [
+    "CheckpointMismatchError",
+    "CheckpointTensor",
+    "EngineCheckpoint",
+    "checkpoint_metadata",
+    "compare_with_checkpoint",
+    "preflight",
+]
 
 
 class CheckpointMismatchError(LoraStreamError):
@@ -108,3 +115,50 @@ def compare_with_checkpoint(
             missing=missing,
             wrong_shape=wrong,
         )
+
+
+@dataclass(frozen=True)
+class EngineCheckpoint:
+    """What the pre-flight knows of the checkpoint an engine was started from: its tensors' names, dtypes and shapes
+    (safetensors headers) and the names its config ties to the input embedding."""
+
+    path: str
+    tensors: dict[str, CheckpointTensor]
+    tied: frozenset[str] = field(default_factory=frozenset)
+
+    @classmethod
+    def read(cls, path: str | Path) -> EngineCheckpoint:
+        return cls(str(path), checkpoint_metadata(path), frozenset(tied_output_names(path)))
+
+
+def preflight(
+    metadata: Iterable[ParamMeta], tied_aliases: Mapping[str, str], checkpoint: EngineCheckpoint
+) -> dict[str, str]:
+    """The one pre-flight of every vLLM sink; returns the tied aliases to send besides the stream's own tensors.
+
+    Called by the sink (on the rank that talks to the engine) before anything reaches the engine. Raises
+    :class:`CheckpointMismatchError` when
+
+    * the checkpoint ties a name (``lm_head.weight``) to the embedding but the stream yields it as a tensor of its own
+      (``modules_to_save=["lm_head"]`` on a tied model): the engine would serve one of the two for both;
+    * a name is unknown to the checkpoint, a checkpoint name is not produced, or a shape differs.
+
+    Aliases: a name the stream does not yield because its weight is tied to one it does (``tied_aliases()``) is sent
+    under both names when the checkpoint has it or ties it: vLLM on CPU keeps a tied ``lm_head`` as a separately
+    repacked copy that must be reloaded too.
+    """
+    meta = list(metadata)
+    names = {m.name for m in meta}
+    aliases = {a: p for a, p in tied_aliases.items() if a in checkpoint.tensors or a in checkpoint.tied}
+    distinct_tied = sorted(n for n in checkpoint.tied if n in names)
+    if distinct_tied:
+        raise CheckpointMismatchError(
+            f"the engine's checkpoint ties {distinct_tied} to the input embedding, but the stream yields them as "
+            "separate tensors (e.g. modules_to_save on lm_head); the engine cannot serve that. Start vLLM from a "
+            "checkpoint whose config has tie_word_embeddings=false.",
+            unknown=[],
+            missing=[],
+            wrong_shape=[],
+        )
+    compare_with_checkpoint(meta, checkpoint.tensors, may_be_missing=checkpoint.tied, extra_names=aliases)
+    return aliases

@@ -18,15 +18,16 @@ the trainer's address. Keep both on a private network or loopback; see ``docs/vl
 
 from __future__ import annotations
 
-import math
 import socket
 import time
 from typing import Any
 
 from ..errors import LoraStreamError
 from ..stream import ParamStream
-from .preflight import checkpoint_metadata, compare_with_checkpoint, tied_output_names
+from .preflight import EngineCheckpoint, preflight
 from .record import SyncRecord
+from .reload import LOAD_ERROR_TAG, VLLMLoadError
+from .source import SyncSource
 
 __all__ = ["ServerError", "VLLMServerClient", "VLLMServerSink"]
 
@@ -92,11 +93,53 @@ class VLLMServerClient:
     def shutdown_weight_transfer_engine(self) -> None:
         self._request("POST", "shutdown_weight_transfer_engine")
 
+    def update_weight_version(self, version: str) -> None:
+        self._request("POST", "update_weight_version", {"new_version": version})
+
 
 def _free_port(address: str) -> int:
     with socket.socket() as s:
         s.bind((address, 0))
         return int(s.getsockname()[1])
+
+
+class _CurrentSource:
+    """The ``WeightSource`` the trainer-side transfer engine is built with once: it replays whatever sync is current.
+
+    vLLM's trainer engines take their source at ``trainer_init`` and replay it on every ``send_weights()``; the sink
+    points this object at each sync's :class:`SyncSource` instead of reconfiguring the engine.
+    """
+
+    def __init__(self) -> None:
+        self.current: SyncSource | None = None
+
+    def _source(self) -> SyncSource:
+        if self.current is None:
+            raise RuntimeError("no sync in progress")
+        return self.current
+
+    @property
+    def weight_version(self) -> str | None:
+        return self._source().weight_version
+
+    def metadata(self) -> Any:
+        return self._source().metadata()
+
+    def groups(self) -> Any:
+        return self._source().groups()
+
+    def held_names(self) -> None:
+        return None
+
+    def iter_groups(self) -> Any:
+        return self._source().iter_groups()
+
+    def __iter__(self) -> Any:
+        return iter(self._source())
+
+
+def _reason(error: BaseException | None) -> str:
+    return "" if error is None else f"{type(error).__name__}: {error}"[:2000]
 
 
 class VLLMServerSink:
@@ -105,10 +148,16 @@ class VLLMServerSink:
     >>> sink = VLLMServerSink("http://127.0.0.1:8000", rank=dist.get_rank())     # doctest: +SKIP
     >>> sink.sync(ParamStream(model, group_by="layer"), version="step-42")     # every trainer rank
 
+    Implements :class:`~lora_stream.sinks.base.Sink`: the pre-flight, the tied aliases and the record are the
+    colocated sink's (:func:`~lora_stream.sinks.preflight.preflight`, :class:`~lora_stream.sinks.source.SyncSource`);
+    on the server, lora_stream's ``gloo`` worker engine loads through the same
+    :class:`~lora_stream.sinks.reload.ReloadBracket` and its consumption check.
+
     Args:
         base_url: the server's address.
         rank: this trainer rank (rank 0 sends). Defaults to ``torch.distributed``'s rank, or 0.
-        api_key: sent as a bearer token (the server's ``--api-key``).
+        api_key: sent as a bearer token (the server's ``--api-key``; with lora_stream's route guard it also opens
+            the weight-update routes).
         backend: ``"gloo"`` (CPU, shipped by lora_stream) or ``"nccl"`` (vLLM's, GPUs).
         master_address: the address the data plane's store listens on (rank 0's host, reachable by the server).
         buffer_bytes: packing buffer size; chunks follow the stream's groups and a larger tensor travels alone.
@@ -138,38 +187,86 @@ class VLLMServerSink:
         self.rank = rank
         self.client = VLLMServerClient(base_url, api_key=api_key, timeout=timeout)
         self.backend = backend
+        self.name = f"vllm-server/{backend}"
         self.master_address = master_address
         self.buffer_bytes = buffer_bytes
         self.timeout = timeout
         self.checkpoint = checkpoint
         self._engine: Any = None
-        self._ckpt: dict[str, Any] | None = None
+        self._source = _CurrentSource()
+        self._ckpt: EngineCheckpoint | None = None
 
     @property
     def is_sender(self) -> bool:
         return self.rank == 0
 
-    def _prepare(self, stream: ParamStream) -> None:
-        """Sender only: reachability, credentials, pre-flight. Raises before anything is sent."""
+    def sync(self, stream: ParamStream, *, version: str | None = None) -> SyncRecord:
+        """Send one full pass of ``stream``; on success the server serves it and reports ``version``."""
+        start = time.perf_counter()
+        coordinator = stream.coordinator
+        # 1. Rank 0 checks the server (reachable, key accepted) and the stream against its checkpoint, and joins the
+        #    transfer group; every rank learns the outcome, with the reason, before any rank gathers.
+        aliases: dict[str, str] = {}
+        error: BaseException | None = None
+        if self.is_sender:
+            try:
+                aliases = self._preflight(stream)
+                self._ensure_engine()
+            except BaseException as exc:
+                error = exc
+        coordinator.agree(error is None, "before the transfer (server checks on rank 0)", _reason(error))
+        if error is not None:
+            raise error
+        self._ensure_engine()
+        # 2. The transfer: the engine iterates the source (the stream plus tied aliases) on every rank; rank 0 sends.
+        source = self._source.current = SyncSource(stream, aliases, version)
+        try:
+            self._engine.send_weights()
+        except BaseException as exc:
+            self.close()  # the data plane may be half-used: start over with a new group next time
+            error = _load_error(exc)
+        finally:
+            self._source.current = None
+        # 3. Every rank learns how it ended -- unless the pass already told them: a pass that ended early exchanged
+        #    its stop with every rank, and no rank would join one more exchange.
+        if source.pass_ is None or not source.pass_.state.ended_early:
+            coordinator.agree(error is None, "after the transfer", _reason(error))
+        if error is not None:
+            raise error
+        if version is not None and self.is_sender and self.backend != "gloo":
+            self.client.update_weight_version(version)  # vLLM's nccl trainer engine finishes without a version
+        record = source.record(self.name, time.perf_counter() - start)
+        record.log()
+        return record
+
+    def close(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.shutdown()
+
+    # -- steps of sync -----------------------------------------------------------------------------------------------
+    def _preflight(self, stream: ParamStream) -> dict[str, str]:
+        """Sender only: reachability, credentials, the pre-flight. Raises before anything is sent."""
         models = self.client.check_access()
         if self.checkpoint is False:
-            return
-        path = self.checkpoint
-        if path is None or path is True:
-            data = models.get("data") or [{}]
-            path = data[0].get("root")
-        try:
-            ckpt = self._ckpt or checkpoint_metadata(str(path))
-        except (FileNotFoundError, OSError) as exc:
-            raise ServerError(
-                f"cannot read the served checkpoint {path!r} for the pre-flight check ({exc}); pass checkpoint= "
-                "(a copy of the model directory), or checkpoint=False to skip the check"
-            ) from exc
-        self._ckpt = ckpt
-        tied = tied_output_names(str(path))
-        compare_with_checkpoint(stream.metadata(), ckpt, may_be_missing=tied)
+            return {}
+        if self._ckpt is None:
+            path = self.checkpoint
+            if path is None or path is True:
+                data = models.get("data") or [{}]
+                path = data[0].get("root")
+            try:
+                self._ckpt = EngineCheckpoint.read(str(path))
+            except (FileNotFoundError, OSError) as exc:
+                raise ServerError(
+                    f"cannot read the served checkpoint {path!r} for the pre-flight check ({exc}); pass "
+                    "checkpoint= (a copy of the model directory), or checkpoint=False to skip the check"
+                ) from exc
+        return preflight(stream.metadata(), stream.tied_aliases(), self._ckpt)
 
-    def _init_engine(self, stream: ParamStream) -> Any:
+    def _ensure_engine(self) -> None:
+        if self._engine is not None:
+            return
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
         from ..vllm_plugin import register
@@ -199,67 +296,18 @@ class VLLMServerSink:
                 packed_buffer_size_bytes=self.buffer_bytes,
                 rank=self.rank,
             )
-        return WeightTransferTrainerFactory.trainer_init(
+        self._engine = WeightTransferTrainerFactory.trainer_init(
             info,
             client=self.client,  # type: ignore[arg-type]
-            source=stream,  # type: ignore[arg-type]  # ParamStream is a WeightSource structurally
+            source=self._source,  # type: ignore[arg-type]  # a WeightSource structurally
         )
 
-    def sync(self, stream: ParamStream, version: str | None = None) -> SyncRecord:
-        """Send one full pass of ``stream``; on success the server serves it and reports ``version``."""
-        start = time.perf_counter()
-        error: BaseException | None = None
-        if self.is_sender:
-            try:
-                self._prepare(stream)
-                if self._engine is None:
-                    self._engine = self._init_engine(stream)
-            except BaseException as exc:
-                error = exc
-        # Everyone learns whether rank 0 can go on before any rank starts gathering.
-        stream.agree(error is None, "before the transfer (server checks on rank 0)")
-        if error is not None:
-            raise error
-        if self._engine is None:
-            self._engine = self._init_engine(stream)
-        self._engine.source = stream
-        self._engine.weight_version = version
-        previous_pass = stream.last_stats
-        try:
-            self._engine.send_weights()
-        except BaseException as exc:
-            # The data plane may be half-used: start over with a new group next time.
-            self.close()
-            error = exc
-        # Tell the other ranks how it ended -- unless the pass itself already did: a pass that started and did not
-        # complete has exchanged its stop with every rank (one more exchange here would find no partner).
-        started = stream.last_stats is not previous_pass
-        if not started or stream.last_stats.complete:
-            stream.agree(error is None, "after the transfer")
-        if error is not None:
-            raise error
-        if version is not None and self.is_sender and self.backend != "gloo":
-            # vLLM's nccl trainer engine finishes without a version; set it in a second call.
-            self.client._request("POST", "update_weight_version", {"new_version": version})
-        sizes = [math.prod(m.shape) * m.dtype.itemsize for m in stream.metadata()]
-        group_bytes, i = [], 0
-        for names in stream.groups():
-            group_bytes.append(sum(sizes[i : i + len(names)]))
-            i += len(names)
-        record = SyncRecord(
-            sink=f"vllm-server/{self.backend}",
-            tensors=stream.last_stats.tensors,
-            bytes=stream.last_stats.bytes,
-            groups=stream.last_stats.groups,
-            seconds=time.perf_counter() - start,
-            peak_group_bytes=max(group_bytes, default=0),
-            peak_gathered_bytes=stream.last_stats.peak_gathered_bytes,
-            version=version,
-        )
-        record.log()
-        return record
 
-    def close(self) -> None:
-        engine, self._engine = self._engine, None
-        if engine is not None:
-            engine.shutdown()
+def _load_error(exc: BaseException) -> BaseException:
+    """The server's worker found that vLLM did not consume the sync: raise the colocated sink's error for it."""
+    text = str(exc)
+    if isinstance(exc, ServerError) and LOAD_ERROR_TAG in text:
+        error = VLLMLoadError(text[text.index(LOAD_ERROR_TAG) :])
+        error.__cause__ = exc
+        return error
+    return exc

@@ -20,6 +20,7 @@ from vllm.distributed.weight_transfer.base import (  # type: ignore[import-not-f
     WeightTransferUpdateInfo,
 )
 
+from ..sinks.reload import ReloadBracket
 from .packing import plan_chunks, unpack
 
 __all__ = ["GlooInitInfo", "GlooUpdateInfo", "GlooWeightTransferEngine", "TransferGroup"]
@@ -111,7 +112,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.model: Any = model
         self.group: Any = None
         self.buffer_bytes = GlooInitInfo.buffer_bytes
-        self._bracket_open = False
+        self._bracket = ReloadBracket(model, self.model_config)
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         self.shutdown()  # a new trainer (after a failed one) starts a new group
@@ -123,20 +124,15 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         )
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        initialize_layerwise_reload(self.model)
-        self._bracket_open = True
+        self._bracket.abort()  # a bracket left open by a trainer that vanished before finishing
+        self._bracket.begin()
 
     def finish_weight_update(self) -> None:
-        self._close_bracket()
-
-    def _close_bracket(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        if self._bracket_open:
-            self._bracket_open = False
-            finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call]
+        """Close the bracket; raise :class:`~lora_stream.sinks.reload.VLLMLoadError` (the server answers the
+        trainer's ``/finish_weight_update`` with it) if vLLM did not consume every name or fill every fused module."""
+        error = self._bracket.finish().error(" (server worker)")
+        if error is not None:
+            raise error
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class calls torch.accelerator.synchronize() afterwards, which has no meaning on CPU.
@@ -158,10 +154,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                 buffer = torch.empty(plan.chunk_bytes(c), dtype=torch.uint8)
                 self.group.broadcast(buffer).wait()
                 views = unpack(buffer, plan, c, update_info.shapes, dtypes)
-                self.model.load_weights(list(zip([update_info.names[i] for i in chunk], views)))
+                self._bracket.load(list(zip([update_info.names[i] for i in chunk], views)))
         except BaseException:
             # Never leave layers on the meta device: the next forward would kill the engine.
-            self._close_bracket()
+            self._bracket.abort()
             self.shutdown()
             raise
 

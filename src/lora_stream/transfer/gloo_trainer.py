@@ -63,11 +63,14 @@ def _send(
 
 
 class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):  # type: ignore[misc]
-    """Sends a ``WeightSource`` to vLLM's workers over a gloo group (see ``gloo_engine`` for the receiving side)."""
+    """Sends a ``WeightSource`` to vLLM's workers over a gloo group (see ``gloo_engine`` for the receiving side).
+
+    The weight version the server reports after a sync is the source's ``weight_version`` attribute, if it has one
+    (:class:`~lora_stream.sinks.source.SyncSource` does), so the engine is never reconfigured between syncs.
+    """
 
     group: Any = None
     init_info: GlooTrainerInitInfo
-    weight_version: str | None = None
 
     @classmethod
     def trainer_init(
@@ -158,7 +161,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 raise TransferError(f"the server failed the update: {exc}") from exc
         finally:
             pool.shutdown(wait=False)
-        self.client.finish_weight_update(self.weight_version)
+        self.client.finish_weight_update(getattr(source, "weight_version", None))
 
     def shutdown(self) -> None:
         group, self.group = self.group, None

@@ -1,0 +1,111 @@
+"""What a sink sends for one sync: the stream's tensors plus the tied aliases the engine needs, counted as they go.
+
+Both vLLM sinks send exactly this object's groups -- the colocated sink into ``load_weights``, the server sink as the
+``WeightSource`` of vLLM's trainer-side transfer engine -- so the aliases, the order, and the :class:`SyncRecord`
+built from what actually went out are the same for both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping
+from contextlib import closing
+from typing import Any
+
+import torch
+
+from ..stream import ParamMeta, ParamStream, StreamPass
+from .record import SyncRecord
+
+__all__ = ["SyncSource"]
+
+
+class SyncSource:
+    """One sync's view of a :class:`~lora_stream.ParamStream`, shaped as vLLM's ``WeightSource``.
+
+    Each alias (``{alias: primary}``, from :func:`~lora_stream.sinks.preflight.preflight`) travels in its primary's
+    group, after the group's own tensors, as the same tensor. ``metadata()`` and ``groups()`` describe exactly what
+    ``iter_groups()`` yields; ``pass_`` is the stream pass of the latest iteration, with its state.
+    """
+
+    def __init__(self, stream: ParamStream, aliases: Mapping[str, str] | None = None, version: str | None = None):
+        self.stream = stream
+        self.weight_version = version
+        self._by_primary: dict[str, list[str]] = {}
+        for alias, primary in (aliases or {}).items():
+            self._by_primary.setdefault(primary, []).append(alias)
+        meta = {m.name: m for m in stream.metadata()}
+        self._groups = [names + self._aliases_of(names) for names in stream.groups()]
+        self._meta = [
+            ParamMeta(n, meta[n].dtype, meta[n].shape) if n in meta else self._alias_meta(n, meta)
+            for names in self._groups
+            for n in names
+        ]
+        self.pass_: StreamPass[Any] | None = None
+        self.tensors = self.bytes = self.groups_sent = self.peak_group_bytes = 0
+
+    def _aliases_of(self, names: list[str]) -> list[str]:
+        return [a for n in names for a in self._by_primary.get(n, ())]
+
+    def _alias_meta(self, alias: str, meta: dict[str, ParamMeta]) -> ParamMeta:
+        primary = next(p for p, aliases in self._by_primary.items() if alias in aliases)
+        return ParamMeta(alias, meta[primary].dtype, meta[primary].shape)
+
+    # -- vLLM's WeightSource ---------------------------------------------------------------------------------------
+    def metadata(self) -> list[ParamMeta]:
+        return list(self._meta)
+
+    def groups(self) -> list[list[str]]:
+        return [list(g) for g in self._groups]
+
+    def held_names(self) -> None:
+        return None
+
+    def iter_groups(self) -> Generator[tuple[list[str], list[torch.Tensor]], None, None]:
+        """One pass over the stream, aliases included. Closing this generator (or an exception thrown into it) ends
+        the stream pass, which tells the other trainer ranks at once."""
+        self.tensors = self.bytes = self.groups_sent = self.peak_group_bytes = 0
+        batches = self.stream.iter_groups()
+        self.pass_ = batches if isinstance(batches, StreamPass) else None
+        with closing(batches):
+            try:
+                yield from self._expanded(batches)
+            finally:
+                if self.pass_ is None:  # a subclass wrapped the stream's own pass in a generator of its own
+                    self.pass_ = self.stream.last_pass
+                if self.pass_ is not None:
+                    # End it now (a no-op once complete): a wrapper that raised may leave it alive in a traceback,
+                    # and the other ranks learn of the stop only when it ends.
+                    self.pass_.close()
+
+    def _expanded(self, batches: Any) -> Generator[tuple[list[str], list[torch.Tensor]], None, None]:
+        for names, tensors in batches:
+            out_names, out_tensors = list(names), list(tensors)
+            for n, t in zip(names, tensors):
+                for alias in self._by_primary.get(n, ()):
+                    out_names.append(alias)
+                    out_tensors.append(t)
+            group_bytes = sum(t.numel() * t.element_size() for t in out_tensors)
+            self.tensors += len(out_tensors)
+            self.bytes += group_bytes
+            self.groups_sent += 1
+            self.peak_group_bytes = max(self.peak_group_bytes, group_bytes)
+            yield out_names, out_tensors
+
+    def __iter__(self) -> Generator[tuple[str, torch.Tensor], None, None]:
+        for names, tensors in self.iter_groups():
+            yield from zip(names, tensors)
+
+    # -- the record --------------------------------------------------------------------------------------------------
+    def record(self, sink: str, seconds: float) -> SyncRecord:
+        """The :class:`SyncRecord` of the latest pass: what went out, as counted on its way."""
+        stats = self.pass_.stats if self.pass_ is not None else None
+        return SyncRecord(
+            sink=sink,
+            tensors=self.tensors,
+            bytes=self.bytes,
+            groups=self.groups_sent,
+            seconds=seconds,
+            peak_group_bytes=self.peak_group_bytes,
+            peak_gathered_bytes=stats.peak_gathered_bytes if stats is not None else 0,
+            version=self.weight_version,
+        )
