@@ -46,19 +46,16 @@ class Coordinator:
 
         Called by every rank, in the same order (it is a collective). A rank passing ``ok=False`` returns normally
         -- it raises its own error afterwards -- and its ``reason`` reaches the others inside their
-        :class:`~lora_stream.StreamAbortedError`, whose ``failed_ranks`` names it. A peer that died or never calls
-        makes this raise after ``timeout``.
+        :class:`~lora_stream.StreamAbortedError`, whose ``failed_ranks`` names it (first :data:`REASON_BYTES` of
+        it). The exchange is the stream's own status exchange, so a peer that is still inside a pass over the stream
+        learns the outcome there, reason included. A peer that died or never calls makes this raise after
+        ``timeout``.
         """
         if not self.active:
             return
         lock = Lockstep(self.group, self.digest, self.timeout)
-        statuses = lock.statuses(Status.OK if ok else Status.FAILED, what)
-        bad = tuple(r for r, s in enumerate(statuses) if s != Status.OK)
-        if not bad:
-            return
-        # Everyone is alive and knows that someone failed: one more collective carries the reasons.
-        reasons: list[object] = [None] * len(statuses)
-        dist.all_gather_object(reasons, reason if not ok else "", group=self.group)  # type: ignore[arg-type]
-        if ok:
+        statuses, reasons = lock.statuses(Status.OK if ok else Status.REFUSED, what, "" if ok else reason)
+        bad = tuple(r for r, s in enumerate(statuses) if s != Status.OK and r != lock.rank)
+        if bad and ok:
             told = "; ".join(f"rank {r}: {reasons[r] or 'cannot go on'}" for r in bad)
             raise StreamAbortedError(f"rank {lock.rank}: stopped {what}: {told}", failed_ranks=bad)

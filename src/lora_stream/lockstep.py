@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from .errors import StreamAbortedError
 
-__all__ = ["Status", "Lockstep"]
+__all__ = ["REASON_BYTES", "Lockstep", "Status", "describe_stops"]
 
 
 class Status(IntEnum):
@@ -32,12 +32,18 @@ class Status(IntEnum):
     STOPPED = 1  # the consumer stopped early: break, close(), or an exception in the consumer's loop body
     FAILED = 2  # the stream itself raised on that rank (gather, merge, ...)
     TIMEOUT = 3
+    REFUSED = 4  # a sink on that rank could not go on (its agreement, outside or between passes)
 
+
+#: Bytes of the reason a stopping rank sends along (UTF-8, truncated): enough to name the error and the tensors.
+REASON_BYTES = 1024
+_REASON_WORDS = REASON_BYTES // 8
 
 _WHY = {
     Status.STOPPED: "stopped iterating early (break, close(), or an exception in its consumer)",
     Status.FAILED: "failed while producing the stream",
     Status.TIMEOUT: "timed out waiting for its peers",
+    Status.REFUSED: "could not go on",
 }
 
 
@@ -59,24 +65,37 @@ class Lockstep:
         backend = dist.get_backend(group)  # type: ignore[arg-type]
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
-    def exchange(self, status: Status, where: str) -> None:
-        """Contribute ``status``; raise :class:`StreamAbortedError` if another rank reported a stop."""
+    def exchange(self, status: Status, where: str, reason: str = "") -> None:
+        """Contribute ``status`` (and, when stopping, ``reason``); raise :class:`StreamAbortedError` if another rank
+        reported a stop, with that rank's reason."""
         if self.closed:
             return
-        statuses = self.statuses(status, where)
+        statuses, reasons = self.statuses(status, where, reason)
         bad = tuple(r for r, s in enumerate(statuses) if s != Status.OK and r != self.rank)
         if bad and status == Status.OK:
-            reasons = "; ".join(f"rank {r} {_WHY.get(Status(statuses[r]), 'stopped')}" for r in bad)
-            raise StreamAbortedError(f"rank {self.rank}: stream aborted {where}: {reasons}", failed_ranks=bad)
+            raise StreamAbortedError(
+                f"rank {self.rank}: stream aborted {where}: {describe_stops(statuses, reasons, bad)}", failed_ranks=bad
+            )
 
-    def statuses(self, status: Status, where: str) -> list[int]:
-        """One exchange: every rank's status. Raises :class:`StreamAbortedError` only if the exchange itself fails
-        (a peer died, the wait timed out, or the ranks planned different streams)."""
+    def statuses(self, status: Status, where: str, reason: str = "") -> tuple[list[int], list[str]]:
+        """One exchange: every rank's status and reason. Raises :class:`StreamAbortedError` only if the exchange
+        itself fails (a peer died, the wait timed out, or the ranks planned different streams).
+
+        One ``all_reduce`` of a fixed-size buffer, whatever the caller: a rank in a pass's exchange and a rank in a
+        sink's agreement (:class:`~lora_stream.coordination.Coordinator`) pair up and both learn the outcome, so no
+        second collective is ever needed to carry the reason.
+        """
         if status != Status.OK:
             self.closed = True
-        buf = torch.zeros(2 * self.world, dtype=torch.int64, device=self.device)
+        w = self.world
+        buf = torch.zeros(2 * w + w * _REASON_WORDS, dtype=torch.int64, device=self.device)
         buf[self.rank] = int(status)
-        buf[self.world + self.rank] = self.digest
+        buf[w + self.rank] = self.digest
+        if reason:
+            raw = reason.encode("utf-8")[:REASON_BYTES].ljust(REASON_BYTES, b"\0")
+            words = torch.frombuffer(bytearray(raw), dtype=torch.int64)
+            start = 2 * w + self.rank * _REASON_WORDS
+            buf[start : start + _REASON_WORDS] = words.to(self.device)
         try:
             work = dist.all_reduce(buf, group=self.group, async_op=True)  # type: ignore[arg-type]
             ok = work.wait(timeout=self.timeout)
@@ -89,8 +108,9 @@ class Lockstep:
         if ok is False:
             self.closed = True
             raise StreamAbortedError(f"rank {self.rank}: status exchange {where} timed out after {self.timeout}")
-        statuses: list[int] = buf[: self.world].tolist()
-        digests = buf[self.world :].tolist()
+        host = buf.cpu()
+        statuses: list[int] = host[:w].tolist()
+        digests = host[w : 2 * w].tolist()
         if len(set(digests)) != 1:
             self.closed = True
             raise StreamAbortedError(
@@ -99,4 +119,18 @@ class Lockstep:
             )
         if any(s != Status.OK for s in statuses):
             self.closed = True
-        return statuses
+        raw_reasons = host[2 * w :].numpy().tobytes()
+        reasons = [
+            raw_reasons[r * REASON_BYTES : (r + 1) * REASON_BYTES].rstrip(b"\0").decode("utf-8", "replace")
+            for r in range(w)
+        ]
+        return statuses, reasons
+
+
+def describe_stops(statuses: list[int], reasons: list[str], ranks: tuple[int, ...]) -> str:
+    """``rank 1 failed while producing the stream (ValueError: ...)``, for each of ``ranks``."""
+    parts = []
+    for r in ranks:
+        why = _WHY.get(Status(statuses[r]), "stopped")
+        parts.append(f"rank {r} {why}" + (f" ({reasons[r]})" if reasons[r] else ""))
+    return "; ".join(parts)

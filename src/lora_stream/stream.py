@@ -113,6 +113,8 @@ class StreamPass(Generic[T]):
 
     def __init__(self, produce: Callable[[StreamPass[T]], Generator[T, None, None]]) -> None:
         self.state = PassState.NOT_STARTED
+        #: Sent to the other ranks with this rank's stop: the exception that left the ``with`` block, if any.
+        self.stop_reason: str | None = None
         #: What this pass did so far (the same object as the stream's ``last_stats`` while it is the latest pass).
         self.stats = StreamStats()
         self._gen = produce(self)
@@ -138,6 +140,8 @@ class StreamPass(Generic[T]):
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if exc is not None and self.stop_reason is None:
+            self.stop_reason = f"{type(exc).__name__}: {exc}"
         self.close()
 
 
@@ -417,9 +421,10 @@ class ParamStream:
         except StreamAbortedError:
             handle.state = PassState.ABORTED
             raise
-        except BaseException:
+        except BaseException as exc:
             status = Status.FAILED
             handle.state = PassState.FAILED
+            handle.stop_reason = f"{type(exc).__name__}: {exc}"
             raise
         finally:
             stats.seconds = time.perf_counter() - start
@@ -430,7 +435,7 @@ class ParamStream:
                 outputs.clear()
             if lock is not None and status != Status.OK and not lock.closed:
                 try:
-                    lock.exchange(status, f"after rank {lock.rank} stopped")
+                    lock.exchange(status, f"after rank {lock.rank} stopped", handle.stop_reason or "")
                 except StreamAbortedError:
                     pass  # the peers are gone too; the error that stopped this rank is the one to report
 

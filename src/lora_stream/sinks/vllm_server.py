@@ -306,7 +306,7 @@ class VLLMServerSink:
 def _load_error(exc: BaseException) -> BaseException:
     """The server's worker found that vLLM did not consume the sync: raise the colocated sink's error for it."""
     text = str(exc)
-    if isinstance(exc, ServerError) and LOAD_ERROR_TAG in text:
+    if isinstance(exc, LoraStreamError) and LOAD_ERROR_TAG in text:
         error = VLLMLoadError(text[text.index(LOAD_ERROR_TAG) :])
         error.__cause__ = exc
         return error

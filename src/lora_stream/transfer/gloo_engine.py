@@ -101,7 +101,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     info (:func:`lora_stream.transfer.packing.plan_chunks`). A receiver whose plan differs from the chunk sizes the
     trainer sent raises before receiving anything. If the transfer fails half-way (the trainer died), the reload
     bracket is closed before the error propagates, so the engine keeps serving; the layers that had all their
-    weights hold the new ones, the others the old ones, and the weight version is not advanced.
+    weights hold the new ones, the others the old ones, and the weight version is not advanced. One update per
+    session: the bracket (:class:`~lora_stream.sinks.reload.ReloadBracket`) opens in ``start_weight_update`` and is
+    closed and checked when the update's last chunk has been loaded; a consumption failure fails the update with
+    :class:`~lora_stream.sinks.reload.VLLMLoadError`, which the trainer's sink raises as the colocated sink would.
     """
 
     init_info_cls = GlooInitInfo
@@ -128,11 +131,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self._bracket.begin()
 
     def finish_weight_update(self) -> None:
-        """Close the bracket; raise :class:`~lora_stream.sinks.reload.VLLMLoadError` (the server answers the
-        trainer's ``/finish_weight_update`` with it) if vLLM did not consume every name or fill every fused module."""
-        error = self._bracket.finish().error(" (server worker)")
-        if error is not None:
-            raise error
+        # receive_weights already closed and checked the bracket; this closes one that an update never reached.
+        self._bracket.abort()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class calls torch.accelerator.synchronize() afterwards, which has no meaning on CPU.
@@ -155,6 +155,12 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                 self.group.broadcast(buffer).wait()
                 views = unpack(buffer, plan, c, update_info.shapes, dtypes)
                 self._bracket.load(list(zip([update_info.names[i] for i in chunk], views)))
+            # Every tensor arrived: close and check the bracket here, not in finish_weight_update. An error raised
+            # from an update ends vLLM's update session (the trainer sees /update_weights fail); one raised from
+            # finish would leave the session open and the server refusing every later update.
+            error = self._bracket.finish().error(" (server worker)")
+            if error is not None:
+                raise error
         except BaseException:
             # Never leave layers on the meta device: the next forward would kill the engine.
             self._bracket.abort()
