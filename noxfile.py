@@ -23,7 +23,7 @@ STACK = [
     "peft==0.21.2",
     "accelerate==1.15.0",
     "safetensors==0.8.0",
-    "bitsandbytes==0.50.2",  # only for the test that a quantized base is refused
+    "bitsandbytes==0.50.2",  # QLoRA bases (4-bit and 8-bit) on CPU
 ]
 TEST_TOOLS = ["pytest>=8", "hypothesis>=6", "psutil"]
 
@@ -55,7 +55,7 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(python=False)
 def bench(session: nox.Session) -> None:
-    """Benchmarks (slow): `nox -s bench -- zero3|fsdp2|server` runs benchmarks/bench_<name>.py."""
+    """Benchmarks (slow): `nox -s bench -- zero3|fsdp2|server|qlora` runs benchmarks/bench_<name>.py."""
     which = session.posargs[0] if session.posargs else "zero3"
     _in_stack(session, ["python", f"benchmarks/bench_{which}.py", *session.posargs[1:]])
 

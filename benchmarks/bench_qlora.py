@@ -132,7 +132,6 @@ def worker(variant: str, path: str, syncs: int, out: str) -> None:
 
 def peft_in_place(pm, dest, exact):  # type: ignore[no-untyped-def]
     """In-place tools: merge_adapter() re-quantizes the merged weight into the 4-bit layer; read it, unmerge."""
-    import torch
     from peft.utils.integrations import dequantize_bnb_weight
 
     pm.merge_adapter()

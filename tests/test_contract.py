@@ -450,3 +450,21 @@ def test_plain_model_passes_through_unchanged() -> None:
     got = list(stream_merged_params(model))
     assert_matches(got, ref, tol=1e-12)
     assert all(rel_err(t, ref[n]) == 0 for n, t in got)
+
+
+def test_an_abandoned_pass_ends_when_its_last_reference_goes_not_at_garbage_collection() -> None:
+    """No reference cycle between a pass and its producer: dropping the pass ends it at once (and tells the peers),
+    even with the cyclic garbage collector off."""
+    pm = lora(tiny_llama(), target_modules=["q_proj"])
+    stream = ParamStream(pm, group_by="module")
+    gc.disable()
+    try:
+        it = iter(stream)
+        next(it)
+        producer = weakref.ref(it._gen)
+        record = it.record
+        del it
+        assert producer() is None
+        assert record.state.value == "stopped"
+    finally:
+        gc.enable()

@@ -7,7 +7,7 @@ import inspect
 import time
 import weakref
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from types import TracebackType
 from typing import Generic, TypeVar
@@ -97,6 +97,15 @@ class PassState(str, Enum):
         return self in (PassState.STOPPED, PassState.FAILED, PassState.ABORTED)
 
 
+@dataclass
+class PassRecord:
+    """The state one pass shares between its iterator and its producer."""
+
+    state: PassState = PassState.NOT_STARTED
+    stats: StreamStats = field(default_factory=lambda: StreamStats())
+    stop_reason: str | None = None
+
+
 class StreamPass(Generic[T]):
     """One pass over a :class:`ParamStream`: an iterator, and a context manager that ends the pass with its block.
 
@@ -111,13 +120,27 @@ class StreamPass(Generic[T]):
                 engine.load(names, tensors)   # if this raises, peers are told before the exception goes on
     """
 
-    def __init__(self, produce: Callable[[StreamPass[T]], Generator[T, None, None]]) -> None:
-        self.state = PassState.NOT_STARTED
-        #: Sent to the other ranks with this rank's stop: the exception that left the ``with`` block, if any.
-        self.stop_reason: str | None = None
-        #: What this pass did so far (the same object as the stream's ``last_stats`` while it is the latest pass).
-        self.stats = StreamStats()
-        self._gen = produce(self)
+    def __init__(self, produce: Callable[[PassRecord], Generator[T, None, None]]) -> None:
+        # The generator gets the record, not this object: a generator whose frame referred back to its own pass
+        # would form a cycle, and an abandoned pass would then end (and tell the peers) only when the cyclic
+        # garbage collector ran, not when the last reference went.
+        self.record = PassRecord()
+        self._gen = produce(self.record)
+
+    @property
+    def state(self) -> PassState:
+        """Where the pass stands."""
+        return self.record.state
+
+    @property
+    def stats(self) -> StreamStats:
+        """What this pass did so far (the stream's ``last_stats`` while it is the latest pass)."""
+        return self.record.stats
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Sent to the other ranks with this rank's stop: the exception that ended the pass, if any."""
+        return self.record.stop_reason
 
     def __iter__(self) -> StreamPass[T]:
         return self
@@ -140,8 +163,8 @@ class StreamPass(Generic[T]):
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if exc is not None and self.stop_reason is None:
-            self.stop_reason = f"{type(exc).__name__}: {exc}"
+        if exc is not None and self.record.stop_reason is None:
+            self.record.stop_reason = f"{type(exc).__name__}: {exc}"
         self.close()
 
 
@@ -294,8 +317,8 @@ class ParamStream:
         return self._open(batched=True)  # type: ignore[return-value]
 
     def _open(self, batched: bool) -> StreamPass[object]:
-        def produce(handle: StreamPass[object]) -> Generator[object, None, None]:
-            return self._produce(batched, handle)
+        def produce(record: PassRecord) -> Generator[object, None, None]:
+            return self._produce(batched, record)
 
         p: StreamPass[object] = StreamPass(produce)
         # Weakly: a pass abandoned by its consumer must still be collected, which is what ends it for the peers.
@@ -373,7 +396,7 @@ class ParamStream:
             return f"rank {dist.get_rank()}: "
         return ""
 
-    def _produce(self, batched: bool, handle: StreamPass[object]) -> Generator[object, None, None]:
+    def _produce(self, batched: bool, handle: PassRecord) -> Generator[object, None, None]:
         stats = handle.stats
         handle.state = PassState.RUNNING
         lock = self._lockstep()
