@@ -31,26 +31,17 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import MiB, RssSampler, rss  # noqa: E402
+from common import MiB, RssSampler, llama_config, rss  # noqa: E402
 
 VARIANTS = ["bf16", "nf4", "nf4-packed", "int8", "nf4-peft"]
 
 
 def build_checkpoint(args: argparse.Namespace, path: str) -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.hidden // 64,
-        num_key_value_heads=args.hidden // 64,
-        max_position_embeddings=256,
-    )
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    LlamaForCausalLM(llama_config(args, max_position_embeddings=256)).to(torch.bfloat16).save_pretrained(path)
 
 
 def load(variant: str, path: str):  # type: ignore[no-untyped-def]

@@ -41,6 +41,23 @@ class RssSampler(threading.Thread):
         return max(self.peak, rss())
 
 
+def llama_config(args: argparse.Namespace, **overrides: object):  # type: ignore[no-untyped-def]
+    """The benchmarks' Llama shape from the command line (``--layers/--hidden/--intermediate/--vocab``)."""
+    from transformers import LlamaConfig
+
+    kw = dict(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=args.hidden // 64,
+        tie_word_embeddings=False,
+    )
+    kw.update(overrides)
+    return LlamaConfig(**kw)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -15,24 +15,16 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RssSampler, rss
+from common import RssSampler, llama_config, rss
 
 
 def build(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from peft import LoraConfig, get_peft_model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.hidden // 64,
-        num_key_value_heads=args.hidden // 64,
-        tie_word_embeddings=False,
-    )
+    cfg = llama_config(args)
     torch.manual_seed(0)
     model = get_peft_model(
         LlamaForCausalLM(cfg).to(torch.bfloat16),

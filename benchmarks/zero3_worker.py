@@ -21,14 +21,14 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RssSampler, rss
+from common import RssSampler, llama_config, rss
 
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def build(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
     ds_config = {
@@ -37,15 +37,7 @@ def build(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
         "zero_allow_untested_optimizer": True,
     }
-    cfg = LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.hidden // 64,
-        num_key_value_heads=args.hidden // 64,
-        tie_word_embeddings=False,
-    )
+    cfg = llama_config(args)
     torch.manual_seed(0)
     dschf = HfDeepSpeedConfig(ds_config)  # noqa: F841 - keeps zero.Init on for from_config
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)

@@ -162,6 +162,11 @@ def scenario_drift() -> None:
     print(f"rank {dist.get_rank()}: 100 streams, partitions bitwise identical", flush=True)
 
 
+def aborted(exc: StreamAbortedError, start: float) -> None:
+    print(f"ABORTED after {time.monotonic() - start:.2f}s failed_ranks={exc.failed_ranks}: {exc}", flush=True)
+    finish(3)
+
+
 def scenario_failure(kind: str) -> None:
     pm = lora(tiny_llama(layers=4), target_modules="all-linear")
     engine = engine_for(pm)
@@ -178,11 +183,7 @@ def scenario_failure(kind: str) -> None:
         print(f"CONSUMER-RAISED {exc} after {time.monotonic() - start:.2f}s", flush=True)
         finish(0)
     except StreamAbortedError as exc:
-        print(
-            f"ABORTED after {time.monotonic() - start:.2f}s failed_ranks={exc.failed_ranks}: {exc}",
-            flush=True,
-        )
-        finish(3)
+        aborted(exc, start)
     print("COMPLETED (should not happen)", flush=True)
     finish(4)
 
@@ -207,11 +208,7 @@ def scenario_raise_kept() -> None:
         time.sleep(30)  # still alive: rank 0 cannot learn of the stop from a closed connection
         finish(0)
     except StreamAbortedError as exc:
-        print(
-            f"ABORTED after {time.monotonic() - start:.2f}s failed_ranks={exc.failed_ranks}: {exc}",
-            flush=True,
-        )
-        finish(3)
+        aborted(exc, start)
     print("COMPLETED (should not happen)", flush=True)
     finish(4)
 
