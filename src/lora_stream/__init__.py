@@ -22,20 +22,25 @@ from .grouping import DEFAULT_BUDGET_BYTES, GroupBy
 from .merge import DEFAULT_MERGE_BLOCK_BYTES
 from .names import Renames, register_wrapper
 from .sinks import (
+    CheckpointError,
     CheckpointMismatchError,
+    SafetensorsSink,
     ServerError,
     Sink,
     SyncRecord,
     VLLMColocatedSink,
     VLLMLoadError,
     VLLMServerSink,
+    save_merged,
 )
 from .stream import ParamMeta, ParamStream, PassState, StreamPass, StreamStats, stream_merged_params
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
     "CheckpointMismatchError",
+    "SafetensorsSink",
     "ServerError",
     "Sink",
     "SyncRecord",
@@ -66,5 +71,6 @@ __all__ = [
     "ZeroThreeGatherer",
     "auto_gatherer",
     "register_wrapper",
+    "save_merged",
     "stream_merged_params",
 ]

@@ -9,6 +9,7 @@ trainer's process, in an engine's child process, or in a vLLM server's worker.
 from __future__ import annotations
 
 from .base import Sink
+from .checkpoint import CheckpointError, SafetensorsSink, save_merged
 from .preflight import (
     CheckpointMismatchError,
     EngineCheckpoint,
@@ -24,10 +25,12 @@ from .vllm_server import ServerError, VLLMServerClient, VLLMServerSink
 
 __all__ = [
     "WORKER_EXTENSION",
+    "CheckpointError",
     "CheckpointMismatchError",
     "EngineCheckpoint",
     "LoadReport",
     "ReloadBracket",
+    "SafetensorsSink",
     "ServerError",
     "Sink",
     "SyncRecord",
@@ -39,4 +42,5 @@ __all__ = [
     "checkpoint_metadata",
     "compare_with_checkpoint",
     "preflight",
+    "save_merged",
 ]

@@ -7,8 +7,8 @@ built from what actually went out are the same for both.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
-from contextlib import closing
+from collections.abc import Generator, Iterator, Mapping
+from contextlib import closing, contextmanager
 from typing import Any
 
 import torch
@@ -90,6 +90,20 @@ class SyncSource:
             self.groups_sent += 1
             self.peak_group_bytes = max(self.peak_group_bytes, group_bytes)
             yield out_names, out_tensors
+
+    @contextmanager
+    def batches(self) -> Iterator[Generator[tuple[list[str], list[torch.Tensor]], None, None]]:
+        """``iter_groups()`` as a ``with`` block: an exception leaving the block ends the pass at once, and its text
+        travels to the other ranks as this rank's reason for stopping."""
+        gen = self.iter_groups()
+        try:
+            yield gen
+        except BaseException as exc:
+            if self.pass_ is not None and self.pass_.record.stop_reason is None:
+                self.pass_.record.stop_reason = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            gen.close()
 
     def __iter__(self) -> Generator[tuple[str, torch.Tensor], None, None]:
         for names, tensors in self.iter_groups():

@@ -28,7 +28,6 @@ through ``collective_rpc`` with the worker extension :class:`~lora_stream.sinks.
 from __future__ import annotations
 
 import time
-from contextlib import closing
 from typing import Any
 
 import torch
@@ -110,7 +109,7 @@ class VLLMColocatedSink:
         self._begin()
         try:
             try:
-                with closing(source.iter_groups()) as batches:  # a failure below ends the pass for every rank
+                with source.batches() as batches:  # a failure below ends the pass for every rank, with its reason
                     for names, tensors in batches:
                         self._load(list(zip(names, tensors)))
             except BaseException as exc:
