@@ -81,7 +81,7 @@ def save_and_check(how: str, out: Path, saved: list[str] | None) -> dict[str, ob
     assert 0 < record.peak_gathered_bytes <= bound, result
     if dist.get_rank() == 0:
         loaded = {n: p.detach() for n, p in AutoModelForCausalLM.from_pretrained(out).named_parameters()}
-        assert set(loaded) == set(ref), (set(loaded) ^ set(ref))
+        assert set(loaded) == set(ref), set(loaded) ^ set(ref)
         assert_matches(((n, loaded[n]) for n in ref), ref)
         result["shards"] = len(list(out.glob("model-*.safetensors")))
     return result
@@ -113,7 +113,9 @@ def main() -> None:
     try:
         sink.sync(ParamStream(engine, budget_bytes=BUDGET, timeout=60))
     except (OSError, LoraStreamError) as exc:
-        report(rank=rank, outcome="raised", error=type(exc).__name__, message=str(exc), seconds=time.monotonic() - start)
+        report(
+            rank=rank, outcome="raised", error=type(exc).__name__, message=str(exc), seconds=time.monotonic() - start
+        )
         finish()
     report(rank=rank, outcome="ok")
     finish(5)
