@@ -43,6 +43,18 @@ def results_of(output: str) -> list[dict[str, Any]]:
     return [json.loads(line[len("RESULT ") :]) for line in output.splitlines() if line.startswith("RESULT ")]
 
 
+def event(output: str, name: str) -> dict[str, Any]:
+    """The first ``RESULT`` record with ``event == name`` in a worker's output; fails showing the output if none."""
+    for rec in results_of(output):
+        if rec.get("event") == name:
+            return rec
+    raise AssertionError(f"no {name!r} result in the worker's output:\n{output[-3000:]}")
+
+
+def count_events(output: str, name: str) -> int:
+    return sum(1 for rec in results_of(output) if rec.get("event") == name)
+
+
 def require(module: str) -> ModuleType:
     """Import a component the test needs; in CI (LORA_STREAM_REQUIRE_ALL=1) a missing one fails instead of skipping."""
     if os.environ.get("LORA_STREAM_REQUIRE_ALL") == "1":

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import require, save_for_vllm, vllm_llama
+from helpers import event, require, save_for_vllm, vllm_llama
 from launch import TESTS, assert_all_ok, describe, launch
 
 
@@ -35,16 +35,18 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def test_zero3_trainer_syncs_into_tp2_engines(scenario: str, ckpt: str, checkpoints: dict[str, str]) -> None:
     results = launch("vllm_colocated_dist", scenario, checkpoints[ckpt], timeout=300)
     assert_all_ok(results)
-    assert all("vLLM serves the merged weights before and after a step" in r.output for r in results), describe(results)
+    assert all(event(r.output, "serves-merged") for r in results), describe(results)
 
 
 def test_a_consumer_failure_mid_sync_raises_on_every_rank(checkpoints: dict[str, str]) -> None:
     results = launch("vllm_colocated_dist", "fail", checkpoints["untied"], timeout=300)
     assert_all_ok(results)
     r0, r1 = results
-    assert "RAISED RuntimeError" in r1.output and "injected" in r1.output, describe(results)
-    assert "RAISED StreamAbortedError" in r0.output and "rank 1" in r0.output, describe(results)
-    assert all("ENGINE-ALIVE" in r.output for r in results)
+    raised0, raised1 = event(r0.output, "raised"), event(r1.output, "raised")
+    assert raised1["error"] == "RuntimeError" and "injected" in raised1["message"], describe(results)
+    assert raised0["error"] == "StreamAbortedError" and "rank 1" in raised0["message"], describe(results)
+    assert "injected consumer failure" in raised0["message"], raised0  # rank 1's reason reached rank 0
+    assert all(event(r.output, "engine-alive") for r in results)
 
 
 def test_engine_in_a_child_process_through_the_worker_extension(tmp_path: Path) -> None:
@@ -64,4 +66,5 @@ def test_engine_in_a_child_process_through_the_worker_extension(tmp_path: Path) 
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "CHILD-ENGINE-MATCH" in proc.stdout and "NO-EXTENSION-ERROR" in proc.stdout, proc.stdout[-3000:]
+    assert event(proc.stdout, "child-engine-match")["tensors"] > 0
+    assert "worker_extension_cls" in event(proc.stdout, "no-extension-error")["message"]

@@ -30,36 +30,39 @@ def server(checkpoint: str):  # type: ignore[no-untyped-def]
     s.stop()
 
 
-def _raised(results, within: float = 20.0) -> None:  # type: ignore[no-untyped-def]
-    assert all(r.returncode == 0 and "RAISED" in r.output for r in results), describe(results)
+def _raised(results, within: float = 20.0) -> list[dict]:  # type: ignore[no-untyped-def]
+    """Every rank raised, within ``within`` seconds; their outcome records, by rank."""
+    records = []
     for r in results:
-        seconds = float(r.output.split("RAISED", 1)[1].split(" after ", 1)[1].split("s:", 1)[0])
-        assert seconds < within, describe(results)
+        outcomes = results_of(r.output)
+        assert r.returncode == 0 and outcomes and outcomes[-1]["outcome"] == "raised", describe(results)
+        assert outcomes[-1]["seconds"] < within, describe(results)
+        records.append(outcomes[-1])
+    return records
 
 
 def test_push_serves_the_merged_model_and_follows_a_training_step(server: Server, checkpoint: str) -> None:
     results = launch("vllm_server_push", "push", server.url, checkpoint, timeout=300)
     assert_all_ok(results)
-    assert all("PUSH-OK" in r.output for r in results), describe(results)
+    assert all(results_of(r.output)[-1]["outcome"] == "ok" for r in results), describe(results)
     assert server.version() == "v2"
 
 
 def test_unknown_name_is_caught_before_any_byte_is_sent(server: Server, checkpoint: str) -> None:
     before = server.version()
     results = launch("vllm_server_push", "unknown-name", server.url, checkpoint, timeout=300)
-    _raised(results)
-    r0, r1 = results
-    assert "CheckpointMismatchError" in r0.output and "model.final_norm.weight" in r0.output
-    assert "StreamAbortedError" in r1.output and "rank 0" in r1.output
+    r0, r1 = _raised(results)
+    assert r0["error"] == "CheckpointMismatchError" and "model.final_norm.weight" in r0["message"]
+    assert r1["error"] == "StreamAbortedError" and "rank 0" in r1["message"] and "model.final_norm" in r1["message"]
     assert server.version() == before and server.healthy()
 
 
 def test_server_answering_an_error_raises_on_every_rank(server: Server, checkpoint: str) -> None:
     before = server.version()
     results = launch("vllm_server_push", "server-error", server.url, checkpoint, timeout=300)
-    _raised(results)
-    assert "ServerError" in results[0].output and "start_weight_update" in results[0].output, describe(results)
-    assert "StreamAbortedError" in results[1].output and "rank 0" in results[1].output, describe(results)
+    r0, r1 = _raised(results)
+    assert r0["error"] == "ServerError" and "start_weight_update" in r0["message"], describe(results)
+    assert r1["error"] == "StreamAbortedError" and "rank 0" in r1["message"], describe(results)
     assert server.healthy() and server.version() == before
 
 
@@ -123,9 +126,9 @@ def test_server_down_raises_on_every_rank(checkpoint: str) -> None:
     from launch import free_port
 
     results = launch("vllm_server_push", "server-down", f"http://127.0.0.1:{free_port()}", checkpoint, timeout=300)
-    _raised(results)
-    assert "ServerError" in results[0].output and "unreachable" in results[0].output
-    assert "StreamAbortedError" in results[1].output
+    r0, r1 = _raised(results)
+    assert r0["error"] == "ServerError" and "unreachable" in r0["message"]
+    assert r1["error"] == "StreamAbortedError" and "unreachable" in r1["message"]
 
 
 def test_trainer_dying_mid_transfer_leaves_the_server_serving_and_the_next_sync_works(
@@ -135,7 +138,7 @@ def test_trainer_dying_mid_transfer_leaves_the_server_serving_and_the_next_sync_
     results = launch("vllm_server_push", "die-mid", server.url, checkpoint, timeout=300)
     r0, r1 = results
     assert r0.returncode == 9, describe(results)
-    assert r1.returncode == 0 and "RAISED" in r1.output, describe(results)
+    assert r1.returncode == 0 and results_of(r1.output)[-1]["outcome"] == "raised", describe(results)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not server.healthy():
         time.sleep(1)
@@ -166,8 +169,8 @@ def test_server_stopping_mid_transfer_raises_on_every_trainer_rank(checkpoint: s
             "vllm_server_push", "hold-mid", s.url, checkpoint, timeout=300, env={"LORA_STREAM_TEST_MARKER": str(marker)}
         )
         assert marker.exists(), describe(results)
-        _raised(results, within=60)
-        assert "ServerError" in results[0].output or "TransferError" in results[0].output, describe(results)
+        r0, _ = _raised(results, within=60)
+        assert r0["error"] in ("ServerError", "TransferError"), describe(results)
     finally:
         s.stop()
 
@@ -206,11 +209,11 @@ def test_route_guard_requires_the_key_on_every_dev_route_and_the_sink_with_the_k
         assert requests.get(f"{s.url}/v1/models", headers=auth, timeout=10).status_code == 200
         assert requests.get(f"{s.url}/health", timeout=10).status_code == 200
         results = launch("vllm_server_push", "no-key", s.url, checkpoint, timeout=300)
-        _raised(results)
-        assert "requires an API key" in results[0].output
+        r0, _ = _raised(results)
+        assert "requires an API key" in r0["message"]
         results = launch("vllm_server_push", "push", s.url, checkpoint, KEY, timeout=300)
         assert_all_ok(results)
-        assert all("PUSH-OK" in r.output for r in results), describe(results)
+        assert all(results_of(r.output)[-1]["outcome"] == "ok" for r in results), describe(results)
         assert requests.get(f"{s.url}/weight_info", headers=auth, timeout=10).json()["weight_version"] == "v2"
     finally:
         s.stop()

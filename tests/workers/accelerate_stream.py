@@ -21,7 +21,7 @@ os.environ.setdefault("ACCELERATE_TORCH_DEVICE", "cpu")
 import deepspeed
 import torch
 import torch.distributed as dist
-from helpers import assert_matches, finish, lora, oracle, tiny_llama
+from helpers import assert_matches, finish, lora, oracle, report, tiny_llama
 
 from lora_stream import (
     Fsdp1Gatherer,
@@ -97,10 +97,12 @@ def main() -> None:
     expected = {"zero3": ZeroThreeGatherer, "fsdp2": Fsdp2Gatherer, "fsdp1": Fsdp1Gatherer, "ddp": PlainGatherer}
     assert type(stream.gatherer) is expected[setup], (type(prepared), stream.gatherer)
     assert_matches(list(stream), oracle(template))
-    print(
-        f"rank {dist.get_rank()}: accelerate {setup} -> {type(prepared).__name__} streamed by "
-        f"{stream.gatherer.name}: match",
-        flush=True,
+    report(
+        rank=dist.get_rank(),
+        event="match",
+        setup=setup,
+        wrapper=type(prepared).__name__,
+        gatherer=stream.gatherer.name,
     )
 
 

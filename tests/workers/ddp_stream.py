@@ -2,7 +2,7 @@
 
 import torch
 import torch.distributed as dist
-from helpers import assert_matches, finish, lora, oracle, tiny_llama
+from helpers import assert_matches, finish, lora, oracle, report, tiny_llama
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lora_stream import ParamStream, PlainGatherer
@@ -27,7 +27,7 @@ def main() -> None:
         ref = t.clone()
         dist.broadcast(ref, 0)
         assert torch.equal(ref, t)
-    print(f"rank {rank}: {len(got)} tensors match", flush=True)
+    report(rank=rank, event="match", tensors=len(got))
     finish()
 
 

@@ -20,7 +20,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from helpers import CollectiveCounter, assert_matches, finish, lora, oracle, tiny_llama
+from helpers import CollectiveCounter, assert_matches, finish, lora, oracle, report, tiny_llama
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -84,10 +84,7 @@ def check(model: torch.nn.Module, template: torch.nn.Module, budget: int) -> Non
         got.append((name, t.clone()))
     assert peak > 0 and stream.gatherer.held_bytes() == 0
     assert_matches(got, ref)
-    print(
-        f"rank {dist.get_rank()}: {len(got)} tensors match; peak unsharded {peak} of {total} (bound {bound})",
-        flush=True,
-    )
+    report(rank=dist.get_rank(), event="match", tensors=len(got), peak=peak, total=total, bound=bound)
 
 
 def scenario_fsdp2() -> None:
@@ -111,7 +108,7 @@ def scenario_drift() -> None:
         for _name, _t in stream:
             pass
     assert all(torch.equal(p.to_local(), b) for p, b in zip(pm.parameters(), locals_before))
-    print(f"rank {dist.get_rank()}: 100 streams, local shards bitwise identical", flush=True)
+    report(rank=dist.get_rank(), event="bitwise-identical", streams=100)
 
 
 def scenario_raise() -> None:
@@ -126,10 +123,16 @@ def run_failure(model: torch.nn.Module) -> None:
             if dist.get_rank() == 1 and i == 2:
                 raise ValueError("consumer on rank 1 failed at the third group")
     except ValueError as exc:
-        print(f"CONSUMER-RAISED {exc}", flush=True)
+        report(rank=dist.get_rank(), event="consumer-raised", message=str(exc))
         finish(0)
     except StreamAbortedError as exc:
-        print(f"ABORTED after {time.monotonic() - start:.2f}s failed_ranks={exc.failed_ranks}: {exc}", flush=True)
+        report(
+            rank=dist.get_rank(),
+            event="aborted",
+            seconds=time.monotonic() - start,
+            failed_ranks=list(exc.failed_ranks),
+            message=str(exc),
+        )
         finish(3)
     finish(4)
 
@@ -178,7 +181,7 @@ def check_fsdp1(model: torch.nn.Module, template: torch.nn.Module, budget: int) 
         got.append((name, t))  # kept past the group on purpose: FSDP1 frees unsharded storage in place
     assert_matches(got, ref)
     assert stream.gatherer.held_bytes() == 0
-    print(f"rank {dist.get_rank()}: {len(got)} tensors match; peak unsharded {peak} (bound {bound})", flush=True)
+    report(rank=dist.get_rank(), event="match", tensors=len(got), peak=peak, bound=bound)
 
 
 def scenario_fsdp1() -> None:
@@ -205,7 +208,7 @@ def scenario_fsdp1_drift() -> None:
         for _name, _t in stream:
             pass
     assert all(torch.equal(p, b) for p, b in zip(flats, before))
-    print(f"rank {dist.get_rank()}: 100 streams, local shards bitwise identical", flush=True)
+    report(rank=dist.get_rank(), event="bitwise-identical", streams=100)
 
 
 def scenario_fsdp1_raise() -> None:
@@ -219,7 +222,7 @@ def scenario_fsdp1_noforward() -> None:
     try:
         next(iter(ParamStream(model)))
     except UnsupportedModelError as exc:
-        print(f"CLEAR-ERROR {exc}", flush=True)
+        report(rank=dist.get_rank(), event="clear-error", message=str(exc))
         return
     raise AssertionError("expected UnsupportedModelError")
 

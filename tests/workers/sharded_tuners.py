@@ -9,13 +9,12 @@ model (DeepSpeed ZeRO-3 engine, or ``fully_shard``), streams it and compares. Pr
 from __future__ import annotations
 
 import copy
-import json
 import sys
 import warnings
 
 import torch
 import torch.distributed as dist
-from helpers import assert_matches, finish, oracle, perturb_adapters, zoo
+from helpers import assert_matches, finish, oracle, perturb_adapters, report, zoo
 
 from lora_stream import ParamStream
 
@@ -76,7 +75,7 @@ def main() -> None:
             results[case] = "match"
         except Exception as exc:  # report every case, not only the first failure
             results[case] = f"{type(exc).__name__}: {str(exc)[:300]}"
-    print("RESULT " + json.dumps({"rank": dist.get_rank(), "gatherer": how, "cases": results}), flush=True)
+    report(rank=dist.get_rank(), gatherer=how, cases=results)
     finish(0 if all(v == "match" for v in results.values()) else 1)
 
 

@@ -6,7 +6,7 @@ import sys
 
 
 def main(path: str) -> None:
-    from helpers import assert_vllm_serves, lora, merged_copy, vllm_generate
+    from helpers import assert_vllm_serves, lora, merged_copy, report, vllm_generate
     from transformers import LlamaForCausalLM
     from vllm import LLM
 
@@ -27,7 +27,7 @@ def main(path: str) -> None:
     pm = lora(LlamaForCausalLM.from_pretrained(path), target_modules="all-linear", lora_alpha=16)
     record = sink.sync(ParamStream(pm, group_by="layer"))
     assert_vllm_serves(vllm_generate(llm), merged_copy(pm))
-    print(f"CHILD-ENGINE-MATCH {record.tensors} tensors in {record.seconds:.3f} s", flush=True)
+    report(event="child-engine-match", tensors=record.tensors, seconds=record.seconds)
     del llm, sink
 
     from lora_stream import LoraStreamError
@@ -36,8 +36,7 @@ def main(path: str) -> None:
     try:
         VLLMColocatedSink(plain).sync(ParamStream(pm, group_by="layer"))
     except LoraStreamError as exc:
-        assert "worker_extension_cls" in str(exc), exc
-        print("NO-EXTENSION-ERROR", flush=True)
+        report(event="no-extension-error", message=str(exc))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ for _k, _v in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": 
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from helpers import assert_vllm_serves, lora, oracle, vllm_generate, zero3_whole_into  # noqa: E402
+from helpers import assert_vllm_serves, lora, oracle, report, vllm_generate, zero3_whole_into  # noqa: E402
 
 from lora_stream import ParamStream, StreamAbortedError, VLLMColocatedSink  # noqa: E402
 
@@ -86,9 +86,11 @@ def main() -> None:
         try:
             sink.sync(Failing(engine, group_by="layer"))
         except (RuntimeError, StreamAbortedError) as exc:
-            print(f"RAISED {type(exc).__name__} after {time.monotonic() - start:.2f}s: {exc}", flush=True)
+            report(
+                rank=rank, event="raised", error=type(exc).__name__, message=str(exc), seconds=time.monotonic() - start
+            )
             vllm_generate(llm)  # the engine still runs
-            print("ENGINE-ALIVE", flush=True)
+            report(rank=rank, event="engine-alive")
             return
         raise AssertionError("the sync should have raised")
 
@@ -103,10 +105,12 @@ def main() -> None:
     second = vllm_generate(llm)
     assert second != first, "the optimizer step should change what vLLM serves"
     assert_vllm_serves(second, reference(engine, template))
-    print(
-        f"rank {rank}: vLLM serves the merged weights before and after a step; {record.tensors} tensors, "
-        f"{record.seconds:.3f} s, peak gathered {record.peak_gathered_bytes} bytes",
-        flush=True,
+    report(
+        rank=rank,
+        event="serves-merged",
+        tensors=record.tensors,
+        seconds=record.seconds,
+        peak_gathered=record.peak_gathered_bytes,
     )
 
 

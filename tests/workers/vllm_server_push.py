@@ -83,11 +83,6 @@ def main() -> None:
             second = server_generate(url, api_key)
             assert second != first, "the step should change what the server serves"
             assert_vllm_serves(second, expected)
-        print(
-            f"rank {rank}: PUSH-OK {record.tensors} tensors {record.bytes} bytes in {record.seconds:.3f} s "
-            f"({record.gbps:.3f} GB/s)",
-            flush=True,
-        )
         report(rank=rank, outcome="ok", tensors=record.tensors, streamed=len(ParamStream(engine)), version="v2")
         finish()
     k0 = "model.layers.0.self_attn.k_proj.weight"
@@ -115,7 +110,6 @@ def main() -> None:
     try:
         sink.sync(stream, version="never")
     except (LoraStreamError, StreamAbortedError) as exc:
-        print(f"RAISED {type(exc).__name__} after {time.monotonic() - start:.2f}s: {exc}", flush=True)
         report(
             rank=rank,
             outcome="raised",
@@ -128,7 +122,6 @@ def main() -> None:
         if scenario == "server-error" and rank == 0:
             sink.client.finish_weight_update()  # close the update this test left open
         finish(0)
-    print("NO-ERROR", flush=True)
     report(rank=rank, outcome="ok")
     finish(5)
 

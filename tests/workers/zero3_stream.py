@@ -22,7 +22,7 @@ import time
 import deepspeed
 import torch
 import torch.distributed as dist
-from helpers import CollectiveCounter, assert_matches, finish, lora, oracle, tiny_llama, zero3_whole_into
+from helpers import CollectiveCounter, assert_matches, finish, lora, oracle, report, tiny_llama, zero3_whole_into
 
 from lora_stream import ParamStream, StreamAbortedError, ZeroThreeGatherer
 
@@ -88,10 +88,7 @@ def check_stream(engine, template, budget: int) -> None:  # type: ignore[no-unty
     assert stream.last_stats.complete and stream.last_stats.peak_gathered_bytes == peak
     # The engine's .module streams the same.
     assert_matches(ParamStream(engine.module, group_by="layer"), ref)
-    print(
-        f"rank {dist.get_rank()}: {len(got)} tensors match; peak gathered {peak} of {total} bytes (bound {bound})",
-        flush=True,
-    )
+    report(rank=dist.get_rank(), event="match", tensors=len(got), peak=peak, total=total, bound=bound)
 
 
 def scenario_engine() -> None:
@@ -144,7 +141,7 @@ def scenario_mixed() -> None:
     assert [m.dtype for m in stream.metadata()] == [t.dtype for _, t in got]
     assert "lm_head.weight" in dict(got) and "model.embed_tokens.weight" in dict(got)
     assert_matches(got, ref, tol=4e-3)
-    print(f"rank {dist.get_rank()}: mixed dtypes match", flush=True)
+    report(rank=dist.get_rank(), event="mixed-match")
 
 
 def scenario_drift() -> None:
@@ -159,11 +156,17 @@ def scenario_drift() -> None:
         for _name, _t in stream:
             pass
     assert all(torch.equal(p.ds_tensor, b) for p, b in zip(params, before))
-    print(f"rank {dist.get_rank()}: 100 streams, partitions bitwise identical", flush=True)
+    report(rank=dist.get_rank(), event="bitwise-identical", streams=100)
 
 
 def aborted(exc: StreamAbortedError, start: float) -> None:
-    print(f"ABORTED after {time.monotonic() - start:.2f}s failed_ranks={exc.failed_ranks}: {exc}", flush=True)
+    report(
+        rank=dist.get_rank(),
+        event="aborted",
+        seconds=time.monotonic() - start,
+        failed_ranks=list(exc.failed_ranks),
+        message=str(exc),
+    )
     finish(3)
 
 
@@ -180,11 +183,11 @@ def scenario_failure(kind: str) -> None:
                     os._exit(17)
                 raise ValueError("consumer on rank 1 failed at the third group")
     except ValueError as exc:
-        print(f"CONSUMER-RAISED {exc} after {time.monotonic() - start:.2f}s", flush=True)
+        report(rank=dist.get_rank(), event="consumer-raised", message=str(exc), seconds=time.monotonic() - start)
         finish(0)
     except StreamAbortedError as exc:
         aborted(exc, start)
-    print("COMPLETED (should not happen)", flush=True)
+    report(rank=dist.get_rank(), event="completed")  # should not happen
     finish(4)
 
 
@@ -204,12 +207,12 @@ def scenario_raise_kept() -> None:
                     raise ValueError("consumer on rank 1 failed at the third group")
     except ValueError as exc:
         kept.append(exc)  # the traceback keeps this frame, and the pass, alive
-        print(f"CONSUMER-RAISED {exc} after {time.monotonic() - start:.2f}s", flush=True)
+        report(rank=dist.get_rank(), event="consumer-raised", message=str(exc), seconds=time.monotonic() - start)
         time.sleep(30)  # still alive: rank 0 cannot learn of the stop from a closed connection
         finish(0)
     except StreamAbortedError as exc:
         aborted(exc, start)
-    print("COMPLETED (should not happen)", flush=True)
+    report(rank=dist.get_rank(), event="completed")  # should not happen
     finish(4)
 
 

@@ -66,13 +66,21 @@ class SyncSource:
         self.tensors = self.bytes = self.groups_sent = self.peak_group_bytes = 0
         batches = self.stream.iter_groups()
         self.pass_ = batches if isinstance(batches, StreamPass) else None
+        reason: str | None = None
         with closing(batches):
             try:
                 yield from self._expanded(batches)
+            except GeneratorExit:
+                raise
+            except BaseException as exc:  # the stream (or a wrapper around it) raised: tell the peers what
+                reason = f"{type(exc).__name__}: {exc}"
+                raise
             finally:
                 if self.pass_ is None:  # a subclass wrapped the stream's own pass in a generator of its own
                     self.pass_ = self.stream.last_pass
                 if self.pass_ is not None:
+                    if reason is not None and self.pass_.record.stop_reason is None:
+                        self.pass_.record.stop_reason = reason
                     # End it now (a no-op once complete): a wrapper that raised may leave it alive in a traceback,
                     # and the other ranks learn of the stop only when it ends.
                     self.pass_.close()
