@@ -45,7 +45,6 @@ def test_a_consumer_failure_mid_sync_raises_on_every_rank(checkpoints: dict[str,
     raised0, raised1 = event(r0.output, "raised"), event(r1.output, "raised")
     assert raised1["error"] == "RuntimeError" and "injected" in raised1["message"], describe(results)
     assert raised0["error"] == "StreamAbortedError" and "rank 1" in raised0["message"], describe(results)
-    assert "injected consumer failure" in raised0["message"], raised0  # rank 1's reason reached rank 0
     assert all(event(r.output, "engine-alive") for r in results)
 
 
