@@ -41,6 +41,7 @@ class SyncSource:
             for n in names
         ]
         self.pass_: StreamPass[Any] | None = None
+        self._stop_reason: str | None = None
         self.tensors = self.bytes = self.groups_sent = self.peak_group_bytes = 0
 
     def _aliases_of(self, names: list[str]) -> list[str]:
@@ -67,6 +68,7 @@ class SyncSource:
         batches = self.stream.iter_groups()
         self.pass_ = batches if isinstance(batches, StreamPass) else None
         reason: str | None = None
+        self._stop_reason = None
         with closing(batches):
             try:
                 yield from self._expanded(batches)
@@ -79,6 +81,7 @@ class SyncSource:
                 if self.pass_ is None:  # a subclass wrapped the stream's own pass in a generator of its own
                     self.pass_ = self.stream.last_pass
                 if self.pass_ is not None:
+                    reason = reason or self._stop_reason
                     if reason is not None and self.pass_.record.stop_reason is None:
                         self.pass_.record.stop_reason = reason
                     # End it now (a no-op once complete): a wrapper that raised may leave it alive in a traceback,
@@ -107,8 +110,8 @@ class SyncSource:
         try:
             yield gen
         except BaseException as exc:
-            if self.pass_ is not None and self.pass_.record.stop_reason is None:
-                self.pass_.record.stop_reason = f"{type(exc).__name__}: {exc}"
+            # Picked up when the pass is ended below (the stream's own pass may only be found then).
+            self._stop_reason = f"{type(exc).__name__}: {exc}"
             raise
         finally:
             gen.close()

@@ -134,6 +134,9 @@ class _CurrentSource:
     def iter_groups(self) -> Any:
         return self._source().iter_groups()
 
+    def batches(self) -> Any:
+        return self._source().batches()
+
     def __iter__(self) -> Any:
         return iter(self._source())
 

@@ -38,9 +38,13 @@ class GlooTrainerInitInfo(TrainerInitInfo):  # type: ignore[misc]
     timeout_s: float = 120.0
 
 
-def _ending(batches: Any) -> AbstractContextManager[Any]:
-    """End a source's pass when the block exits (a ``ParamStream`` then tells its other ranks at once); a plain
-    iterator without ``close()`` is used as it is."""
+def _ending(source: Any) -> AbstractContextManager[Any]:
+    """The source's groups, in a block that ends its pass when it exits: lora_stream's ``SyncSource.batches()``
+    also sends the exception that ended it to the other trainer ranks; another source's iterator is closed if it
+    can be."""
+    if hasattr(source, "batches"):
+        return source.batches()  # type: ignore[no-any-return]
+    batches = source.iter_groups()
     return closing(batches) if hasattr(batches, "close") else nullcontext(batches)
 
 
@@ -110,7 +114,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
     def send_weights(self) -> None:
         source: Any = self.source
         if not self.is_sender:
-            with _ending(source.iter_groups()) as batches:
+            with _ending(source) as batches:
                 for _ in batches:
                     pass  # the gathers are collectives: every trainer rank produces the stream in lockstep
             return
@@ -135,7 +139,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             largest_chunk = max((plan.chunk_bytes(c) for c in range(len(plan.chunks))), default=0)
             buffer = torch.empty(min(self.init_info.buffer_bytes, largest_chunk), dtype=torch.uint8)
             index = 0
-            with _ending(source.iter_groups()) as batches:  # a failure below ends the pass for every rank
+            with _ending(source) as batches:  # a failure below ends the pass for every rank, with its reason
                 for names, tensors in batches:
                     for name, tensor in zip(names, tensors):
                         if index >= len(meta) or name != meta[index].name:
