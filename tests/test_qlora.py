@@ -171,8 +171,10 @@ def test_a_float_layer_from_a_quantization_package_is_streamed() -> None:
 def test_cpu_packed_4bit_layout_after_an_eval_forward_streams_what_the_layer_computes(checkpoint_128: str) -> None:
     """On AVX512-BF16 CPUs ``Linear4bit`` repacks its weight in place at its first no-grad eval forward (a GRPO
     loop's logprob pass). The stream must read that layout as the layer's forward does: probed with the identity
-    matrix, the layer returns its effective weight, which must equal the streamed (dequantized) weight bit for bit."""
+    matrix, the layer returns its effective weight, which must equal the streamed (dequantized) weight bit for bit,
+    also for a stream planned before the repack."""
     pm = _qlora(checkpoint_128, "nf4-double", target_modules=["q_proj"])
+    built_before = ParamStream(pm, dtype=torch.float32, merge_block_bytes=4096)  # planned on the original layout
     pm.eval()
     with torch.no_grad():
         pm(torch.tensor([[1, 2, 3, 4]]))
@@ -184,8 +186,9 @@ def test_cpu_packed_4bit_layout_after_an_eval_forward_streams_what_the_layer_com
     with torch.no_grad():
         effective_k = (k_proj(eye) - k_proj.bias if k_proj.bias is not None else k_proj(eye)).float().t()
         effective_q = q_base(eye).float().t()
-    got = dict(ParamStream(pm, dtype=torch.float32, merge_block_bytes=4096))
-    assert torch.equal(got["model.layers.0.self_attn.k_proj.weight"].to(torch.bfloat16).float(), effective_k)
     layer = attn.q_proj
     delta = layer.lora_B["default"].weight.float() @ layer.lora_A["default"].weight.float() * layer.scaling["default"]
-    assert_matches([("q", got["model.layers.0.self_attn.q_proj.weight"])], {"q": effective_q + delta})
+    for stream in (ParamStream(pm, dtype=torch.float32, merge_block_bytes=4096), built_before):
+        got = dict(stream)
+        assert torch.equal(got["model.layers.0.self_attn.k_proj.weight"].to(torch.bfloat16).float(), effective_k)
+        assert_matches([("q", got["model.layers.0.self_attn.q_proj.weight"])], {"q": effective_q + delta})

@@ -13,6 +13,7 @@ Everything else that is quantized (GPTQ, AWQ, HQQ, torchao, ...) is refused by :
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from torch import nn
 
 from .errors import UnsupportedModelError
 
-__all__ = ["BaseWeight", "DenseWeight", "Bnb4BitWeight", "Bnb8BitWeight", "base_weight_of", "is_quantized"]
+__all__ = ["BaseWeight", "RowReader", "DenseWeight", "Bnb4BitWeight", "Bnb8BitWeight", "base_weight_of", "is_quantized"]
 
 #: Output dtype of a merged quantized base when the stream is given none: what vLLM and most trainers serve in.
 QUANTIZED_DEFAULT_DTYPE = torch.bfloat16
@@ -34,22 +35,28 @@ _QUANTIZER_PACKAGES = ("bitsandbytes", "torchao", "hqq", "optimum", "quanto", "c
 _WEIGHT_ONLY_QUANTIZERS = ("auto_gptq", "gptqmodel", "awq", "hqq", "eetq", "aqlm", "optimum", "quanto", "vptq")
 
 
+#: Writes rows ``[start, start + n)`` of a base weight (viewed as the matrix ``[shape[0], -1]``) into ``out``.
+RowReader = Callable[[int, int, torch.Tensor], None]
+
+
 class BaseWeight:
     """How a merge reads one base weight.
 
-    ``param`` is what the gatherer must make whole. ``shape`` is the logical (dequantized) shape of the weight,
-    ``dtype`` the dtype the model computes with. ``read_rows(full, start, n, out)`` writes rows ``[start, start+n)``
-    of the weight viewed as a matrix ``[shape[0], -1]`` into the float32 tensor ``out``; ``row_multiple`` is the
-    granularity at which row blocks may start (quantization blocks must not be cut).
+    ``param`` is what the gatherer must make whole; ``shape`` is the logical (dequantized) shape of the weight.
+    ``row_reader(full)`` is called once per merge, after the gather, and returns a :data:`RowReader`; whatever the
+    storage needs per weight (its layout, dequantized scales) is settled there, not when the stream was planned: a
+    bitsandbytes layer may change its storage layout in place between planning and a pass. ``row_multiple()`` is the
+    granularity at which row blocks may start (quantization blocks must not be cut), read at the same time.
     """
 
     param: Any
     shape: torch.Size
-    dtype: torch.dtype
-    row_multiple: int = 1
     quantized: bool = False
 
-    def read_rows(self, full: Any, start: int, n: int, out: torch.Tensor) -> None:
+    def row_multiple(self) -> int:
+        return 1
+
+    def row_reader(self, full: Any) -> RowReader:
         raise NotImplementedError
 
     def dense(self, full: Any) -> torch.Tensor:
@@ -60,12 +67,17 @@ class BaseWeight:
 class DenseWeight(BaseWeight):
     """A plain floating-point parameter, whole once gathered."""
 
-    def __init__(self, param: Any, shape: torch.Size, dtype: torch.dtype) -> None:
-        self.param, self.shape, self.dtype = param, shape, dtype
+    def __init__(self, param: Any, shape: torch.Size) -> None:
+        self.param, self.shape = param, shape
 
-    def read_rows(self, full: Any, start: int, n: int, out: torch.Tensor) -> None:
+    def row_reader(self, full: Any) -> RowReader:
         w: torch.Tensor = full(self.param)
-        out.copy_(w.reshape(w.shape[0], -1).narrow(0, start, n))
+        matrix = w.reshape(w.shape[0], -1)
+
+        def read(start: int, n: int, out: torch.Tensor) -> None:
+            out.copy_(matrix.narrow(0, start, n))
+
+        return read
 
     def dense(self, full: Any) -> torch.Tensor:
         t: torch.Tensor = full(self.param)
@@ -81,56 +93,66 @@ class Bnb4BitWeight(BaseWeight):
     its own by ``bitsandbytes.functional.dequantize_4bit``. Otherwise the weight is dequantized in one piece: the
     result must equal bitsandbytes' whole-weight dequantization bit for bit, and its CPU kernel (0.50) indexes
     blocks per row, so a slice that does not start a row on a block boundary would not. Double-quantized absmax is
-    dequantized once per read (``1/blocksize`` of the weight's elements).
+    dequantized once per merge (``1/blocksize`` of the weight's elements).
+
+    The quantization state is read from the parameter when a merge starts, never kept from planning:
+    ``Linear4bit`` rewrites its storage and state in place into bitsandbytes' CPU layout at its first no-grad eval
+    forward, which may come after the stream was built.
     """
 
     quantized = True
 
     def __init__(self, param: Any) -> None:
-        state = param.quant_state
         self.param = param
-        self.shape = torch.Size(state.shape)
-        self.dtype = state.dtype
-        self._state = state
-        cols = math.prod(self.shape[1:]) if len(self.shape) > 1 else 1
-        self._cols = cols
-        block = int(state.blocksize)
-        self._cpu_packed = bool(getattr(state, "packing_format_for_cpu", False))
-        if self._cpu_packed:
-            self.row_multiple = _CPU_PACK_ROWS
-        else:
-            self.row_multiple = 1 if cols % block == 0 else max(1, self.shape[0])
+        self.shape = torch.Size(param.quant_state.shape)
+        self._cols = math.prod(self.shape[1:]) if len(self.shape) > 1 else 1
 
-    def _absmax(self) -> torch.Tensor:
+    def _cpu_packed(self) -> bool:
+        return bool(getattr(self.param.quant_state, "packing_format_for_cpu", False))
+
+    def row_multiple(self) -> int:
+        if self._cpu_packed():
+            return _CPU_PACK_ROWS
+        return 1 if self._cols % int(self.param.quant_state.blocksize) == 0 else max(1, self.shape[0])
+
+    def row_reader(self, full: Any) -> RowReader:
         import bitsandbytes.functional as F
 
-        s = self._state
-        if s.nested:
-            nested: torch.Tensor = F.dequantize_blockwise(s.absmax, s.state2)
-            nested += s.offset
-            return nested.float()
-        plain: torch.Tensor = s.absmax.float()
-        return plain
+        s = self.param.quant_state
+        data = full(self.param).detach()
+        if self._cpu_packed():
+            table = F.get_4bit_type(s.quant_type, device=data.device).to(torch.bfloat16).float()
 
-    def read_rows(self, full: Any, start: int, n: int, out: torch.Tensor) -> None:
-        import bitsandbytes.functional as F
+            def read_packed(start: int, n: int, out: torch.Tensor) -> None:
+                out.copy_(self._cpu_packed_rows(data, table, start, n))
 
-        s = self._state
-        if self._cpu_packed:
-            out.copy_(self._read_cpu_packed(full(self.param).detach(), start, n))
-            return
-        packed = full(self.param).detach().reshape(-1).view(torch.uint8)
-        first, count = start * self._cols, n * self._cols
+            return read_packed
+        codes_flat = data.reshape(-1).view(torch.uint8)
         block = int(s.blocksize)
-        # Copies of the slices (a few bytes per row): bitsandbytes' CPU kernel does not honour a view's offset.
-        absmax = self._absmax().narrow(0, first // block, math.ceil(count / block)).clone()
-        codes = packed.narrow(0, first // 2, (count + 1) // 2).reshape(-1, 1).clone()
-        rows_state = F.QuantState(
-            absmax=absmax, shape=torch.Size((n, self._cols)), blocksize=block, quant_type=s.quant_type, dtype=self.dtype
-        )
-        out.copy_(F.dequantize_4bit(codes, rows_state))
+        if s.nested:
+            absmax: torch.Tensor = F.dequantize_blockwise(s.absmax, s.state2)
+            absmax += s.offset
+            absmax = absmax.float()
+        else:
+            absmax = s.absmax.float()
 
-    def _read_cpu_packed(self, data: torch.Tensor, start: int, n: int) -> torch.Tensor:
+        def read(start: int, n: int, out: torch.Tensor) -> None:
+            first, count = start * self._cols, n * self._cols
+            # Copies of the slices (a few bytes per row): bitsandbytes' CPU kernel does not honour a view's offset.
+            rows_absmax = absmax.narrow(0, first // block, math.ceil(count / block)).clone()
+            codes = codes_flat.narrow(0, first // 2, (count + 1) // 2).reshape(-1, 1).clone()
+            rows_state = F.QuantState(
+                absmax=rows_absmax,
+                shape=torch.Size((n, self._cols)),
+                blocksize=block,
+                quant_type=s.quant_type,
+                dtype=s.dtype,
+            )
+            out.copy_(F.dequantize_4bit(codes, rows_state))
+
+        return read
+
+    def _cpu_packed_rows(self, data: torch.Tensor, table: torch.Tensor, start: int, n: int) -> torch.Tensor:
         """Rows of a weight in bitsandbytes' AVX512-BF16 layout (``packing_format_for_cpu``).
 
         ``Linear4bit`` converts its weight in place to this layout on its first CPU forward in eval mode without
@@ -138,29 +160,29 @@ class Bnb4BitWeight(BaseWeight):
         ``[K/blocksize, N]`` in bfloat16, no double quantization. bitsandbytes ships no dequantization for it (its
         inverse conversion re-quantizes the absmax), so this undoes ``_convert_weight_packed_for_cpu`` for a group
         of rows: nibble ``j`` of a 64-code chunk is low for the first 32 codes, high for the next 32. The values are
-        what the layer's own forward multiplies by from then on: the code table rounded to bfloat16 times the
-        bfloat16 absmax, rounded to bfloat16 (checked bit for bit by probing the layer with the identity matrix).
+        what the layer's own forward multiplies by from then on: the code table (``table``, rounded to bfloat16)
+        times the bfloat16 absmax, rounded to bfloat16 (checked bit for bit by probing the layer with the identity
+        matrix).
         """
-        from bitsandbytes.functional import get_4bit_type
-
-        s = self._state
+        s = self.param.quant_state
         block, k = int(s.blocksize), self._cols
         b = data.narrow(0, start, n).reshape(-1, 32)
         nibbles = torch.cat([b & 0xF, b >> 4], dim=-1)  # [.., 64]: 32 low, then 32 high
         codes = nibbles.reshape(n // _CPU_PACK_ROWS, k // 2, _CPU_PACK_ROWS, 2).transpose(1, 2).reshape(n, k)
-        table = get_4bit_type(s.quant_type, device=data.device).to(torch.bfloat16).float()
         scale = s.absmax.narrow(1, start, n).t().float().repeat_interleave(block, dim=1)[:, :k]
         # A product of two bfloat16 values is exact in float32, so this rounds once, as the bf16 kernel does.
-        rows: torch.Tensor = (table[codes.long()] * scale).to(self.dtype)
+        rows: torch.Tensor = (table[codes.long()] * scale).to(s.dtype)
         return rows
 
     def dense(self, full: Any) -> torch.Tensor:
         import bitsandbytes.functional as F
 
-        if self._cpu_packed:
-            return self._read_cpu_packed(full(self.param).detach(), 0, self.shape[0])
-        whole: torch.Tensor = F.dequantize_4bit(full(self.param).detach(), self._state)
-        return whole
+        if self._cpu_packed():
+            whole = torch.empty(self.shape, dtype=torch.float32)
+            self.row_reader(full)(0, self.shape[0], whole.view(self.shape[0], -1))
+            return whole
+        deq: torch.Tensor = F.dequantize_4bit(full(self.param).detach(), self.param.quant_state)
+        return deq
 
 
 class Bnb8BitWeight(BaseWeight):
@@ -171,14 +193,18 @@ class Bnb8BitWeight(BaseWeight):
     def __init__(self, param: Any, scb: torch.Tensor) -> None:
         self.param = param
         self.shape = torch.Size(param.shape)
-        self.dtype = torch.float16  # the dtype LLM.int8() computes in
         self._scb = scb
 
-    def read_rows(self, full: Any, start: int, n: int, out: torch.Tensor) -> None:
+    def row_reader(self, full: Any) -> RowReader:
         import bitsandbytes.functional as F
 
         data = full(self.param).detach()
-        out.copy_(F.int8_vectorwise_dequant(data.narrow(0, start, n), self._scb.narrow(0, start, n).to(data.device)))
+        scb = self._scb.to(data.device)
+
+        def read(start: int, n: int, out: torch.Tensor) -> None:
+            out.copy_(F.int8_vectorwise_dequant(data.narrow(0, start, n), scb.narrow(0, start, n)))
+
+        return read
 
     def dense(self, full: Any) -> torch.Tensor:
         import bitsandbytes.functional as F
@@ -201,9 +227,7 @@ def is_quantized(module: nn.Module) -> bool:
     return type(module).__module__.split(".")[0] in _WEIGHT_ONLY_QUANTIZERS
 
 
-def base_weight_of(
-    module: nn.Module, param: Any | None, shape: torch.Size, dtype: torch.dtype, where: str
-) -> BaseWeight | None:
+def base_weight_of(module: nn.Module, param: Any | None, shape: torch.Size, where: str) -> BaseWeight | None:
     """The reader of ``module``'s weight ``param`` (``None`` if it has none); raises :class:`UnsupportedModelError`
     for a quantization that cannot be dequantized exactly here."""
     kind = type(param).__name__
@@ -228,4 +252,4 @@ def base_weight_of(
             "cannot dequantize exactly; bitsandbytes 4-bit and 8-bit bases are supported (dequantize the model, or "
             "stream the adapter on its own)"
         )
-    return None if param is None else DenseWeight(param, shape, dtype)
+    return None if param is None else DenseWeight(param, shape)

@@ -143,7 +143,7 @@ class LoraWeightMerge(Merge):
         mshape = self._matrix_shape()
         across = mshape[1 - self.channel_dim]
         n = max(1, self.block_bytes // (4 * max(1, across)))
-        multiple = self.base.row_multiple if self.channel_dim == 0 else 1
+        multiple = self.base.row_multiple() if self.channel_dim == 0 else 1
         return max(multiple, n // multiple * multiple)
 
     def peak_temp_bytes(self, shape_of: ShapeOf) -> int:
@@ -157,9 +157,11 @@ class LoraWeightMerge(Merge):
         return blocks * block + factors
 
     def compute(self, full: FullTensor, out_dtype: torch.dtype, scratch: Scratch) -> torch.Tensor:
-        out = scratch.empty(self.base.shape, out_dtype, _device_of(full(self.base.param)))
+        out = scratch.empty(self.base.shape, out_dtype, full(self.base.param).device)
         out_m = out.view(self._matrix_shape())
         cd = self.channel_dim
+        # Rows of the base (any storage) when blocks run along rows; columns of the dense base otherwise.
+        read_rows = self.base.row_reader(full) if cd == 0 else None
         dense_m = None if cd == 0 else _matrix(self.base.dense(full))
         # Factors as float32 matrices, oriented so that delta = left @ right in the base's layout. They are rank-r.
         terms = [
@@ -184,9 +186,10 @@ class LoraWeightMerge(Merge):
 
         def read_base(start: int, n: int, into: torch.Tensor) -> None:
             # A copy either way: never accumulate into the trainer's weight.
-            if dense_m is None:
-                self.base.read_rows(full, start, n, into)
+            if read_rows is not None:
+                read_rows(start, n, into)
             else:
+                assert dense_m is not None
                 into.copy_(dense_m.narrow(cd, start, n))
 
         for start in range(0, n_channels, step):
@@ -215,10 +218,6 @@ class LoraWeightMerge(Merge):
                 running.mul_((magnitude.narrow(0, start, n) / norm).unsqueeze(1 - cd))
             out_m.narrow(cd, start, n).copy_(running)
         return out
-
-
-def _device_of(t: torch.Tensor) -> torch.device:
-    return t.device
 
 
 @dataclass

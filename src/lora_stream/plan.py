@@ -75,8 +75,7 @@ class _Planner:
         """``module``'s weight as a merge reads it (dequantized if bitsandbytes stores it); ``None`` if it has none."""
         weight = dict(self.g.module_params(module)).get("weight")
         shape = self.g.full_shape(weight) if weight is not None else torch.Size()
-        dtype = self.g.full_dtype(weight) if weight is not None else torch.float32
-        bw = base_weight_of(module, weight, shape, dtype, repr(src))
+        bw = base_weight_of(module, weight, shape, repr(src))
         if bw is None:
             return None
         if bw.quantized and self.g.collective:
