@@ -15,7 +15,7 @@ import datetime
 import torch.distributed as dist
 
 from .errors import StreamAbortedError
-from .lockstep import Lockstep, Status
+from .lockstep import Lockstep, Status, describe_stops
 
 __all__ = ["Coordinator"]
 
@@ -57,5 +57,6 @@ class Coordinator:
         statuses, reasons = lock.statuses(Status.OK if ok else Status.REFUSED, what, "" if ok else reason)
         bad = tuple(r for r, s in enumerate(statuses) if s != Status.OK and r != lock.rank)
         if bad and ok:
-            told = "; ".join(f"rank {r}: {reasons[r] or 'cannot go on'}" for r in bad)
-            raise StreamAbortedError(f"rank {lock.rank}: stopped {what}: {told}", failed_ranks=bad)
+            raise StreamAbortedError(
+                f"rank {lock.rank}: stopped {what}: {describe_stops(statuses, reasons, bad)}", failed_ranks=bad
+            )

@@ -261,6 +261,8 @@ class ParamStream:
         )
         self._groups = partition(units, group_by, budget_bytes, g.gather_bytes)
         self._meta = [ParamMeta(t.name, t.dtype, tuple(t.shape)) for grp in self._groups for t in grp.targets]
+        # What ranks compare in every status exchange: fixed by the plan, so computed once.
+        self._digest = ";".join(f"{m.name}:{m.dtype}:{m.shape}" for m in self._meta) + f"|{self.groups()!r}"
         self.group_by = group_by
         self.budget_bytes = budget_bytes
         self.timeout = datetime.timedelta(seconds=timeout)
@@ -338,7 +340,7 @@ class ParamStream:
         """The agreement between the ranks that iterate this stream, for sinks that must decide together outside a
         pass (rank 0 found the server down, say). A no-op when the gatherer does not communicate."""
         g = self.gatherer
-        return Coordinator(g.process_group, self._digest(), self.timeout, active=g.collective)
+        return Coordinator(g.process_group, self._digest, self.timeout, active=g.collective)
 
     def agree(self, ok: bool, what: str) -> None:
         """``self.coordinator.agree(ok, what)`` (kept for callers of 0.1)."""
@@ -367,10 +369,7 @@ class ParamStream:
             return None
         if dist.get_world_size(g.process_group) == 1:  # type: ignore[arg-type]
             return None
-        return Lockstep(g.process_group, self._digest(), self.timeout)
-
-    def _digest(self) -> str:
-        return ";".join(f"{m.name}:{m.dtype}:{m.shape}" for m in self._meta) + f"|{self.groups()!r}"
+        return Lockstep(g.process_group, self._digest, self.timeout)
 
     def _materialize(self, t: Target, full: FullTensor, stats: StreamStats, scratch: Scratch) -> torch.Tensor:
         if t.merge is None:
