@@ -17,7 +17,12 @@ import torch.distributed as dist
 from .errors import StreamAbortedError
 from .lockstep import Lockstep, Status, describe_stops
 
-__all__ = ["Coordinator"]
+__all__ = ["Coordinator", "this_rank"]
+
+
+def this_rank() -> int:
+    """This process's rank in ``torch.distributed``'s default group, or 0 when it is not initialized."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 class Coordinator:

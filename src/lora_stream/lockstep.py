@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from .errors import StreamAbortedError
 
-__all__ = ["REASON_BYTES", "Lockstep", "Status", "describe_stops"]
+__all__ = ["REASON_BYTES", "Lockstep", "Status", "describe_error", "describe_stops"]
 
 
 class Status(IntEnum):
@@ -125,6 +125,12 @@ class Lockstep:
             for r in range(w)
         ]
         return statuses, reasons
+
+
+def describe_error(error: BaseException | None) -> str:
+    """The reason a rank sends when ``error`` stopped it (``""`` for none); the exchange truncates it to
+    :data:`REASON_BYTES`."""
+    return "" if error is None else f"{type(error).__name__}: {error}"
 
 
 def describe_stops(statuses: list[int], reasons: list[str], ranks: tuple[int, ...]) -> str:

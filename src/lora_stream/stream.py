@@ -21,7 +21,7 @@ from .coordination import Coordinator
 from .errors import LoraStreamError, StreamAbortedError
 from .gatherers import Gatherer, auto_gatherer
 from .grouping import DEFAULT_BUDGET_BYTES, GroupBy, partition
-from .lockstep import Lockstep, Status
+from .lockstep import Lockstep, Status, describe_error
 from .merge import DEFAULT_MERGE_BLOCK_BYTES, FullTensor
 from .names import NameNormalizer, Renames
 from .plan import Target, plan_model
@@ -102,7 +102,7 @@ class PassRecord:
     """The state one pass shares between its iterator and its producer."""
 
     state: PassState = PassState.NOT_STARTED
-    stats: StreamStats = field(default_factory=lambda: StreamStats())
+    stats: StreamStats = field(default_factory=StreamStats)
     stop_reason: str | None = None
 
 
@@ -164,7 +164,7 @@ class StreamPass(Generic[T]):
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         if exc is not None and self.record.stop_reason is None:
-            self.record.stop_reason = f"{type(exc).__name__}: {exc}"
+            self.record.stop_reason = describe_error(exc)
         self.close()
 
 
@@ -446,7 +446,7 @@ class ParamStream:
         except BaseException as exc:
             status = Status.FAILED
             handle.state = PassState.FAILED
-            handle.stop_reason = f"{type(exc).__name__}: {exc}"
+            handle.stop_reason = describe_error(exc)
             raise
         finally:
             stats.seconds = time.perf_counter() - start

@@ -30,7 +30,9 @@ from typing import IO, Any
 import torch
 from torch import nn
 
+from ..coordination import this_rank
 from ..errors import LoraStreamError
+from ..lockstep import describe_error
 from ..stream import ParamMeta, ParamStream
 from .record import SyncRecord
 from .source import SyncSource
@@ -126,7 +128,7 @@ def plan_shards(
         headers.append(struct.pack("<Q", len(raw)) + raw)
     weight_map = {metadata[i].name: files[k] for k, idx in enumerate(members) for i in idx} if count > 1 else {}
     total = sum(_nbytes(m) for m in metadata)
-    return ShardPlan(files if members else ["model.safetensors"], members or [[]], headers, total), weight_map
+    return ShardPlan(files, members or [[]], headers, total), weight_map
 
 
 def _find_config(model: nn.Module) -> Any:
@@ -206,11 +208,7 @@ class SafetensorsSink:
         self.tokenizer = tokenizer
         self.generation_config = generation_config
         self.progress = progress
-        if rank is None:
-            import torch.distributed as dist
-
-            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        self.rank = rank
+        self.rank = this_rank() if rank is None else rank
         #: Called by rank 0 after each tensor is written, with its name (a hook for tests and progress reporting).
         self.on_tensor: Callable[[str], None] | None = None
 
@@ -237,7 +235,7 @@ class SafetensorsSink:
                 tmp = self._temp_dir()
             except BaseException as exc:
                 error = exc
-        coordinator.agree(error is None, "before writing the checkpoint (checks on rank 0)", _reason(error))
+        coordinator.agree(error is None, "before writing the checkpoint (checks on rank 0)", describe_error(error))
         if error is not None:
             raise error
         try:
@@ -254,8 +252,8 @@ class SafetensorsSink:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
         # Tell every rank how it ended, unless the pass already did (it ended early on some rank).
-        if source.pass_ is None or not source.pass_.state.ended_early:
-            coordinator.agree(error is None, "after writing the checkpoint", _reason(error))
+        if not source.ended_early:
+            coordinator.agree(error is None, "after writing the checkpoint", describe_error(error))
         if error is not None:
             raise error
         record = source.record(self.name, time.perf_counter() - start)
@@ -347,8 +345,7 @@ class SafetensorsSink:
                     config.dtype = written  # transformers 5
                     if "torch_dtype" in vars(config):  # transformers 4 keeps it as a plain attribute
                         config.torch_dtype = written
-                names = {m.name for m in meta}
-                tied = any(alias not in names for alias in stream.tied_aliases())
+                tied = bool(stream.tied_aliases())  # names not written because they share a written weight
                 if hasattr(config, "tie_word_embeddings"):
                     config.tie_word_embeddings = tied
                     text = getattr(config, "text_config", None)
@@ -375,10 +372,6 @@ class SafetensorsSink:
         os.replace(tmp, self.directory)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-
-
-def _reason(error: BaseException | None) -> str:
-    return "" if error is None else f"{type(error).__name__}: {error}"[:1000]
 
 
 def save_merged(

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..lockstep import describe_error
 from ..stream import ParamMeta, ParamStream, StreamPass
 from .record import SyncRecord
 
@@ -75,7 +76,7 @@ class SyncSource:
             except GeneratorExit:
                 raise
             except BaseException as exc:  # the stream (or a wrapper around it) raised: tell the peers what
-                reason = f"{type(exc).__name__}: {exc}"
+                reason = describe_error(exc)
                 raise
             finally:
                 if self.pass_ is None:  # a subclass wrapped the stream's own pass in a generator of its own
@@ -111,10 +112,16 @@ class SyncSource:
             yield gen
         except BaseException as exc:
             # Picked up when the pass is ended below (the stream's own pass may only be found then).
-            self._stop_reason = f"{type(exc).__name__}: {exc}"
+            self._stop_reason = describe_error(exc)
             raise
         finally:
             gen.close()
+
+    @property
+    def ended_early(self) -> bool:
+        """The latest pass started and ended without completing, so the other ranks already know how it ended (a
+        sink must not ask them to agree once more: no rank would join that exchange)."""
+        return self.pass_ is not None and self.pass_.state.ended_early
 
     def __iter__(self) -> Generator[tuple[str, torch.Tensor], None, None]:
         for names, tensors in self.iter_groups():

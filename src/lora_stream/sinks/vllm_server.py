@@ -22,7 +22,9 @@ import socket
 import time
 from typing import Any
 
+from ..coordination import this_rank
 from ..errors import LoraStreamError
+from ..lockstep import describe_error
 from ..stream import ParamStream
 from .preflight import EngineCheckpoint, preflight
 from .record import SyncRecord
@@ -141,10 +143,6 @@ class _CurrentSource:
         return iter(self._source())
 
 
-def _reason(error: BaseException | None) -> str:
-    return "" if error is None else f"{type(error).__name__}: {error}"[:2000]
-
-
 class VLLMServerSink:
     """Streams :class:`~lora_stream.ParamStream` passes into a vLLM server's weights.
 
@@ -183,11 +181,7 @@ class VLLMServerSink:
     ) -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-        if rank is None:
-            import torch.distributed as dist
-
-            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        self.rank = rank
+        self.rank = this_rank() if rank is None else rank
         self.client = VLLMServerClient(base_url, api_key=api_key, timeout=timeout)
         self.backend = backend
         self.name = f"vllm-server/{backend}"
@@ -217,7 +211,7 @@ class VLLMServerSink:
                 self._ensure_engine()
             except BaseException as exc:
                 error = exc
-        coordinator.agree(error is None, "before the transfer (server checks on rank 0)", _reason(error))
+        coordinator.agree(error is None, "before the transfer (server checks on rank 0)", describe_error(error))
         if error is not None:
             raise error
         self._ensure_engine()
@@ -232,8 +226,8 @@ class VLLMServerSink:
             self._source.current = None
         # 3. Every rank learns how it ended -- unless the pass already told them: a pass that ended early exchanged
         #    its stop with every rank, and no rank would join one more exchange.
-        if source.pass_ is None or not source.pass_.state.ended_early:
-            coordinator.agree(error is None, "after the transfer", _reason(error))
+        if not source.ended_early:
+            coordinator.agree(error is None, "after the transfer", describe_error(error))
         if error is not None:
             raise error
         if version is not None and self.is_sender and self.backend != "gloo":
