@@ -31,7 +31,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import MiB, RssSampler, llama_config, rss  # noqa: E402
+from common import MiB, RssSampler, add_model_args, llama_config, rss  # noqa: E402
 
 VARIANTS = ["bf16", "nf4", "nf4-packed", "int8", "nf4-peft"]
 
@@ -140,10 +140,7 @@ def peft_in_place(pm, dest, exact):  # type: ignore[no-untyped-def]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--intermediate", type=int, default=2816)
-    ap.add_argument("--vocab", type=int, default=32000)
+    add_model_args(ap, layers=8)
     ap.add_argument("--syncs", type=int, default=5)
     ap.add_argument("--out", default=str(HERE / "results" / "qlora.json"))
     ap.add_argument("--worker", nargs=4, metavar=("VARIANT", "PATH", "SYNCS", "OUT"), help=argparse.SUPPRESS)

@@ -22,15 +22,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import free_port  # noqa: E402
+from common import add_model_args, free_port, llama_config  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--intermediate", type=int, default=2816)
-    ap.add_argument("--vocab", type=int, default=32000)
+    add_model_args(ap, layers=8)
     ap.add_argument("--syncs", type=int, default=5)
     ap.add_argument("--buffer-mib", type=int, default=256)
     ap.add_argument("--out", default=str(HERE / "results" / "server.json"))
@@ -39,20 +36,12 @@ def main() -> None:
     import requests
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from lora_stream import ParamStream, VLLMServerSink
 
-    cfg = LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.hidden // 64,
-        num_key_value_heads=args.hidden // 64,
-    )
     torch.manual_seed(0)
-    base = LlamaForCausalLM(cfg)
+    base = LlamaForCausalLM(llama_config(args))
     with tempfile.TemporaryDirectory() as tmp:
         base.save_pretrained(tmp)
         port = free_port()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import MiB, model_cli, run_variant, table  # noqa: E402
+from common import MiB, llama_config, model_cli, run_variant, table  # noqa: E402
 
 
 def unsharded_drift(args: argparse.Namespace, cycles: int) -> dict[str, dict[str, float]]:
@@ -33,18 +33,11 @@ def unsharded_drift(args: argparse.Namespace, cycles: int) -> dict[str, dict[str
     """
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from lora_stream import ParamStream
 
-    cfg = LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=2,
-        num_attention_heads=args.hidden // 64,
-        num_key_value_heads=args.hidden // 64,
-    )
+    cfg = llama_config(args, num_hidden_layers=2)
     out = {}
     for variant in ("whole_gather", "lora_stream"):
         torch.manual_seed(0)

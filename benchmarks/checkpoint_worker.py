@@ -23,7 +23,7 @@ import deepspeed
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RssSampler, rss
+from common import RssSampler, add_model_args, rss
 from zero3_worker import build
 
 
@@ -51,10 +51,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("variant")
     p.add_argument("--syncs", type=int, default=3)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--intermediate", type=int, default=2816)
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=32000)
+    add_model_args(p)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--out", required=True)
     args = p.parse_args()

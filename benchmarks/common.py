@@ -64,13 +64,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def add_model_args(parser: argparse.ArgumentParser, layers: int = 16) -> None:
+    """The benchmark model's shape: ``--layers/--hidden/--intermediate/--vocab`` (what :func:`llama_config` reads)."""
+    parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--intermediate", type=int, default=2816)
+    parser.add_argument("--vocab", type=int, default=32000)
+
+
 def model_cli(description: str, syncs: int, out: Path) -> tuple[argparse.Namespace, list[str]]:
     """The orchestrators' command line (model shape, syncs, budgets, output), and the arguments for the workers."""
     ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--intermediate", type=int, default=2816)
-    ap.add_argument("--vocab", type=int, default=32000)
+    add_model_args(ap)
     ap.add_argument("--syncs", type=int, default=syncs)
     ap.add_argument("--budgets-mib", default="32,128")
     ap.add_argument("--out", default=str(out))

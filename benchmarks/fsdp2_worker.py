@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RssSampler, llama_config, rss
+from common import RssSampler, add_model_args, llama_config, rss
 
 
 def build(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -72,10 +72,7 @@ def main() -> None:
     p.add_argument("--group-by", default="budget")
     p.add_argument("--syncs", type=int, default=10)
     p.add_argument("--no-release", action="store_true", help="release_memory=False")
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--intermediate", type=int, default=2816)
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=32000)
+    add_model_args(p)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--out", required=True)
     args = p.parse_args()
