@@ -271,6 +271,25 @@ def server_generate(base_url: str, api_key: str | None = None) -> list[tuple[lis
     return out
 
 
+#: The ZeRO-3 configuration the test workers train under (CPU, gloo, every parameter partitioned).
+ZERO3_CONFIG: dict[str, Any] = {
+    "train_micro_batch_size_per_gpu": 1,
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    "zero_allow_untested_optimizer": True,
+}
+
+
+def zero3_engine(model: nn.Module, config: dict[str, Any] | None = None, lr: float = 1e-2) -> Any:
+    """``deepspeed.initialize`` with AdamW over the trainable parameters (what ZeRO-3 needs to run backward)."""
+    import deepspeed
+
+    # The shm comm op JIT-compiles with g++ for ~45 s on first use; plain gloo is all the tests need.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config or ZERO3_CONFIG)
+    return engine
+
+
 def zero3_whole_into(engine: Any, template: nn.Module) -> nn.Module:
     """Copy a DeepSpeed ZeRO-3 engine's current whole weights into ``template``, an unsharded copy of its module.
 

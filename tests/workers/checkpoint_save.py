@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from helpers import assert_matches, finish, lora, oracle, report, tiny_llama, zero3_whole_into
+from helpers import assert_matches, finish, lora, oracle, report, tiny_llama, zero3_engine, zero3_whole_into
 
 from lora_stream import LoraStreamError, ParamStream, SafetensorsSink
 
@@ -26,16 +26,7 @@ BUDGET = 40_000
 
 
 def zero3(pm: torch.nn.Module):  # type: ignore[no-untyped-def]
-    import deepspeed
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    config = {
-        "train_micro_batch_size_per_gpu": 1,
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-        "zero_allow_untested_optimizer": True,
-    }
-    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-2)
-    engine, *_ = deepspeed.initialize(model=pm, optimizer=opt, config=config)
+    engine = zero3_engine(pm)
     ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
     engine.backward(engine(input_ids=ids, labels=ids).loss)
     engine.step()

@@ -14,7 +14,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from helpers import assert_matches, finish, oracle, perturb_adapters, report, zoo
+from helpers import assert_matches, finish, oracle, perturb_adapters, report, zero3_engine, zoo
 
 from lora_stream import ParamStream
 
@@ -34,16 +34,7 @@ def configs() -> dict[str, object]:
 
 def shard(model: torch.nn.Module, how: str) -> torch.nn.Module:
     if how == "zero3":
-        import deepspeed
-
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        config = {
-            "train_micro_batch_size_per_gpu": 1,
-            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-            "zero_allow_untested_optimizer": True,
-        }
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+        engine = zero3_engine(model)
         assert all(p.numel() == 0 or getattr(p, "ds_persist", False) for p in engine.module.parameters())
         return engine  # type: ignore[no-any-return]
     from torch.distributed.device_mesh import init_device_mesh

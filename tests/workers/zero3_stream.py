@@ -22,24 +22,26 @@ import time
 import deepspeed
 import torch
 import torch.distributed as dist
-from helpers import CollectiveCounter, assert_matches, finish, lora, oracle, report, tiny_llama, zero3_whole_into
+from helpers import (
+    ZERO3_CONFIG,
+    CollectiveCounter,
+    assert_matches,
+    finish,
+    lora,
+    oracle,
+    report,
+    tiny_llama,
+    zero3_engine,
+    zero3_whole_into,
+)
 
 from lora_stream import ParamStream, StreamAbortedError, ZeroThreeGatherer
 
 # The shm comm op JIT-compiles with g++ for ~45 s on first use; plain gloo is all these tests need.
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
-DS_CONFIG = {
-    "train_micro_batch_size_per_gpu": 1,
-    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-    "zero_allow_untested_optimizer": True,
-}
-
-
-def engine_for(model: torch.nn.Module, config: dict = DS_CONFIG):  # type: ignore[no-untyped-def]
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
-    return engine
+DS_CONFIG = ZERO3_CONFIG
+engine_for = zero3_engine
 
 
 def train_step(engine, vocab: int = 128) -> None:  # type: ignore[no-untyped-def]
