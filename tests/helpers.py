@@ -380,12 +380,27 @@ class Zoo(nn.Module):
         self.gpt2 = Conv1D(48, 32)
         self.mha = nn.MultiheadAttention(32, 2)
         self.moe = Experts()
+        self.moe_t = TransposedExperts()
 
 
 class Experts(nn.Module):
+    """MoE experts as transformers 5 holds them: fused 3-D ``[experts, out, in]`` weights, and a 2-D router."""
+
     def __init__(self) -> None:
         super().__init__()
         self.gate_up = nn.Parameter(torch.randn(4, 32, 16))
+        self.down = nn.Parameter(torch.randn(4, 16, 24))
+        self.router = nn.Parameter(torch.randn(4, 16))
+
+
+class TransposedExperts(nn.Module):
+    """Experts stored ``[experts, in, out]`` (gpt-oss), which peft recognises by ``is_transposed``."""
+
+    is_transposed = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.randn(4, 16, 32))
 
 
 def zoo(seed: int = 0) -> nn.Module:

@@ -61,11 +61,19 @@ CASES: list[tuple[str, Callable[[], Any], Any]] = [
     ("dora-gpt2-conv1d", lambda: _lora(target_modules=["gpt2"], fan_in_fan_out=True, use_dora=True), MATCH),
     ("lora_bias-gpt2-conv1d", lambda: _lora(target_modules=["gpt2"], fan_in_fan_out=True, lora_bias=True), MATCH),
     ("lora-mha", lambda: _lora(target_modules=["mha"]), UnsupportedAdapterError),
+    ("lora-target_parameters", lambda: _lora(target_modules=[], target_parameters=["moe.gate_up"]), MATCH),
     (
-        "lora-target_parameters",
-        lambda: _lora(target_modules=[], target_parameters=["moe.gate_up"]),
-        UnsupportedAdapterError,
+        # Three ParamWrappers nested on one module (3-D experts and a 2-D router), rsLoRA, a per-parameter rank.
+        "lora-target_parameters-nested",
+        lambda: _lora(
+            target_modules=["lin"],
+            target_parameters=["moe.gate_up", "moe.down", "moe.router"],
+            use_rslora=True,
+            rank_pattern={"moe.down": 2},
+        ),
+        MATCH,
     ),
+    ("lora-target_parameters-transposed", lambda: _lora(target_modules=[], target_parameters=["moe_t.gate_up"]), MATCH),
     ("alora", lambda: _lora(target_modules=["lin"], alora_invocation_tokens=[1]), UnsupportedAdapterError),
     ("lora+modules_to_save", lambda: _lora(target_modules=["lin"], modules_to_save=["c2", "emb"]), MATCH),
     (

@@ -214,10 +214,18 @@ def test_dtype_argument_casts_every_tensor() -> None:
 
 
 # -- points 3, 5, 6, 8 -----------------------------------------------------------------------------------------------
-def test_tied_weights_come_once_and_buffers_never() -> None:
+def test_tied_weights_come_once_and_persistent_buffers_as_the_checkpoint_holds_them() -> None:
     model = tiny_llama(tie=True)
-    model.register_buffer("extra_buffer", torch.ones(3))
+    model.register_buffer("extra_buffer", torch.arange(3.0))
+    model.register_buffer("scratch_buffer", torch.ones(3), persistent=False)
     names = [n for n, _ in stream_merged_params(model)]
+    # Checkpoint layout: state_dict()'s keys, the tied lm_head once (save_pretrained drops it too).
+    assert names == [n for n in model.state_dict() if n != "lm_head.weight"]
+    assert "extra_buffer" in names and "scratch_buffer" not in names
+    got = dict(stream_merged_params(model))
+    assert torch.equal(got["extra_buffer"], model.extra_buffer)
+    # Memory layout: named_parameters(), buffers never.
+    names = [n for n, _ in stream_merged_params(model, layout="memory")]
     assert names == [n for n, _ in model.named_parameters()]
     assert "lm_head.weight" not in names and "extra_buffer" not in names
 

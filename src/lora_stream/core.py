@@ -17,7 +17,7 @@ import torch
 if TYPE_CHECKING:
     from .merge import Merge
 
-__all__ = ["FullTensor", "ParamRef", "ShapeOf", "Target", "Unit"]
+__all__ = ["FullTensor", "ParamRef", "ShapeOf", "Output", "Step", "Target", "Unit"]
 
 #: What identifies one parameter to a gatherer: the ``nn.Parameter`` itself for every built-in gatherer except FSDP1
 #: with ``use_orig_params=False``, whose original parameters do not exist between forwards (a slot object stands in).
@@ -32,7 +32,9 @@ ShapeOf = Callable[[Any], torch.Size]
 
 @dataclass
 class Target:
-    """One output tensor: its final name, the trainer's path it comes from, and how it is computed."""
+    """One tensor of the merged model as it is held in memory: its Hugging Face name (``state_dict()`` key of the
+    merged model), the trainer's path it comes from, and how it is computed. A :class:`Step` turns targets into
+    the stream's outputs."""
 
     name: str
     source: str
@@ -40,6 +42,28 @@ class Target:
     dtype: torch.dtype
     shape: torch.Size
     merge: Merge | None = None
+
+
+@dataclass(frozen=True)
+class Output:
+    """One tensor the stream yields: final name (checkpoint format, user renames applied), dtype and shape."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass
+class Step:
+    """The targets one checkpoint-format conversion reads (usually one) and the outputs it writes.
+
+    ``convert`` turns the targets' tensors, in order, into the outputs' tensors, in order; ``None`` means each
+    output is its target's tensor as is (nothing to convert, or a rename).
+    """
+
+    inputs: list[Target]
+    outputs: list[Output]
+    convert: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
 
 
 @dataclass
@@ -52,3 +76,5 @@ class Unit:
     module: str
     targets: list[Target] = field(default_factory=list)
     params: list[ParamRef] = field(default_factory=list)
+    #: Filled once the unit's targets are planned into outputs (:func:`lora_stream.plan.plan_model`).
+    steps: list[Step] = field(default_factory=list)

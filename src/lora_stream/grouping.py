@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from .core import ParamRef, Target, Unit
+from .core import Output, ParamRef, Step, Target, Unit
 
 __all__ = ["GroupBy", "DEFAULT_BUDGET_BYTES", "Group", "partition", "stack_key"]
 
@@ -26,6 +26,14 @@ class Group:
     @property
     def targets(self) -> list[Target]:
         return [t for u in self.units for t in u.targets]
+
+    @property
+    def steps(self) -> list[Step]:
+        return [s for u in self.units for s in u.steps]
+
+    @property
+    def outputs(self) -> list[Output]:
+        return [o for s in self.steps for o in s.outputs]
 
 
 def stack_key(name: str) -> tuple[str, int] | None:
@@ -74,7 +82,7 @@ def partition(
             # (tied weights; FSDP1 units), so sizes do not simply add up.
             split = bool(current) and gather_bytes([p for u in (*current, unit) for p in u.params]) > budget_bytes
         else:
-            key = stack_key(unit.targets[0].name)
+            key = stack_key(unit.steps[0].outputs[0].name)
             split = bool(current) and key != current_key
             current_key = key
         if split:

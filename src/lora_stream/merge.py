@@ -13,6 +13,7 @@ The math lives in one place per layer kind, as in peft's ``get_delta_weight``:
   float32 and rounded once into the output dtype. Temporaries are
   bounded by ``block_bytes`` whatever the weight's size: no full float32 copy of a large weight is ever made.
 * :class:`LoraBiasMerge` -- ``lora_bias=True``: base bias + ``lora_B.bias * scaling``.
+* :class:`ExpertLoraMerge` -- LoRA on 3-D MoE expert weights (peft's ``target_parameters``), expert by expert.
 * :class:`LycorisMerge` -- LoHa and LoKr: peft's own LyCORIS weight functions applied to the gathered factors,
   added to the base in float32. The delta is a full tensor here.
 
@@ -38,6 +39,8 @@ __all__ = [
     "LoraWeightMerge",
     "LoraBiasMerge",
     "LycorisMerge",
+    "BufferRead",
+    "ExpertLoraMerge",
     "FullTensor",
     "ShapeOf",
 ]
@@ -238,6 +241,79 @@ class LoraBiasMerge(Merge):
         for bias, scaling in self.terms:
             acc.add_(full(bias).to(torch.float32), alpha=scaling)
         return acc.to(out_dtype)
+
+
+@dataclass
+class ExpertLoraMerge(Merge):
+    """LoRA on a 3-D expert weight (peft's ``ParamWrapper``, ``target_parameters``): expert by expert,
+    ``W[e] + sum(scaling * B_e @ A_e)``, in float32 blocks of rows, rounded once.
+
+    peft lays the experts out differently in the two factors: ``lora_A`` is ``[E * r, in]`` with expert ``e`` in
+    rows ``e*r:(e+1)*r``, ``lora_B`` is ``[out, r * E]`` with expert ``e`` in columns ``e::E`` (its
+    ``get_delta_weight`` reshapes ``B`` to ``[out, r, E]``). The weight is ``[E, out, in]`` (Qwen-MoE, Mixtral)
+    or, for modules whose ``is_transposed`` is set (gpt-oss), ``[E, in, out]``, where the delta is transposed.
+    """
+
+    param: nn.Parameter
+    shape: torch.Size
+    #: ``(lora_A weight, lora_B weight, scaling)`` per active adapter.
+    terms: Sequence[tuple[nn.Parameter, nn.Parameter, float]]
+    transposed: bool
+    block_bytes: int = DEFAULT_MERGE_BLOCK_BYTES
+
+    def params(self) -> list[nn.Parameter]:
+        return [self.param, *(p for a, b, _ in self.terms for p in (a, b))]
+
+    def _block_len(self) -> int:
+        return max(1, min(self.shape[1], self.block_bytes // (4 * max(1, self.shape[2]))))
+
+    def peak_temp_bytes(self, shape_of: ShapeOf) -> int:
+        factors = sum((shape_of(a).numel() + shape_of(b).numel()) * 4 for a, b, _ in self.terms)
+        return self._block_len() * self.shape[2] * 4 + factors
+
+    def compute(self, full: FullTensor, out_dtype: torch.dtype, scratch: Scratch) -> torch.Tensor:
+        weight = full(self.param)
+        out = scratch.empty(self.shape, out_dtype, weight.device)
+        n_experts, rows, cols = self.shape
+        factors = [(full(a).to(torch.float32), full(b).to(torch.float32), float(s)) for a, b, s in self.terms]
+        step = self._block_len()
+        ws = scratch.workspace.get(0, step * cols, weight.device)
+        for e in range(n_experts):
+            pairs = []
+            for a, b, scaling in factors:
+                r = a.shape[0] // n_experts
+                a_e, b_e = a[e * r : (e + 1) * r], b[:, e::n_experts]  # [r, in], [out, r]
+                left, right = (a_e.t(), b_e.t()) if self.transposed else (b_e, a_e)
+                pairs.append((left, right, scaling))
+            for start in range(0, rows, step):
+                n = min(step, rows - start)
+                running = ws.narrow(0, 0, n * cols).view(n, cols)
+                running.copy_(weight[e].narrow(0, start, n))
+                for left, right, scaling in pairs:
+                    running.addmm_(left.narrow(0, start, n), right, alpha=scaling)
+                out[e].narrow(0, start, n).copy_(running)
+        return out
+
+
+@dataclass(frozen=True)
+class BufferRead(Merge):
+    """A persistent buffer the checkpoint holds (a router's ``e_score_correction_bias``), read as the module holds
+    it: no gatherer shards buffers, and no adapter changes them. Kept in its own dtype, as ``save_pretrained``
+    writes it."""
+
+    module: nn.Module
+    attr: str
+
+    def params(self) -> list[nn.Parameter]:
+        return []
+
+    def peak_temp_bytes(self, shape_of: ShapeOf) -> int:
+        return 0
+
+    def compute(self, full: FullTensor, out_dtype: torch.dtype, scratch: Scratch) -> torch.Tensor:
+        buf = self.module._buffers[self.attr]
+        assert buf is not None
+        return buf if buf.dtype == out_dtype else buf.to(out_dtype)
 
 
 @dataclass

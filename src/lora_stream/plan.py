@@ -11,15 +11,17 @@ registration order and makes tied weights come out once, under the name ``named_
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from .base_weights import QUANTIZED_DEFAULT_DTYPE, BaseWeight, base_weight_of
-from .core import ParamRef, Target, Unit
+from .base_weights import QUANTIZED_DEFAULT_DTYPE, BaseWeight, DenseWeight, base_weight_of
+from .checkpoint_format import CheckpointFormat, Layout, TensorSpec
+from .core import Output, ParamRef, Step, Target, Unit
 from .errors import NameCollisionError, UnsupportedAdapterError, UnsupportedModelError
-from .merge import LoraBiasMerge, LoraTerm, LoraWeightMerge, LycorisMerge, Merge
+from .merge import BufferRead, ExpertLoraMerge, LoraBiasMerge, LoraTerm, LoraWeightMerge, LycorisMerge, Merge
 from .names import NameNormalizer, join, wrapped_child_attr
 from .rules import LayerRule, lora_spec, lycoris_spec, rule_for
 
@@ -37,19 +39,19 @@ def _peft_classes() -> dict[str, tuple[Any, ...]]:
 
 
 class _Planner:
-    def __init__(
-        self, gatherer: Gatherer, dtype: torch.dtype | None, normalizer: NameNormalizer, block_bytes: int
-    ) -> None:
+    def __init__(self, gatherer: Gatherer, dtype: torch.dtype | None, block_bytes: int, buffers: bool) -> None:
         self.g = gatherer
         self.dtype = dtype
-        self.normalize = normalizer
         self.block_bytes = block_bytes
+        self.buffers = buffers
+        #: The first module that is not a wrapper: its state_dict() keys are the names the planner gives.
+        self.root: nn.Module | None = None
         self.cls = _peft_classes()
         self.units: list[Unit] = []
         self.seen_modules: set[int] = set()
         self.seen_params: dict[int, str] = {}
+        self.hf_names: dict[int, str] = {}
         self.names: dict[str, str] = {}
-        self.final_names: dict[int, str] = {}
         self.aliases: dict[str, str] = {}
 
     # -- outputs ---------------------------------------------------------------------------------------------------
@@ -59,11 +61,11 @@ class _Planner:
                 f"parameter {src!r} is on the meta device; materialize the model (e.g. load its weights) before "
                 "streaming it"
             )
-        name = self.normalize(hf, src)
-        other = self.names.get(name)
+        other = self.names.get(hf)
         if other is not None:
-            raise NameCollisionError(f"parameters {other!r} and {src!r} both normalize to {name!r}")
-        self.names[name] = src
+            raise NameCollisionError(f"parameters {other!r} and {src!r} are both named {hf!r}")
+        self.names[hf] = src
+        name = hf
         base = getattr(merge, "base", None)
         if isinstance(base, BaseWeight) and base.quantized:
             # A dequantized base has its logical shape, not its storage's, and no dtype of its own to keep.
@@ -98,17 +100,29 @@ class _Planner:
             if id(p) in self.seen_params:
                 # Tied: named_parameters() reports it once, under its first name. Engines that keep the two
                 # apart (vLLM on CPU repacks lm_head separately) need the alias, so remember it.
-                alias = self.normalize(join(hf, pname), psrc)
-                primary = self.final_names.get(id(p))
+                alias = join(hf, pname)
+                primary = self.hf_names.get(id(p))
                 if primary is not None and alias not in self.names:
                     self.aliases[alias] = primary
                 continue
             self.seen_params[id(p)] = psrc
             merge = merges.get(pname)
             target = self._target(join(hf, pname), psrc, p, merge)
-            self.final_names[id(p)] = target.name
+            self.hf_names[id(p)] = target.name
             unit.targets.append(target)
             unit.params.extend(merge.params() if merge is not None else [p])
+        if self.buffers:
+            # What state_dict() (and so save_pretrained) holds besides parameters: persistent buffers.
+            for bname, buf in module._buffers.items():
+                if buf is None or bname in module._non_persistent_buffers_set or id(buf) in self.seen_params:
+                    continue
+                self.seen_params[id(buf)] = join(src, bname)
+                name = join(hf, bname)
+                if name in self.names:
+                    raise NameCollisionError(f"buffer {join(src, bname)!r} and {self.names[name]!r} are both {name!r}")
+                self.names[name] = join(src, bname)
+                read = BufferRead(module, bname)
+                unit.targets.append(Target(name, join(src, bname), None, buf.dtype, buf.shape, read))
 
     def _emit(self, unit: Unit) -> None:
         if unit.targets:
@@ -126,6 +140,8 @@ class _Planner:
             self._aux(module, hf, src)
             return
         _check_peft_model(module, src)
+        if self.root is None and wrapped_child_attr(module) is None:
+            self.root = module
         unit = Unit(src)
         self._own_params(module, hf, src, unit)
         self._emit(unit)
@@ -157,17 +173,13 @@ class _Planner:
 
     def _tuner(self, layer: Any, hf: str, src: str) -> None:
         base = layer.get_base_layer()
-        if getattr(layer, "merged", False):
-            raise UnsupportedModelError(
-                f"module {src!r} has adapters {list(layer.merged_adapters)} merged into its base weight in place; "
-                "call model.unmerge_adapter() first (lora_stream merges out of place and never needs merge_adapter)"
-            )
+        _check_unmerged(layer, src)
         # The table decides, for every tuner layer, adapters active or not: an unknown layer is refused up front.
         rule = rule_for(layer, src)
-        adapters_present = set(_adapter_keys(layer))
-        active: list[str] = []
-        if not layer.disable_adapters:
-            active = [a for a in layer.active_adapters if a in adapters_present]
+        if rule.layout == "param":
+            self._param_wrappers(layer, hf, src)
+            return
+        active = _active_adapters(layer)
         bsrc = join(src, "base_layer")
         unit = Unit(src)
         merges: dict[str, Merge] = {}
@@ -193,6 +205,67 @@ class _Planner:
         for cname, child in base._modules.items():
             if child is not None:
                 self.visit(child, join(hf, cname), join(bsrc, cname))
+
+    def _param_wrappers(self, layer: Any, hf: str, src: str) -> None:
+        """LoRA on parameters (``target_parameters``): one ``ParamWrapper`` per adapted parameter of the innermost
+        module, nested through ``base_layer`` when a module has several (MoE experts' ``gate_up_proj`` and
+        ``down_proj``)."""
+        wrappers: list[tuple[Any, str]] = []
+        module, msrc = layer, src
+        while isinstance(module, self.cls["tuner"]):
+            _check_unmerged(module, msrc)
+            if rule_for(module, msrc).layout != "param":
+                raise UnsupportedAdapterError(
+                    f"module {msrc!r} is a {type(module).__name__} nested inside a ParamWrapper; lora_stream merges "
+                    "nested ParamWrappers only"
+                )
+            wrappers.append((module, msrc))
+            module, msrc = module.base_layer, join(msrc, "base_layer")
+        own = dict(self.g.module_params(module))
+        merges: dict[str, Merge] = {}
+        for wrapper, wsrc in wrappers:
+            pname = wrapper.parameter_name
+            param = own.get(pname)
+            if param is None or pname in merges:
+                raise UnsupportedAdapterError(
+                    f"module {wsrc!r} adapts parameter {pname!r}, which its base module does not hold or another "
+                    "ParamWrapper adapts too"
+                )
+            active = _active_adapters(wrapper)
+            if not active:
+                continue
+            rule = rule_for(wrapper, wsrc)
+            psrc = join(msrc, pname)
+            if id(param) in self.seen_params:
+                tied = self.seen_params[id(param)]
+                raise UnsupportedAdapterError(f"{psrc!r} is tied to {tied!r}; peft's merge would change both")
+            shape = self.g.full_shape(param)
+            if self.g.full_dtype(param) not in (torch.float32, torch.bfloat16, torch.float16):
+                raise UnsupportedAdapterError(f"{psrc!r} is {self.g.full_dtype(param)}; only float weights are merged")
+            terms = []
+            for a in active:
+                lora_spec(rule, wrapper, a, wsrc, base_has_bias=False)
+                a_w, b_w = self._param(wrapper.lora_A[a], "weight"), self._param(wrapper.lora_B[a], "weight")
+                terms.append((a_w, b_w, float(wrapper.scaling[a])))
+            if len(shape) == 2:  # peft merges it as nn.Linear's [out, in]
+                lora_terms = [LoraTerm(b, a, s, False, False) for a, b, s in terms]
+                merges[pname] = LoraWeightMerge(DenseWeight(param, shape), lora_terms, 0, self.block_bytes)
+            elif len(shape) == 3:
+                transposed = not wrapper._did_swap_in_out_features
+                if transposed and shape[0] == 1:
+                    raise UnsupportedAdapterError(
+                        f"{psrc!r} is one expert stored [1, in, out]; peft's own merge adds the delta in [out, in] "
+                        "there, so there is no right answer to reproduce"
+                    )
+                merges[pname] = ExpertLoraMerge(param, shape, terms, transposed, self.block_bytes)
+            else:
+                raise UnsupportedAdapterError(f"{psrc!r} has {len(shape)} dimensions; peft adapts 2-D and 3-D only")
+        unit = Unit(src)
+        self._own_params(module, hf, msrc, unit, merges)
+        self._emit(unit)
+        for cname, child in module._modules.items():
+            if child is not None:
+                self.visit(child, join(hf, cname), join(msrc, cname))
 
     def _lora_merges(
         self, rule: LayerRule, layer: Any, base: Any, bw: BaseWeight, active: list[str], src: str
@@ -245,6 +318,22 @@ class _Planner:
         return self.g.param(module, name)
 
 
+def _check_unmerged(layer: Any, src: str) -> None:
+    if getattr(layer, "merged", False):
+        raise UnsupportedModelError(
+            f"module {src!r} has adapters {list(layer.merged_adapters)} merged into its base weight in place; "
+            "call model.unmerge_adapter() first (lora_stream merges out of place and never needs merge_adapter)"
+        )
+
+
+def _active_adapters(layer: Any) -> list[str]:
+    """The adapters ``layer``'s forward applies (none while adapters are disabled)."""
+    if layer.disable_adapters:
+        return []
+    present = set(_adapter_keys(layer))
+    return [a for a in layer.active_adapters if a in present]
+
+
 def _adapter_keys(layer: Any) -> list[str]:
     keys: list[str] = []
     for attr in getattr(layer, "adapter_layer_names", ()):
@@ -264,10 +353,94 @@ def _check_peft_model(module: nn.Module, src: str) -> None:
 
 
 def plan_model(
-    model: nn.Module, *, gatherer: Gatherer, dtype: torch.dtype | None, normalizer: NameNormalizer, block_bytes: int
+    model: nn.Module,
+    *,
+    gatherer: Gatherer,
+    dtype: torch.dtype | None,
+    normalizer: NameNormalizer,
+    block_bytes: int,
+    layout: Layout = "checkpoint",
 ) -> tuple[list[Unit], dict[str, str]]:
-    """Plan the stream of ``model``: one :class:`Unit` per module that has output tensors, in registration order,
-    and the tied aliases (name not yielded -> name of the tensor it shares)."""
-    planner = _Planner(gatherer, dtype, normalizer, block_bytes)
+    """Plan the stream of ``model``: its units, in registration order, each with the :class:`Step` s that turn its
+    targets into outputs, and the tied aliases (output name not yielded -> output name of the tensor it shares)."""
+    if layout not in ("checkpoint", "memory"):
+        raise ValueError(f"layout must be 'checkpoint' or 'memory', got {layout!r}")
+    planner = _Planner(gatherer, dtype, block_bytes, buffers=layout == "checkpoint")
     planner.visit(model, "", "")
-    return planner.units, planner.aliases
+    units = planner.units
+    fmt = CheckpointFormat(planner.root if layout == "checkpoint" else None)
+    if fmt.converts:
+        ignored = set(getattr(planner.root, "_keys_to_ignore_on_save", None) or ())
+        if ignored:  # save_pretrained drops these keys
+            for u in units:
+                u.targets = [t for t in u.targets if t.name not in ignored]
+            units = [u for u in units if u.targets]
+    units = _join_conversions(units, fmt)
+    names: dict[str, str] = {}
+    for u in units:
+        for step in u.steps:
+            sources = ", ".join(t.source for t in step.inputs)
+            renamed = [Output(normalizer(o.name, sources), o.dtype, o.shape) for o in step.outputs]
+            for o in renamed:
+                if o.name in names:
+                    raise NameCollisionError(f"parameters {names[o.name]!r} and {sources!r} both normalize to {o.name!r}")
+                names[o.name] = sources
+            step.outputs = renamed
+    return units, _output_aliases(planner.aliases, units, fmt, normalizer)
+
+
+def _join_conversions(units: list[Unit], fmt: CheckpointFormat) -> list[Unit]:
+    """Give every unit its steps, joining consecutive units whose targets one conversion reads together (q, k and v
+    concatenated into one checkpoint tensor), so that a conversion never straddles two groups."""
+    where: dict[str, tuple[int, Target]] = {t.name: (i, t) for i, u in enumerate(units) for t in u.targets}
+    fsteps = fmt.plan([TensorSpec(n, t.dtype, tuple(t.shape)) for n, (_, t) in where.items()])
+    # Each unit index -> the last unit index it must travel with.
+    reach = list(range(len(units)))
+    for fs in fsteps:
+        idx = [where[n][0] for n in fs.inputs]
+        lo, hi = min(idx), max(idx)
+        for i in range(lo, hi + 1):
+            reach[i] = max(reach[i], hi)
+    joined: list[Unit] = []
+    owner: dict[int, Unit] = {}
+    i = 0
+    while i < len(units):
+        end = reach[i]
+        j = i
+        while j <= end:
+            end = max(end, reach[j])
+            j += 1
+        if end == i:
+            unit = units[i]
+        else:
+            unit = Unit(units[i].module)
+            for u in units[i : end + 1]:
+                unit.targets += u.targets
+                unit.params += u.params
+        for k in range(i, end + 1):
+            owner[k] = unit
+        joined.append(unit)
+        i = end + 1
+    for fs in fsteps:
+        inputs = [where[n][1] for n in fs.inputs]
+        outputs = [Output(o.name, o.dtype, o.shape) for o in fs.outputs]
+        convert = None if fs.kind != "convert" else functools.partial(fmt.apply, fs)
+        owner[where[fs.inputs[0]][0]].steps.append(Step(inputs, outputs, convert))
+    return joined
+
+
+def _output_aliases(
+    aliases: dict[str, str], units: list[Unit], fmt: CheckpointFormat, normalizer: NameNormalizer
+) -> dict[str, str]:
+    """Tied aliases under output names. An alias whose tensor the checkpoint format converts (rather than
+    renames) has no single tensor to stand for and is dropped; none of transformers' models ties such a weight."""
+    out_of = {s.inputs[0].name: s.outputs[0].name for u in units for s in u.steps if s.convert is None}
+    result: dict[str, str] = {}
+    for alias, primary in aliases.items():
+        if primary not in out_of:
+            continue
+        spec = TensorSpec(alias, torch.float32, ())
+        steps = fmt.plan([spec])
+        if len(steps) == 1 and steps[0].kind != "convert":
+            result[normalizer(steps[0].outputs[0].name, alias)] = out_of[primary]
+    return result

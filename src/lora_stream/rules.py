@@ -22,7 +22,7 @@ __all__ = ["LAYER_RULES", "LayerRule", "LoraAdapterSpec", "LycorisAdapterSpec", 
 
 #: How the adapted weight is laid out for a LoRA merge: ``linear`` ([out, in], or [in, out] with ``fan_in_fan_out``),
 #: ``embedding`` ([num_embeddings, dim]) or ``conv`` ([out, in, *kernel], merged as the matrix [out, in * kernel]).
-Layout = Literal["linear", "embedding", "conv"]
+Layout = Literal["linear", "embedding", "conv", "param"]
 
 _DORA = "dora"
 
@@ -81,9 +81,10 @@ LAYER_RULES: dict[str, LayerRule] = {
         reason="LoRA on nn.MultiheadAttention merges into the fused in_proj_weight and out_proj through its own "
         "path, which lora_stream does not reproduce",
     ),
+    # target_parameters: LoRA on a module's parameter (3-D MoE experts, a router's 2-D weight), nested when several
+    # parameters of one module are adapted. peft itself refuses DoRA, lora_bias and dropout here.
     f"{_LORA}.ParamWrapper": LayerRule(
-        "refused",
-        reason="LoRA on target_parameters (ParamWrapper, e.g. 3-D MoE expert weights) is not merged yet",
+        "lora", "param", lora_bias_refusal="peft refuses lora_bias on target_parameters"
     ),
 }
 
@@ -136,6 +137,7 @@ def rule_for(layer: nn.Module, src: str) -> LayerRule:
     if rule is None:
         supported = (
             "LoRA/rsLoRA/DoRA on Linear, GPT-2 Conv1D, Embedding, Conv1d/2d/3d and bitsandbytes 4/8-bit Linear; "
+            "LoRA on target_parameters (MoE experts); "
             "LoHa; LoKr"
         )
         raise _refuse(

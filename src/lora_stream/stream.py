@@ -17,7 +17,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .buffers import OutputPool, ProcessMemory, Scratch, release_freed_heap
+from .checkpoint_format import Layout
 from .coordination import Coordinator
+from .core import Step
 from .errors import LoraStreamError, StreamAbortedError
 from .gatherers import Gatherer, auto_gatherer
 from .grouping import DEFAULT_BUDGET_BYTES, GroupBy, partition
@@ -242,6 +244,7 @@ class ParamStream:
         reuse_outputs: bool = False,
         release_memory: bool = True,
         measure_rss: bool = False,
+        layout: Layout = "checkpoint",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"ParamStream needs a torch.nn.Module, got {type(model).__name__}")
@@ -258,9 +261,11 @@ class ParamStream:
             dtype=dtype,
             normalizer=NameNormalizer(renames),
             block_bytes=merge_block_bytes,
+            layout=layout,
         )
+        self.layout: Layout = layout
         self._groups = partition(units, group_by, budget_bytes, g.gather_bytes)
-        self._meta = [ParamMeta(t.name, t.dtype, tuple(t.shape)) for grp in self._groups for t in grp.targets]
+        self._meta = [ParamMeta(o.name, o.dtype, o.shape) for grp in self._groups for o in grp.outputs]
         # What ranks compare in every status exchange: fixed by the plan, so computed once.
         self._digest = ";".join(f"{m.name}:{m.dtype}:{m.shape}" for m in self._meta) + f"|{self.groups()!r}"
         self.group_by = group_by
@@ -284,7 +289,7 @@ class ParamStream:
 
     def groups(self) -> list[list[str]]:
         """The names of each group, in order: the unit of gathering and of ``iter_groups()``."""
-        return [[t.name for t in grp.targets] for grp in self._groups]
+        return [[o.name for o in grp.outputs] for grp in self._groups]
 
     def held_names(self) -> None:
         """Every rank produces every tensor (vLLM's ``WeightSource.held_names``: ``None`` means all)."""
@@ -386,9 +391,22 @@ class ParamStream:
                 f"{self._where()}parameter {t.source!r} came out as {tuple(out.shape)} {out.dtype}, but metadata() "
                 f"promised {tuple(t.shape)} {t.dtype}; the {self.gatherer.name} gatherer did not make it whole"
             )
-        stats.tensors += 1
-        stats.bytes += out.numel() * out.element_size()
         return out
+
+    def _produce_step(self, step: Step, full: FullTensor, stats: StreamStats, scratch: Scratch) -> list[torch.Tensor]:
+        """The outputs of one step: its targets merged, then converted to the checkpoint's layout."""
+        tensors = [self._materialize(t, full, stats, scratch) for t in step.inputs]
+        if step.convert is not None:
+            tensors = step.convert(tensors)
+        for o, out in zip(step.outputs, tensors, strict=True):
+            if tuple(out.shape) != o.shape or out.dtype != o.dtype:
+                raise LoraStreamError(
+                    f"{self._where()}{o.name!r} came out as {tuple(out.shape)} {out.dtype}, but metadata() promised "
+                    f"{o.shape} {o.dtype}"
+                )
+            stats.tensors += 1
+            stats.bytes += out.numel() * out.element_size()
+        return tensors
 
     def _where(self) -> str:
         if dist.is_available() and dist.is_initialized():
@@ -417,14 +435,14 @@ class ParamStream:
                     stats.groups += 1
                     stats.peak_gathered_bytes = max(stats.peak_gathered_bytes, group.gathered_bytes)
                     if batched:
-                        tensors = [self._materialize(t, full, stats, scratch) for t in group.targets]
-                        yield [t.name for t in group.targets], tensors
+                        tensors = [x for s in group.steps for x in self._produce_step(s, full, stats, scratch)]
+                        yield [o.name for o in group.outputs], tensors
                         del tensors
                     else:
-                        for t in group.targets:
-                            tensor = self._materialize(t, full, stats, scratch)
-                            yield t.name, tensor
-                            del tensor
+                        for step in group.steps:
+                            for o, tensor in zip(step.outputs, self._produce_step(step, full, stats, scratch)):
+                                yield o.name, tensor
+                                del tensor
                 if outputs is not None:
                     outputs.end_group()
                 if self.release_memory:
@@ -475,6 +493,7 @@ def stream_merged_params(
     reuse_outputs: bool = False,
     release_memory: bool = True,
     measure_rss: bool = False,
+    layout: Layout = "checkpoint",
 ) -> StreamPass[tuple[str, torch.Tensor]]:
     """Iterate ``(hf_name, merged_tensor)`` over ``model``: one pass of a :class:`ParamStream` with these options.
 
@@ -495,5 +514,6 @@ def stream_merged_params(
             reuse_outputs=reuse_outputs,
             release_memory=release_memory,
             measure_rss=measure_rss,
+            layout=layout,
         )
     )

@@ -1,4 +1,4 @@
-"""Rank worker: LoHa, LoKr and LoRA/DoRA on convolutions under a sharded gatherer equal peft's merge.
+"""Rank worker: LoHa, LoKr, LoRA/DoRA on convolutions and LoRA on MoE experts (target_parameters) under a sharded gatherer equal peft's merge.
 
 Usage: sharded_tuners.py zero3|fsdp2
 
@@ -29,6 +29,12 @@ def configs() -> dict[str, object]:
         "lokr": LoKrConfig(target_modules=["lin", "c2", "c1"], init_weights=False, r=4),
         "lora-conv": LoraConfig(target_modules=conv, init_lora_weights=False, r=4, lora_bias=True),
         "dora-conv": LoraConfig(target_modules=[*conv, "lin"], init_lora_weights=False, r=4, use_dora=True),
+        "lora-experts": LoraConfig(
+            target_modules=["lin"],
+            target_parameters=["moe.gate_up", "moe.down", "moe.router", "moe_t.gate_up"],
+            init_lora_weights=False,
+            r=4,
+        ),
     }
 
 
