@@ -54,6 +54,12 @@ def demo(session: nox.Session) -> None:
 
 
 @nox.session(python=False)
+def architectures(session: nox.Session) -> None:
+    """Rerun every architecture through vLLM and rewrite the table in docs/architectures.md (about 5 minutes)."""
+    _in_stack(session, ["python", "tests/test_architectures.py", "--table"], env={"PYTHONPATH": "tests"})
+
+
+@nox.session(python=False)
 def bench(session: nox.Session) -> None:
     """Benchmarks (slow): `nox -s bench -- zero3|fsdp2|server|qlora|checkpoint` runs benchmarks/bench_<name>.py."""
     which = session.posargs[0] if session.posargs else "zero3"

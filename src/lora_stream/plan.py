@@ -383,7 +383,8 @@ def plan_model(
             renamed = [Output(normalizer(o.name, sources), o.dtype, o.shape) for o in step.outputs]
             for o in renamed:
                 if o.name in names:
-                    raise NameCollisionError(f"parameters {names[o.name]!r} and {sources!r} both normalize to {o.name!r}")
+                    other = names[o.name]
+                    raise NameCollisionError(f"parameters {other!r} and {sources!r} both normalize to {o.name!r}")
                 names[o.name] = sources
             step.outputs = renamed
     return units, _output_aliases(planner.aliases, units, fmt, normalizer)

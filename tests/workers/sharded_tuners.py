@@ -1,4 +1,5 @@
-"""Rank worker: LoHa, LoKr, LoRA/DoRA on convolutions and LoRA on MoE experts (target_parameters) under a sharded gatherer equal peft's merge.
+"""Rank worker: LoHa, LoKr, LoRA/DoRA on convolutions and LoRA on MoE experts (target_parameters) under a sharded
+gatherer equal peft's merge.
 
 Usage: sharded_tuners.py zero3|fsdp2
 

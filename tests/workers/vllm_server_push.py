@@ -116,7 +116,7 @@ def main() -> None:
             error=type(exc).__name__,
             message=str(exc),
             seconds=time.monotonic() - start,
-            unconsumed=getattr(exc, "unconsumed", None),
+            stale=getattr(exc, "stale", None),
             incomplete=getattr(exc, "incomplete", None),
         )
         if scenario == "server-error" and rank == 0:

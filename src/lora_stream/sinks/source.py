@@ -45,6 +45,11 @@ class SyncSource:
         self._stop_reason: str | None = None
         self.tensors = self.bytes = self.groups_sent = self.peak_group_bytes = 0
 
+    @property
+    def aliases(self) -> list[str]:
+        """The alias names this source sends besides the stream's own (the engine may or may not hold them)."""
+        return [a for aliases in self._by_primary.values() for a in aliases]
+
     def _aliases_of(self, names: list[str]) -> list[str]:
         return [a for n in names for a in self._by_primary.get(n, ())]
 

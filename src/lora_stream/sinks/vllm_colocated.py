@@ -96,9 +96,10 @@ class VLLMColocatedSink:
     def preflight(self, stream: ParamStream) -> dict[str, str]:
         """Compare ``stream.metadata()`` with the engine's checkpoint; return the aliases to send as well.
 
-        With ``checkpoint=False`` nothing is compared and no alias is sent; vLLM's consumption check still runs."""
+        With ``checkpoint=False`` nothing is compared and every tied alias is offered; either way an alias reaches
+        vLLM only if its model holds a parameter of that name (:meth:`ReloadBracket.load`'s ``optional``)."""
         if self._ckpt is None:
-            return {}
+            return stream.tied_aliases()
         return preflight(stream.metadata(), stream.tied_aliases(), self._ckpt)
 
     def sync(self, stream: ParamStream, *, version: str | None = None) -> SyncRecord:
@@ -111,7 +112,7 @@ class VLLMColocatedSink:
             try:
                 with source.batches() as batches:  # a failure below ends the pass for every rank, with its reason
                     for names, tensors in batches:
-                        self._load(list(zip(names, tensors)))
+                        self._load(list(zip(names, tensors)), source.aliases)
             except BaseException as exc:
                 failed = exc
                 raise
@@ -152,14 +153,14 @@ class VLLMColocatedSink:
         else:
             self._rpc("lora_stream_begin")
 
-    def _load(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+    def _load(self, pairs: list[tuple[str, torch.Tensor]], optional: list[str]) -> None:
         if self._bracket is not None:
-            self._bracket.load(pairs)
+            self._bracket.load(pairs, optional)
             return
         from safetensors.torch import save
 
         # The child engine gets bytes: msgpack would drop tensor data, and pickle needs insecure serialization.
-        self._rpc("lora_stream_load", save({n: t.contiguous() for n, t in pairs}))
+        self._rpc("lora_stream_load", save({n: t.contiguous() for n, t in pairs}), optional)
 
     def _finish(self, failed: BaseException | None) -> LoadReport:
         """Close the bracket: checked after a complete pass, unchecked after a failure (whose error is reported)."""

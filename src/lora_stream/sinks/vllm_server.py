@@ -246,7 +246,7 @@ class VLLMServerSink:
         """Sender only: reachability, credentials, the pre-flight. Raises before anything is sent."""
         models = self.client.check_access()
         if self.checkpoint is False:
-            return {}
+            return stream.tied_aliases()  # offered; the worker loads each only if its model holds it
         if self._ckpt is None:
             path = self.checkpoint
             if path is None or path is True:

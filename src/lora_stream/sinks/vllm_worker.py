@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .reload import ConsumptionCheck, ReloadBracket
+from .reload import ReloadBracket
 
-__all__ = ["ConsumptionCheck", "LoraStreamWorkerExtension"]
+__all__ = ["LoraStreamWorkerExtension"]
 
 
 class LoraStreamWorkerExtension:
@@ -26,16 +26,16 @@ class LoraStreamWorkerExtension:
         self._lora_stream_bracket = ReloadBracket(self.model_runner.model, self.model_runner.model_config)
         self._lora_stream_bracket.begin()
 
-    def lora_stream_load(self, blob: bytes) -> list[str]:
+    def lora_stream_load(self, blob: bytes, optional: list[str] | None = None) -> list[str]:
         from safetensors.torch import load
 
         if self._lora_stream_bracket is None:
             raise RuntimeError("lora_stream_load outside a reload bracket: call lora_stream_begin first")
-        return self._lora_stream_bracket.load(list(load(bytes(blob)).items()))
+        return self._lora_stream_bracket.load(list(load(bytes(blob)).items()), optional or ())
 
-    def lora_stream_finish(self) -> tuple[list[str], dict[str, list[str]]]:
+    def lora_stream_finish(self) -> tuple[list[str], dict[str, list[str]], bool]:
         bracket, self._lora_stream_bracket = self._lora_stream_bracket, None
-        return bracket.finish().to_wire() if bracket is not None else ([], {})
+        return bracket.finish().to_wire() if bracket is not None else ([], {}, True)
 
     def lora_stream_abort(self) -> None:
         bracket, self._lora_stream_bracket = self._lora_stream_bracket, None

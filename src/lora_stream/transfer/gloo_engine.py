@@ -49,6 +49,8 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
     shapes: list[list[int]]
     group_sizes: list[int]
     chunk_sizes: list[int] = field(default_factory=list)
+    #: Names sent only if the worker's model holds them (tied aliases, see ``ReloadBracket.load``).
+    optional_names: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -154,7 +156,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                 buffer = torch.empty(plan.chunk_bytes(c), dtype=torch.uint8)
                 self.group.broadcast(buffer).wait()
                 views = unpack(buffer, plan, c, update_info.shapes, dtypes)
-                self._bracket.load(list(zip([update_info.names[i] for i in chunk], views)))
+                pairs = list(zip([update_info.names[i] for i in chunk], views))
+                self._bracket.load(pairs, update_info.optional_names)
             # Every tensor arrived: close and check the bracket here, not in finish_weight_update. An error raised
             # from an update ends vLLM's update session (the trainer sees /update_weights fail); one raised from
             # finish would leave the session open and the server refusing every later update.

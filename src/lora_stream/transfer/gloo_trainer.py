@@ -130,6 +130,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             "shapes": shapes,
             "group_sizes": [len(g) for g in groups],
             "chunk_sizes": [len(c) for c in plan.chunks],
+            # Tied aliases: the worker loads each only if its model holds a parameter of that name.
+            "optional_names": list(getattr(source, "aliases", [])),
         }
         timeout = self.init_info.timeout_s
         self.client.start_weight_update()

@@ -1,0 +1,170 @@
+"""Every architecture vLLM serves, dense and MoE: the stream speaks the checkpoint format, and a real vLLM engine
+serves the merged model after a sync.
+
+Two checks per architecture of :mod:`architectures` (tiny random models built here, LoRA on all linear layers or on
+the experts, every adapter tensor perturbed):
+
+* the stream: names equal the keys ``save_pretrained`` writes for ``merge_and_unload()``, values equal its tensors,
+  ``metadata()`` equals iteration -- whatever vLLM does;
+* vLLM (``tests/workers/vllm_architecture.py``, one process per architecture: vLLM's Transformers backend patches
+  transformers classes in place): the engine starts from the base checkpoint and serves something else (the
+  control); after one sync its greedy tokens and logprobs equal those of an engine started from the merged
+  checkpoint (the oracle). Whether vLLM itself computes what transformers computes for the architecture is recorded
+  in the table too, but is vLLM's business. An architecture vLLM cannot serve says so in the table with vLLM's own
+  error, and the test checks that the error is still vLLM's.
+
+``python tests/test_architectures.py --table`` (``nox -s architectures``) reruns the vLLM checks and rewrites the
+table in ``docs/architectures.md``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from architectures import ARCHS, BY_ID, Arch, build
+from helpers import event, perturb_adapters, require
+
+from lora_stream import ParamStream
+from lora_stream.grouping import stack_key
+
+TOL = 2e-3
+
+
+def _peft(arch: Arch) -> Any:
+    from peft import LoraConfig, get_peft_model
+
+    pm = get_peft_model(build(arch), LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **arch.lora))
+    perturb_adapters(pm)
+    return pm
+
+
+@pytest.mark.parametrize("arch", ARCHS, ids=[a.id for a in ARCHS])
+def test_the_stream_is_the_merged_checkpoint(arch: Arch, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    pm = _peft(arch)
+    copy.deepcopy(pm).merge_and_unload().save_pretrained(str(tmp_path))
+    saved: dict[str, torch.Tensor] = {}
+    for f in sorted(tmp_path.glob("*.safetensors")):
+        saved.update(load_file(str(f)))
+    stream = ParamStream(pm, group_by="layer")
+    got = {n: t.clone() for n, t in stream}
+    assert sorted(got) == sorted(saved)
+    assert [(m.name, m.dtype, m.shape) for m in stream.metadata()] == [
+        (n, t.dtype, tuple(t.shape)) for n, t in got.items()
+    ]
+    for name, ref in saved.items():
+        torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=1e-6, msg=name)
+    # Layer groups follow the checkpoint's layers: a group holds one decoder layer (or only un-indexed names), and a
+    # layer is never split across groups.
+    keys = [{stack_key(n) for n in names} for names in stream.groups()]
+    assert all(len(k) == 1 for k in keys), keys
+    layers = [k.pop() for k in keys]
+    indexed = [k for k in layers if k is not None]
+    assert len(indexed) == len(set(indexed)) >= 2, layers
+
+
+def run_vllm_worker(arch: Arch, workdir: Path) -> str:
+    import subprocess
+
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, str(tests / "workers" / "vllm_architecture.py"), arch.id, str(workdir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def outcome(arch: Arch, out: str) -> dict[str, Any]:
+    """What happened to ``arch`` in vLLM: ``status`` is ``"matches"``, ``"vllm-cannot"`` or ``"differs"``;
+    ``synced`` says whether the sync itself went through (it is checked even where vLLM cannot generate)."""
+    engine = event(out, "engine")
+    if not engine["ok"]:
+        return {"status": "vllm-cannot", "detail": engine["error"], "synced": False}
+    control, synced = event(out, "control"), event(out, "synced")
+    if not synced["ok"]:
+        return {"status": "vllm-cannot", "detail": f"{synced['error_type']}: {synced['error']}", "synced": False}
+    if not control["ok"]:
+        detail = f"{engine['model_class']}: loads and syncs; vLLM cannot generate: {control['error']}"
+        return {"status": "vllm-cannot", "detail": detail, "synced": True}
+    oracle = event(out, "oracle")["generated"]
+    reference = event(out, "reference")["generated"]
+    return {
+        "status": "matches" if _same(synced["generated"], oracle) else "differs",
+        "detail": engine["model_class"],
+        "synced": True,
+        "control_differs": not _same(control["generated"], oracle),
+        "vllm_equals_transformers": _same(oracle, reference),
+        "generated": synced["generated"],
+        "oracle": oracle,
+    }
+
+
+def _same(a: list[Any], b: list[Any]) -> bool:
+    """Same greedy tokens, logprobs within TOL."""
+    return all(
+        ids == rids and all(abs(x - y) < TOL for x, y in zip(lps, rlps)) for (ids, lps), (rids, rlps) in zip(a, b)
+    )
+
+
+@pytest.mark.parametrize("arch", ARCHS, ids=[a.id for a in ARCHS])
+def test_vllm_serves_the_merged_model_after_one_sync(arch: Arch, tmp_path: Path) -> None:
+    require("vllm")
+    result = outcome(arch, run_vllm_worker(arch, tmp_path))
+    if arch.vllm_cannot:
+        # Not a skip: the reason must still be vLLM's own, or the table is out of date.
+        assert result["status"] == "vllm-cannot", f"vLLM now serves {arch.id}; update architectures.py: {result}"
+        assert arch.vllm_cannot in result["detail"], result["detail"]
+        return
+    assert result["status"] == "matches", result
+    assert result["control_differs"], "the engine served the merged model before the sync: the test proves nothing"
+
+
+def write_table(path: Path) -> None:
+    """Run every architecture through vLLM and write the supported-architectures table."""
+    import tempfile
+
+    rows = []
+    for arch in ARCHS:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = outcome(arch, run_vllm_worker(arch, Path(tmp)))
+        print(arch.id, result["status"], flush=True)
+        lora = json.dumps(arch.lora.get("target_parameters") or arch.lora["target_modules"])
+        status = {"matches": "exact match", "vllm-cannot": "not served by vLLM (CPU)", "differs": "DIFFERS"}
+        detail = result["detail"].replace("|", "\\|").replace("\n", " ")[:160]
+        agrees = {True: "yes", False: "no"}.get(result.get("vllm_equals_transformers"), "-")
+        rows.append(
+            f"| `{arch.id}` | `{arch.model_type}` | `{lora}` | {status[result['status']]} | {agrees} | {detail} |"
+        )
+    text = path.read_text()
+    begin, end = "<!-- table:begin -->", "<!-- table:end -->"
+    head, rest = text.split(begin)
+    _, tail = rest.split(end)
+    table = "\n".join(
+        [
+            "| test | `model_type` | LoRA on | after one sync | vLLM == transformers | vLLM class, or vLLM's error |",
+            "|---|---|---|---|---|---|",
+            *rows,
+        ]
+    )
+    path.write_text(f"{head}{begin}\n{table}\n{end}{tail}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--table"]:
+        write_table(Path(__file__).resolve().parent.parent / "docs" / "architectures.md")
+    else:
+        print(json.dumps(outcome(BY_ID[sys.argv[1]], run_vllm_worker(BY_ID[sys.argv[1]], Path(sys.argv[2]))))[:2000])

@@ -1,0 +1,126 @@
+"""One architecture end to end: a tiny random model with a perturbed LoRA, synced into a real vLLM engine.
+
+Usage: vllm_architecture.py ARCH_ID WORKDIR
+
+Two references: the merged model's greedy tokens and logprobs in transformers (computed before any engine starts:
+vLLM's Transformers backend patches transformers classes in place), and the oracle, what a vLLM engine started from
+the merged checkpoint serves. The engine under test starts from the base model's checkpoint, so before the sync it
+serves something else (the control). Prints ``RESULT`` lines: ``reference``, ``oracle``, ``engine`` (started, or
+vLLM's own error), ``control`` (generated before the sync, or vLLM's error when it loads the model but cannot run
+it), ``synced`` (the sync's outcome, and what was generated after it).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+import warnings
+from typing import Any
+
+import torch
+
+warnings.filterwarnings("ignore")
+
+
+def greedy(model: torch.nn.Module, prompts: list[list[int]], n: int) -> list[tuple[list[int], list[float]]]:
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids, lps = list(prompt), []
+            for _ in range(n):
+                lp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+                tok = int(lp.argmax())
+                ids.append(tok)
+                lps.append(float(lp[tok]))
+            out.append((ids[len(prompt) :], lps))
+    return out
+
+
+def main(arch_id: str, workdir: str) -> None:
+    from architectures import BY_ID, build
+    from helpers import PROMPTS, VLLM_ENV, finish, merged_copy, perturb_adapters, report
+    from peft import LoraConfig, get_peft_model
+
+    for k, v in VLLM_ENV.items():
+        os.environ.setdefault(k, v)
+    arch = BY_ID[arch_id]
+    base_dir = os.path.join(workdir, "base")
+    model = build(arch)
+    model.save_pretrained(base_dir)
+    pm = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **arch.lora))
+    perturb_adapters(pm)
+    merged = merged_copy(pm).eval()
+    merged_dir = os.path.join(workdir, "merged")
+    merged.save_pretrained(merged_dir)
+    reference = greedy(merged, PROMPTS, 6)
+    report(event="reference", generated=reference)
+
+    from vllm import LLM, SamplingParams
+
+    from lora_stream import ParamStream, VLLMColocatedSink
+
+    def engine(path: str) -> Any:
+        return LLM(
+            model=path,
+            dtype="float32",
+            max_model_len=128,
+            enforce_eager=True,
+            seed=0,
+            skip_tokenizer_init=True,
+            gpu_memory_utilization=0.5,
+        )
+
+    def generate(llm: Any) -> list[tuple[list[int], list[float]]]:
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS],
+            SamplingParams(temperature=0, max_tokens=6, logprobs=1),
+            use_tqdm=False,
+        )
+        res = []
+        for o in outs:
+            c = o.outputs[0]
+            ids = list(c.token_ids)
+            res.append((ids, [c.logprobs[i][t].logprob for i, t in enumerate(ids)]))
+        return res
+
+    # The oracle: what vLLM serves when started from the merged checkpoint itself.
+    try:
+        oracle_llm = engine(merged_dir)
+        report(event="oracle", ok=True, generated=generate(oracle_llm))
+        del oracle_llm
+    except Exception as exc:
+        report(event="oracle", ok=False, error=f"{type(exc).__name__}: {str(exc)[:400]}")
+    try:
+        llm = engine(base_dir)
+    except Exception as exc:
+        report(event="engine", ok=False, error=f"{type(exc).__name__}: {str(exc)[:400]}")
+        finish(0)
+
+    sink = VLLMColocatedSink(llm)
+    assert sink._bracket is not None
+    report(event="engine", ok=True, model_class=type(sink._bracket.model).__name__)
+    try:
+        report(event="control", ok=True, generated=generate(llm))
+    except Exception as exc:  # vLLM loads the model but cannot run it here: the sync is still checked
+        report(event="control", ok=False, error=f"{type(exc).__name__}: {str(exc)[:400]}")
+    try:
+        record = sink.sync(ParamStream(pm, group_by="layer"))
+    except Exception as exc:
+        report(
+            event="synced",
+            ok=False,
+            error_type=type(exc).__name__,
+            error=str(exc)[:1500],
+            trace=traceback.format_exc()[-1500:],
+        )
+        finish(0)
+    try:
+        report(event="synced", ok=True, tensors=record.tensors, generated=generate(llm))
+    except Exception as exc:
+        report(event="synced", ok=True, tensors=record.tensors, error=f"{type(exc).__name__}: {str(exc)[:400]}")
+    finish(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
