@@ -125,6 +125,20 @@ def oracle(peft_model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in m.named_parameters()}
 
 
+def checkpoint_oracle(peft_model: nn.Module, path: str) -> dict[str, torch.Tensor]:
+    """The merged checkpoint: peft's merge_and_unload() of an unsharded float32 copy, written by save_pretrained
+    (checkpoint names and layouts, persistent buffers) and read back."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    copy.deepcopy(peft_model).float().merge_and_unload().save_pretrained(path)
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().float(), b.detach().float()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))

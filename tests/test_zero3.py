@@ -28,6 +28,14 @@ def test_model_built_under_zero_init_by_from_pretrained(tmp_path: Path) -> None:
     assert all(event(r.output, "match") for r in results), describe(results)
 
 
+def test_moe_with_lora_on_experts_streams_the_merged_checkpoint_within_the_bound(tmp_path: Path) -> None:
+    results = launch("zero3_stream", "moe", str(tmp_path))
+    assert_all_ok(results)
+    for r in results:
+        rec = event(r.output, "moe-match")
+        assert rec["experts"] == 2 * 4 * 3 and rec["peak"] <= rec["bound"], rec
+
+
 def test_float32_factors_over_bf16_base_saved_lm_head_and_tied_embeddings() -> None:
     results = launch("zero3_stream", "mixed")
     assert_all_ok(results)

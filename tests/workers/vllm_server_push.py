@@ -2,6 +2,7 @@
 
 Usage: vllm_server_push.py SCENARIO BASE_URL CHECKPOINT [API_KEY]
   push          sync v1, check the served output equals the merged reference; a step; sync v2, check again.
+  push-moe      the same with a Qwen3-MoE checkpoint and LoRA on all linear layers (experts and router included).
   server-down   the server is not there: every rank raises at once.
   unknown-name  a renamed parameter: rank 0 raises CheckpointMismatchError, rank 1 StreamAbortedError; nothing sent.
   die-mid       rank 0 dies in the middle of the transfer (the test then checks the server).
@@ -55,20 +56,22 @@ class Interrupted(ParamStream):
 
 
 def main() -> None:
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     scenario, url, ckpt = sys.argv[1], sys.argv[2], sys.argv[3]
     api_key = sys.argv[4] if len(sys.argv) > 4 else None
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     saved = ["lm_head"] if scenario == "tied-mts" else None
-    pm = lora(LlamaForCausalLM.from_pretrained(ckpt), target_modules="all-linear", lora_alpha=16, modules_to_save=saved)
+    pm = lora(
+        AutoModelForCausalLM.from_pretrained(ckpt), target_modules="all-linear", lora_alpha=16, modules_to_save=saved
+    )
     template = copy.deepcopy(pm)
     opt = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=0.5)
     engine, *_ = deepspeed.initialize(model=pm, optimizer=opt, config=DS)
     sink = VLLMServerSink(url, rank=rank, api_key=api_key, timeout=30)
     start = time.monotonic()
-    if scenario == "push":
+    if scenario in ("push", "push-moe"):
         record = sink.sync(ParamStream(engine, group_by="layer"), version="v1")
         expected = reference(engine, template)  # a gather: every rank takes part
         first = server_generate(url, api_key) if rank == 0 else None

@@ -5,6 +5,8 @@ Scenarios:
               gathered bytes bounded at every yield; metadata() communicates nothing.
   zinit DIR   model built under zero.Init by HfDeepSpeedConfig + from_pretrained(DIR), then LoRA and a step.
   mixed       bf16 base, float32 LoRA factors, modules_to_save on lm_head, tied embeddings.
+  moe DIR     Qwen3-MoE with all-linear LoRA (experts and router through target_parameters), one step: the stream
+              equals the merged checkpoint (per-expert names) within the gathered-bytes bound.
   drift       bf16 engine, 100 streams: every rank's partition (ds_tensor) bitwise identical afterwards.
   raise       rank 1's consumer raises at the third group (and catches it after the loop).
   die         rank 1's process exits at the third group.
@@ -146,6 +148,34 @@ def scenario_mixed() -> None:
     report(rank=dist.get_rank(), event="mixed-match")
 
 
+def scenario_moe(path: str) -> None:
+    from architectures import BY_ID, build
+    from helpers import checkpoint_oracle, perturb_adapters
+    from peft import LoraConfig, get_peft_model
+
+    pm = get_peft_model(build(BY_ID["qwen3_moe"]), LoraConfig(r=4, lora_alpha=8, init_lora_weights=False))
+    perturb_adapters(pm)
+    assert any(type(m).__name__ == "ParamWrapper" for m in pm.modules()), "all-linear should adapt the experts"
+    template = copy.deepcopy(pm)
+    engine = engine_for(pm)
+    train_step(engine, vocab=1000)
+    ref = checkpoint_oracle(unsharded(engine, template), os.path.join(path, f"rank{dist.get_rank()}"))
+    budget = 60_000
+    stream = ParamStream(engine, budget_bytes=budget)
+    largest_module = max(ParamStream(engine, group_by="module").group_gathered_bytes)
+    bound = max(budget, largest_module)
+    got, peak = {}, 0
+    for name, tensor in stream:
+        held = stream.gatherer.held_bytes()
+        assert 0 < held <= bound, f"{name}: {held} bytes gathered, bound {bound}"
+        peak = max(peak, held)
+        got[name] = tensor.clone()
+    assert sorted(got) == sorted(ref), sorted(set(got) ^ set(ref))[:10]
+    assert_matches(list(got.items()), ref)
+    experts = sum(1 for n in got if ".mlp.experts." in n)
+    report(rank=dist.get_rank(), event="moe-match", tensors=len(got), experts=experts, peak=peak, bound=bound)
+
+
 def scenario_drift() -> None:
     pm = lora(tiny_llama(layers=2), target_modules="all-linear")
     engine = engine_for(pm, {**DS_CONFIG, "bf16": {"enabled": True}})
@@ -231,6 +261,7 @@ def main() -> None:
             "zinit": scenario_zinit,
             "mixed": scenario_mixed,
             "drift": scenario_drift,
+            "moe": scenario_moe,
         }[scenario](*args)
     finish()
 

@@ -165,7 +165,8 @@ class ReloadBracket:
       name: vLLM's Gemma 2 computes logits from the embedding and has no ``lm_head`` at all. An error vLLM's
       loader raises becomes a :class:`VLLMLoadError` naming the batch and the model class.
     * ``finish`` reads vLLM's per-module reload counts, rolls back modules that got only part of their weights,
-      closes the bracket and returns the :class:`LoadReport`; it never raises for a bad report (the caller decides,
+      closes the bracket and returns the :class:`LoadReport` (empty when nothing was sent at all; otherwise every
+      module vLLM holds must have been reloaded whole); it never raises for a bad report (the caller decides,
       so that the same error text reaches the user whichever process found it). ``abort`` rolls back every module
       still waiting for weights and closes the bracket without checking. Both are idempotent.
     """
@@ -235,6 +236,8 @@ class ReloadBracket:
         if not self._open:
             return LoadReport()
         report = self._check_and_roll_back()
+        if not self._sent:
+            report = LoadReport()  # nothing was sent (an empty stream): every module kept its weights, as asked
         self._finalize()
         return report
 
