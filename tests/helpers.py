@@ -128,11 +128,16 @@ def oracle(peft_model: nn.Module) -> dict[str, torch.Tensor]:
 def checkpoint_oracle(peft_model: nn.Module, path: str) -> dict[str, torch.Tensor]:
     """The merged checkpoint: peft's merge_and_unload() of an unsharded float32 copy, written by save_pretrained
     (checkpoint names and layouts, persistent buffers) and read back."""
+    copy.deepcopy(peft_model).float().merge_and_unload().save_pretrained(path)
+    return read_checkpoint(path)
+
+
+def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors checkpoint directory."""
     from pathlib import Path
 
     from safetensors.torch import load_file
 
-    copy.deepcopy(peft_model).float().merge_and_unload().save_pretrained(path)
     out: dict[str, torch.Tensor] = {}
     for f in sorted(Path(path).glob("*.safetensors")):
         out.update(load_file(str(f)))
