@@ -142,7 +142,7 @@ def write_table(path: Path) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             result = outcome(arch, run_vllm_worker(arch, Path(tmp)))
         print(arch.id, result["status"], flush=True)
-        lora = json.dumps(arch.lora.get("target_parameters") or arch.lora["target_modules"])
+        lora = " + ".join(json.dumps(arch.lora[k]) for k in ("target_modules", "target_parameters") if k in arch.lora)
         status = {"matches": "exact match", "vllm-cannot": "not served by vLLM (CPU)", "differs": "DIFFERS"}
         detail = result["detail"].replace("|", "\\|").replace("\n", " ")[:160]
         agrees = {True: "yes", False: "no"}.get(result.get("vllm_equals_transformers"), "-")
@@ -168,3 +168,60 @@ if __name__ == "__main__":
         write_table(Path(__file__).resolve().parent.parent / "docs" / "architectures.md")
     else:
         print(json.dumps(outcome(BY_ID[sys.argv[1]], run_vllm_worker(BY_ID[sys.argv[1]], Path(sys.argv[2]))))[:2000])
+
+
+def test_a_many_to_one_conversion_is_never_split_across_groups(tmp_path: Path) -> None:
+    """A checkpoint that fuses gate and up (transformers splits them on load, and concatenates them again on save):
+    even one module per group, the two merged halves are yielded as one concatenated tensor, in one group."""
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+    from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+    from transformers.core_model_loading import Chunk, WeightConverter
+
+    from lora_stream import ParamStream
+
+    class FusedMlpLlama(LlamaForCausalLM):
+        pass
+
+    register_checkpoint_conversion_mapping(
+        "FusedMlpLlama",
+        [
+            WeightConverter(
+                source_patterns="mlp.gate_up_proj.weight",
+                target_patterns=["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+                operations=[Chunk(dim=0)],
+            )
+        ],
+        overwrite=True,
+    )
+    from helpers import lora, tiny_llama
+
+    base = FusedMlpLlama(tiny_llama().config)
+    pm = lora(base, target_modules="all-linear")
+    perturb_adapters(pm)
+    copy.deepcopy(pm).merge_and_unload().save_pretrained(str(tmp_path))
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    fused = "model.layers.0.mlp.gate_up_proj.weight"
+    assert fused in saved and "model.layers.0.mlp.gate_proj.weight" not in saved
+    stream = ParamStream(pm, group_by="module")
+    (group,) = [g for g in stream.groups() if fused in g]
+    assert "model.layers.0.mlp.gate_proj.weight" not in group
+    got = dict(stream)
+    assert sorted(got) == sorted(saved)
+    for name, ref in saved.items():
+        torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=1e-6, msg=name)
+    assert [m.shape for m in stream.metadata() if m.name == fused] == [tuple(saved[fused].shape)]
+
+
+def test_conversions_that_do_not_split_into_steps_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """If the steps (however they were found) do not reproduce transformers' revert of the whole model, the stream
+    is refused at construction instead of yielding a guess."""
+    from lora_stream import CheckpointFormatError
+    from lora_stream.checkpoint_format import CheckpointFormat
+
+    pm = _peft(BY_ID["qwen3_moe"])
+    # Pretend nothing converts: every in-memory name kept as is.
+    monkeypatch.setattr(CheckpointFormat, "_conversion_keys", lambda self, names: {n: ("rename", n) for n in names})
+    with pytest.raises(CheckpointFormatError, match="layout='memory'"):
+        ParamStream(pm)
+    assert ParamStream(pm, layout="memory").metadata()[0].name == "model.embed_tokens.weight"

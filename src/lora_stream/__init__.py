@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from .checkpoint_format import CheckpointFormatError, Layout
 from .coordination import Coordinator
 from .errors import (
     LoraStreamError,
@@ -39,7 +40,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "CheckpointFormatError",
     "CheckpointMismatchError",
+    "Layout",
     "SafetensorsSink",
     "ServerError",
     "Sink",

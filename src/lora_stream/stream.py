@@ -178,8 +178,11 @@ class ParamStream:
 
     The contract (each point is tested):
 
-    1. **Names** are the base model's Hugging Face names: exactly the keys ``merge_and_unload().state_dict()``
-       has for those parameters. Wrapper segments (PEFT's ``base_model.model``, ``base_layer``,
+    1. **Names and layouts are the checkpoint's**: exactly the keys and tensors ``save_pretrained`` writes for
+       ``merge_and_unload()``, through transformers' own reversible weight conversions (MoE experts one tensor per
+       expert, GPT-NeoX's ``embed_out``, ...), applied one conversion at a time within a group. Without
+       conversions these are the keys of ``merge_and_unload().state_dict()``; ``layout="memory"`` yields
+       ``named_parameters()`` names and layouts instead. Wrapper segments (PEFT's ``base_model.model``, ``base_layer``,
        ``modules_to_save.<adapter>``, ``original_module``, DDP's ``module``, ``_orig_mod``,
        ``_checkpoint_wrapped_module``, ``_fsdp_wrapped_module``) are dropped by structure, never by substring
        replacement; the adapter names are read from the model. ``renames`` run last.
@@ -187,7 +190,8 @@ class ParamStream:
        ``dtype`` (default: each base parameter's own dtype). With adapters disabled the base weights come out, as
        the model computes its forward.
     3. **Coverage**: every parameter of the merged model exactly once; a tied weight once, under the name
-       ``named_parameters()`` gives it. Adapter weights and buffers are not yielded.
+       ``named_parameters()`` gives it. Persistent buffers the checkpoint holds are yielded too, in their own
+       dtype (none with ``layout="memory"``). Adapter weights are not yielded.
     4. **The model is never written to**: merged tensors are fresh; parameters and peft's ``merged`` flags are
        bitwise unchanged after any number of passes.
     5. **Order** is the model's registration order, so a decoder layer's tensors arrive together.
@@ -223,11 +227,13 @@ class ParamStream:
             ``malloc_trim``; a no-op elsewhere), so freed gather buffers do not pile up across groups.
         measure_rss: record the process's resident-set peak during each pass in ``last_stats`` (Linux; resets
             the process's ``VmHWM``).
+        layout: ``"checkpoint"`` (default: names, layouts and persistent buffers as ``save_pretrained`` writes
+            them, what inference engines load) or ``"memory"`` (``named_parameters()`` as transformers holds them).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
-        UnsupportedAdapterError, UnsupportedModelError, NameCollisionError, RenameError: from planning, before
-            anything is produced; the model is left as it was.
+        UnsupportedAdapterError, UnsupportedModelError, NameCollisionError, RenameError, CheckpointFormatError:
+            from planning, before anything is produced; the model is left as it was.
     """
 
     def __init__(
