@@ -24,6 +24,7 @@ STACK = [
     "accelerate==1.15.0",
     "safetensors==0.8.0",
     "bitsandbytes==0.50.2",  # QLoRA bases (4-bit and 8-bit) on CPU
+    "trl==1.16.0",  # lora_stream.integrations.trl, tested against GRPOTrainer
 ]
 TEST_TOOLS = ["pytest>=8", "hypothesis>=6", "psutil"]
 
@@ -85,7 +86,7 @@ def typecheck(session: nox.Session) -> None:
 def stack(session: nox.Session) -> None:
     """Create or refresh the shared virtualenv (.nox/stack) that tests, demo and bench run in."""
     install_stack(session)
-    session.run("python", "-c", "import vllm, deepspeed, peft, bitsandbytes, lora_stream; print('stack ok')")
+    session.run("python", "-c", "import vllm, deepspeed, peft, bitsandbytes, trl, lora_stream; print('stack ok')")
 
 
 def _in_stack(session: nox.Session, cmd: list[str], env: dict[str, str] | None = None) -> None:
@@ -103,5 +104,5 @@ def _in_stack(session: nox.Session, cmd: list[str], env: dict[str, str] | None =
 
 
 def _stack_ready(python: str) -> bool:
-    check = [python, "-c", "import vllm, deepspeed, peft, bitsandbytes, lora_stream"]
+    check = [python, "-c", "import vllm, deepspeed, peft, bitsandbytes, trl, lora_stream"]
     return subprocess.run(check, capture_output=True).returncode == 0

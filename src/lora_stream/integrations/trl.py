@@ -126,11 +126,12 @@ def _check_trl(trainer: Any) -> Any:
             "vLLM weight sync)"
         )
     missing = [a for a in ("sync_weights", "mode", "accelerator", "model") if not hasattr(gen, a)]
-    if gen.mode == "colocate" and not hasattr(gen, "llm"):
+    mode = getattr(gen, "mode", None)
+    if mode == "colocate" and not hasattr(gen, "llm"):
         missing.append("llm")
-    if missing or gen.mode not in ("colocate", "server"):
+    if missing or mode not in ("colocate", "server"):
         raise UnsupportedTrlError(
-            f"trainer.vllm_generation ({type(gen).__name__}, mode {getattr(gen, 'mode', None)!r}) lacks {missing}; "
+            f"trainer.vllm_generation ({type(gen).__name__}, mode {mode!r}) lacks {missing}; "
             "not the VLLMGeneration this hook replaces"
         )
     return gen

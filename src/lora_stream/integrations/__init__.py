@@ -1,0 +1,4 @@
+"""Adapters to training frameworks: one call that routes a framework's weight sync through lora_stream.
+
+* :mod:`lora_stream.integrations.trl` -- TRL's ``GRPOTrainer`` and the other trainers that generate with vLLM.
+"""

