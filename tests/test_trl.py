@@ -62,11 +62,50 @@ def test_under_zero3_trl_gathers_the_whole_model_and_the_hook_one_layer(tmp_path
         assert m["hook_peak_gathered"] <= m["hook_bound"] == m["record_peak_gathered"] < m["total_bytes"], m
 
 
+def test_server_mode_on_two_zero3_ranks_serves_the_merged_model(tmp_path: Path) -> None:
+    """TRL's server mode against a real vLLM OpenAI server (float32) over lora_stream's gloo backend; the trainer is
+    built inside without_trl_transfer_group() (TRL's own transfer group needs CUDA)."""
+    require("deepspeed")
+    from helpers import save_tokenizer, vllm_llama
+    from vllm_server import Server
+
+    path = tmp_path / "model"
+    vllm_llama().save_pretrained(path)
+    save_tokenizer(str(path))
+    server = Server(str(path)).wait_ready()
+    try:
+        env = {"LORA_STREAM_TEST_ZERO3": "1", "LORA_STREAM_TEST_SERVER": server.url}
+        results = launch("trl_grpo", "server", str(tmp_path), world=2, timeout=400, env=env)
+        assert_all_ok(results)
+        r0, r1 = (_outcome(r.output) for r in results)
+        _check_syncs(r0)  # rank 0 reads the server; every rank trains and syncs
+        assert r1["outcome"] == "trained" and r1["records"] == [21, 21, 21], r1
+        assert server.healthy()
+    finally:
+        server.stop()
+
+
 def test_removing_the_hook_restores_trls_own_sync(tmp_path: Path) -> None:
     (r,) = launch("trl_grpo", "removed", str(tmp_path), world=1, timeout=400)
     rec = _outcome(r.output)
     # TRL's own sync is back, and fails as it does without the hook on this vLLM.
     assert rec["outcome"] == "raised" and "weight_loader" in rec["message"], rec
+
+
+def test_the_example_runs() -> None:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(
+        [sys.executable, str(root / "examples" / "grpo_trl.py")], capture_output=True, text=True, timeout=400
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert [line.split(":")[0] for line in proc.stdout.splitlines() if line.startswith("sync ")] == [
+        "sync 0",
+        "sync 1",
+        "sync 2",
+    ], proc.stdout[-2000:]
 
 
 def test_the_version_guard_refuses_other_trl_releases(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,6 +14,7 @@ from helpers import (
     merged_copy,
     require,
     save_for_vllm,
+    vllm_engine,
     vllm_generate,
     vllm_llama,
 )
@@ -25,16 +26,7 @@ for _k, _v in VLLM_ENV.items():
 
 
 def make_llm(path: str):  # type: ignore[no-untyped-def]
-    vllm = require("vllm")
-    return vllm.LLM(
-        model=path,
-        dtype="float32",
-        max_model_len=128,
-        enforce_eager=True,
-        seed=0,
-        skip_tokenizer_init=True,
-        gpu_memory_utilization=0.5,
-    )
+    return vllm_engine(path)
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from .core import Output
 from .errors import LoraStreamError
 
 __all__ = ["Layout", "FormatStep", "CheckpointFormat", "CheckpointFormatError"]
@@ -38,13 +39,6 @@ class CheckpointFormatError(LoraStreamError):
     """transformers' conversions of this model cannot be applied group by group, or did not give what they promised."""
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-
 @dataclass
 class FormatStep:
     """One conversion: the in-memory tensors it reads, and the checkpoint tensors it writes, in order.
@@ -54,16 +48,16 @@ class FormatStep:
     """
 
     inputs: list[str]
-    outputs: list[TensorSpec]
+    outputs: list[Output]
     kind: Literal["same", "rename", "convert"]
 
 
-def _meta(specs: Sequence[TensorSpec]) -> dict[str, torch.Tensor]:
+def _meta(specs: Sequence[Output]) -> dict[str, torch.Tensor]:
     return {s.name: torch.empty(s.shape, dtype=s.dtype, device="meta") for s in specs}
 
 
-def _specs(state: dict[str, torch.Tensor]) -> list[TensorSpec]:
-    return [TensorSpec(k, v.dtype, tuple(v.shape)) for k, v in state.items()]
+def _specs(state: dict[str, torch.Tensor]) -> list[Output]:
+    return [Output(k, v.dtype, tuple(v.shape)) for k, v in state.items()]
 
 
 class CheckpointFormat:
@@ -81,7 +75,7 @@ class CheckpointFormat:
     def converts(self) -> bool:
         return self.model is not None
 
-    def plan(self, tensors: Sequence[TensorSpec]) -> list[FormatStep]:
+    def plan(self, tensors: Sequence[Output]) -> list[FormatStep]:
         """The steps that turn ``tensors`` (in-memory names, in stream order) into the checkpoint's tensors.
 
         Steps come in the order of their first input. Raises :class:`CheckpointFormatError` if the steps do not
@@ -108,7 +102,7 @@ class CheckpointFormat:
                 raise CheckpointFormatError(f"transformers renames {step.inputs} all to {key!r} in the checkpoint")
             else:
                 t = by_name[step.inputs[0]]
-                step.outputs = [TensorSpec(key, t.dtype, t.shape)]
+                step.outputs = [Output(key, t.dtype, t.shape)]
                 step.kind = "same" if key == t.name else "rename"
         whole = _specs(revert_weight_conversion(self.model, _meta(tensors)))
         self._verify(whole, [o for s in steps.values() for o in s.outputs])
@@ -125,7 +119,7 @@ class CheckpointFormat:
 
         assert self.model is not None
         out = revert_weight_conversion(self.model, dict(zip(step.inputs, tensors, strict=True)))
-        got = [TensorSpec(k, v.dtype, tuple(v.shape)) for k, v in out.items()]
+        got = [Output(k, v.dtype, tuple(v.shape)) for k, v in out.items()]
         if sorted(got, key=lambda s: s.name) != sorted(step.outputs, key=lambda s: s.name):
             raise CheckpointFormatError(
                 f"transformers' conversion of {step.inputs} gave {[(s.name, s.shape) for s in got]}, but the plan "
@@ -166,7 +160,7 @@ class CheckpointFormat:
         return out
 
     @staticmethod
-    def _verify(whole: list[TensorSpec], stepwise: list[TensorSpec]) -> None:
+    def _verify(whole: list[Output], stepwise: list[Output]) -> None:
         a, b = {s.name: s for s in whole}, {s.name: s for s in stepwise}
         if a == b and len(stepwise) == len(b):
             return

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .base_weights import QUANTIZED_DEFAULT_DTYPE, BaseWeight, DenseWeight, base_weight_of
-from .checkpoint_format import CheckpointFormat, Layout, TensorSpec
+from .checkpoint_format import CheckpointFormat, Layout
 from .core import Output, ParamRef, Step, Target, Unit
 from .errors import NameCollisionError, UnsupportedAdapterError, UnsupportedModelError
 from .merge import BufferRead, ExpertLoraMerge, LoraBiasMerge, LoraTerm, LoraWeightMerge, LycorisMerge, Merge
@@ -394,7 +394,7 @@ def _join_conversions(units: list[Unit], fmt: CheckpointFormat) -> list[Unit]:
     """Give every unit its steps, joining consecutive units whose targets one conversion reads together (q, k and v
     concatenated into one checkpoint tensor), so that a conversion never straddles two groups."""
     where: dict[str, tuple[int, Target]] = {t.name: (i, t) for i, u in enumerate(units) for t in u.targets}
-    fsteps = fmt.plan([TensorSpec(n, t.dtype, tuple(t.shape)) for n, (_, t) in where.items()])
+    fsteps = fmt.plan([Output(n, t.dtype, tuple(t.shape)) for n, (_, t) in where.items()])
     # Each unit index -> the last unit index it must travel with.
     reach = list(range(len(units)))
     for fs in fsteps:
@@ -424,7 +424,7 @@ def _join_conversions(units: list[Unit], fmt: CheckpointFormat) -> list[Unit]:
         i = end + 1
     for fs in fsteps:
         inputs = [where[n][1] for n in fs.inputs]
-        outputs = [Output(o.name, o.dtype, o.shape) for o in fs.outputs]
+        outputs = list(fs.outputs)
         convert = None if fs.kind != "convert" else functools.partial(fmt.apply, fs)
         owner[where[fs.inputs[0]][0]].steps.append(Step(inputs, outputs, convert))
     return joined
@@ -440,7 +440,7 @@ def _output_aliases(
     for alias, primary in aliases.items():
         if primary not in out_of:
             continue
-        spec = TensorSpec(alias, torch.float32, ())
+        spec = Output(alias, torch.float32, ())
         steps = fmt.plan([spec])
         if len(steps) == 1 and steps[0].kind != "convert":
             result[normalizer(steps[0].outputs[0].name, alias)] = out_of[primary]

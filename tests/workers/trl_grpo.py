@@ -7,6 +7,9 @@ Usage: trl_grpo.py SCENARIO WORKDIR
             One process, or every rank of a ZeRO-3 run (LORA_STREAM_TEST_ZERO3=1; vLLM external_launcher per rank).
   trl-own   the same trainer with TRL's own sync: reports how it ends.
   removed   the hook installed, then removed: TRL's own sync is back (reports how it ends).
+  server    server mode against the vLLM server at LORA_STREAM_TEST_SERVER (lora_stream's gloo backend), the trainer
+            built inside without_trl_transfer_group(); after every sync rank 0 compares the server's prompt logprobs
+            of the probe (/v1/completions, echo) with the merged model's.
   measure   ZeRO-3, at the first sync: the most bytes held gathered during TRL's own gather-and-merge (its
             _iter_named_params, without the load that fails on this vLLM) and during the hooked sync, every rank.
 
@@ -29,6 +32,7 @@ PROBE = [1, 17, 42, 99, 5, 7, 300, 12, 64, 8]
 # TRL starts vLLM without a dtype, so vLLM on CPU runs the float32 checkpoint in bfloat16 (its "auto" downcast):
 # against the float32 reference that is ~0.05 nats of noise, while one GRPO step here moves the probe by ~1 nat.
 TOL = 0.1
+SERVER_TOL = 2e-3
 
 
 def reward(completions: list[str], **_: object) -> list[float]:
@@ -61,6 +65,11 @@ def build_trainer(workdir: str, zero3: bool) -> tuple[object, object]:
 
     template = get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(**LORA))  # type: ignore[arg-type]
     extra: dict[str, object] = {}
+    server = os.environ.get("LORA_STREAM_TEST_SERVER")
+    if server:
+        extra.update(vllm_mode="server", vllm_server_base_url=server, vllm_server_timeout=60)
+    else:
+        extra.update(vllm_mode="colocate", vllm_gpu_memory_utilization=0.5, vllm_max_model_length=128)
     if zero3:
         import deepspeed
 
@@ -75,9 +84,6 @@ def build_trainer(workdir: str, zero3: bool) -> tuple[object, object]:
         output_dir=os.path.join(workdir, f"out{rank}"),
         use_cpu=True,
         use_vllm=True,
-        vllm_mode="colocate",
-        vllm_gpu_memory_utilization=0.5,
-        vllm_max_model_length=128,
         per_device_train_batch_size=4,
         num_generations=4,
         max_completion_length=8,
@@ -90,14 +96,19 @@ def build_trainer(workdir: str, zero3: bool) -> tuple[object, object]:
         **extra,
     )
     prompts = [f"t{i} t{i + 7} t{i + 3}" for i in range(3, 43)]
-    trainer = GRPOTrainer(
-        model=path,
-        reward_funcs=reward,
-        args=args,
-        train_dataset=Dataset.from_dict({"prompt": prompts}),
-        processing_class=AutoTokenizer.from_pretrained(path),
-        peft_config=LoraConfig(**LORA),  # type: ignore[arg-type]
-    )
+    from contextlib import nullcontext
+
+    from lora_stream.integrations.trl import without_trl_transfer_group
+
+    with without_trl_transfer_group() if server else nullcontext():
+        trainer = GRPOTrainer(
+            model=path,
+            reward_funcs=reward,
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": prompts}),
+            processing_class=AutoTokenizer.from_pretrained(path),
+            peft_config=LoraConfig(**LORA),  # type: ignore[arg-type]
+        )
     return trainer, template
 
 
@@ -112,6 +123,16 @@ def merged_logprobs(trainer: object, template: object, zero3: bool) -> list[floa
     with torch.no_grad():
         lp = torch.log_softmax(merged(torch.tensor([PROBE])).logits[0].float(), -1)
     return [float(lp[i - 1, PROBE[i]]) for i in range(1, len(PROBE))]
+
+
+def server_logprobs(url: str) -> list[float]:
+    """The server's logprobs of PROBE[1:], through /v1/completions (echo: the prompt's own logprobs)."""
+    import requests
+
+    model = requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+    payload = {"model": model, "prompt": PROBE, "max_tokens": 1, "echo": True, "logprobs": 0, "temperature": 0}
+    choice = requests.post(f"{url}/v1/completions", json=payload, timeout=60).json()["choices"][0]
+    return [float(x) for x in choice["logprobs"]["token_logprobs"][1 : len(PROBE)]]
 
 
 def vllm_logprobs(llm: object) -> list[float]:
@@ -146,7 +167,7 @@ def main(scenario: str, workdir: str) -> None:
         deepspeed=bool(getattr(trainer, "is_deepspeed_enabled", False)),
         partitioned=all(hasattr(p, "ds_id") for p in params),
     )
-    if scenario in ("hook", "removed", "measure"):
+    if scenario in ("hook", "removed", "measure", "server"):
         hook = use_lora_stream(trainer)
         assert use_lora_stream(trainer) is hook, "a second call returns the installed hook"
         if scenario == "removed":
@@ -163,13 +184,19 @@ def main(scenario: str, workdir: str) -> None:
                 synced()
 
         gen.sync_weights = measured
-    if scenario == "hook":
+    if scenario in ("hook", "server"):
         synced = gen.sync_weights
 
         def checked() -> None:
             synced()
             expected = merged_logprobs(trainer, template, zero3)
-            got = vllm_logprobs(gen.llm)
+            if scenario == "server" and rank != 0:
+                return
+            got = (
+                server_logprobs(os.environ["LORA_STREAM_TEST_SERVER"])
+                if scenario == "server"
+                else vllm_logprobs(gen.llm)
+            )
             err = max(abs(a - b) for a, b in zip(got, expected))
             wrapped = type(trainer.model_wrapped).__name__  # type: ignore[attr-defined]
             step = trainer.state.global_step  # type: ignore[attr-defined]
@@ -185,8 +212,10 @@ def main(scenario: str, workdir: str) -> None:
         error, message = type(exc).__name__, str(exc)[:500]
         report(rank=rank, scenario=scenario, outcome="raised", error=error, message=message, trace=trace)
         finish(0)
-    records = [r.tensors for r in hook.records] if scenario in ("hook", "measure") else []
-    report(rank=rank, scenario=scenario, outcome="trained", checks=checks, records=records, tol=TOL)
+    records = [r.tensors for r in hook.records] if scenario in ("hook", "measure", "server") else []
+    # The server runs float32 (--dtype float32): there the colocated tests' tolerance applies.
+    tol = SERVER_TOL if scenario == "server" else TOL
+    report(rank=rank, scenario=scenario, outcome="trained", checks=checks, records=records, tol=tol)
     finish(0)
 
 

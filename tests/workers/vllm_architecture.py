@@ -16,7 +16,6 @@ import os
 import sys
 import traceback
 import warnings
-from typing import Any
 
 import torch
 
@@ -39,7 +38,7 @@ def greedy(model: torch.nn.Module, prompts: list[list[int]], n: int) -> list[tup
 
 def main(arch_id: str, workdir: str) -> None:
     from architectures import BY_ID, build
-    from helpers import PROMPTS, VLLM_ENV, finish, merged_copy, perturb_adapters, report
+    from helpers import PROMPTS, VLLM_ENV, finish, merged_copy, perturb_adapters, report, vllm_engine, vllm_generate
     from peft import LoraConfig, get_peft_model
 
     for k, v in VLLM_ENV.items():
@@ -53,46 +52,20 @@ def main(arch_id: str, workdir: str) -> None:
     merged = merged_copy(pm).eval()
     merged_dir = os.path.join(workdir, "merged")
     merged.save_pretrained(merged_dir)
-    reference = greedy(merged, PROMPTS, 6)
+    reference = greedy(merged, PROMPTS, 8)
     report(event="reference", generated=reference)
-
-    from vllm import LLM, SamplingParams
 
     from lora_stream import ParamStream, VLLMColocatedSink
 
-    def engine(path: str) -> Any:
-        return LLM(
-            model=path,
-            dtype="float32",
-            max_model_len=128,
-            enforce_eager=True,
-            seed=0,
-            skip_tokenizer_init=True,
-            gpu_memory_utilization=0.5,
-        )
-
-    def generate(llm: Any) -> list[tuple[list[int], list[float]]]:
-        outs = llm.generate(
-            [{"prompt_token_ids": p} for p in PROMPTS],
-            SamplingParams(temperature=0, max_tokens=6, logprobs=1),
-            use_tqdm=False,
-        )
-        res = []
-        for o in outs:
-            c = o.outputs[0]
-            ids = list(c.token_ids)
-            res.append((ids, [c.logprobs[i][t].logprob for i, t in enumerate(ids)]))
-        return res
-
     # The oracle: what vLLM serves when started from the merged checkpoint itself.
     try:
-        oracle_llm = engine(merged_dir)
-        report(event="oracle", ok=True, generated=generate(oracle_llm))
+        oracle_llm = vllm_engine(merged_dir)
+        report(event="oracle", ok=True, generated=vllm_generate(oracle_llm))
         del oracle_llm
     except Exception as exc:
         report(event="oracle", ok=False, error=f"{type(exc).__name__}: {str(exc)[:400]}")
     try:
-        llm = engine(base_dir)
+        llm = vllm_engine(base_dir)
     except Exception as exc:
         report(event="engine", ok=False, error=f"{type(exc).__name__}: {str(exc)[:400]}")
         finish(0)
@@ -101,7 +74,7 @@ def main(arch_id: str, workdir: str) -> None:
     assert sink._bracket is not None
     report(event="engine", ok=True, model_class=type(sink._bracket.model).__name__)
     try:
-        report(event="control", ok=True, generated=generate(llm))
+        report(event="control", ok=True, generated=vllm_generate(llm))
     except Exception as exc:  # vLLM loads the model but cannot run it here: the sync is still checked
         report(event="control", ok=False, error=f"{type(exc).__name__}: {str(exc)[:400]}")
     try:
@@ -116,7 +89,7 @@ def main(arch_id: str, workdir: str) -> None:
         )
         finish(0)
     try:
-        report(event="synced", ok=True, tensors=record.tensors, generated=generate(llm))
+        report(event="synced", ok=True, tensors=record.tensors, generated=vllm_generate(llm))
     except Exception as exc:
         report(event="synced", ok=True, tensors=record.tensors, error=f"{type(exc).__name__}: {str(exc)[:400]}")
     finish(0)

@@ -18,7 +18,8 @@ remain). A subclass of ``GRPOTrainer`` would not reach users' own subclasses or 
 
 from __future__ import annotations
 
-import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,9 +27,13 @@ from ..errors import LoraStreamError
 from ..sinks.record import SyncRecord
 from ..stream import ParamStream
 
-__all__ = ["TESTED_TRL", "TrlSyncHook", "UnsupportedTrlError", "use_lora_stream"]
-
-logger = logging.getLogger("lora_stream")
+__all__ = [
+    "TESTED_TRL",
+    "TrlSyncHook",
+    "UnsupportedTrlError",
+    "without_trl_transfer_group",
+    "use_lora_stream",
+]
 
 #: The TRL releases whose ``VLLMGeneration`` this hook was written against and tested with: ``[low, high)``.
 TESTED_TRL = ("1.16.0", "1.17.0")
@@ -79,11 +84,10 @@ class TrlSyncHook:
             gen.llm.wake_up(tags=["weights"])
             gen._llm_weights_sleeping = False
         stream = ParamStream(self._model(), **{"group_by": "layer", **self.stream_options})
-        record = self._get_sink().sync(stream)  # the colocated sink resets vLLM's prefix cache itself
-        if gen.mode == "server" and gen.accelerator.is_main_process:
-            gen.vllm_client.reset_prefix_cache()
+        # The sink logs the record as one line; the version names the trainer's step. Both sinks leave vLLM's prefix
+        # cache empty (the server sink through the server's weight update, the colocated one itself).
+        record = self._get_sink().sync(stream, version=f"step-{self.trainer.state.global_step}")
         self.records.append(record)
-        logger.info("lora_stream TRL sync at step %s: %s", self.trainer.state.global_step, record)
 
     def _model(self) -> Any:
         # What TRL itself syncs from: the trainer's model as accelerate prepared it (a DeepSpeed engine, an FSDP- or
@@ -106,7 +110,32 @@ class TrlSyncHook:
         return self._sink
 
 
-def _check_trl(trainer: Any) -> Any:
+@contextmanager
+def without_trl_transfer_group() -> Iterator[None]:
+    """Build a server-mode TRL trainer inside this block so that TRL does not open its own weight-transfer group.
+
+    In server mode TRL joins vLLM's NCCL weight-transfer engine while the trainer is built (``VLLMClient.
+    init_communicator``), which needs a CUDA device and raises on CPU. With the hook, lora_stream's
+    :class:`~lora_stream.VLLMServerSink` opens the transfer group itself (``gloo`` through lora_stream's plugin, or
+    ``nccl``), so TRL's is not needed on any device. Everything else TRL does at construction (connecting to the
+    server, reading its configuration) still happens.
+    """
+    _check_version()
+    from trl.generation.vllm_client import VLLMClient
+
+    original = VLLMClient.init_communicator
+
+    def deferred(self: Any, device: Any = 0) -> None:
+        self.communicator = None  # lora_stream's sink opens the transfer group when it first syncs
+
+    VLLMClient.init_communicator = deferred  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        VLLMClient.init_communicator = original  # type: ignore[method-assign]
+
+
+def _check_version() -> None:
     try:
         import trl
         from packaging.version import Version
@@ -119,6 +148,10 @@ def _check_trl(trainer: Any) -> Any:
             f"TRL {trl.__version__} is outside the range this hook was tested with (>={low},<{high}); its "
             "VLLMGeneration may sync differently, so the hook refuses rather than guess. Nothing was changed"
         )
+
+
+def _check_trl(trainer: Any) -> Any:
+    _check_version()
     gen = getattr(trainer, "vllm_generation", None)
     if gen is None:
         raise UnsupportedTrlError(
@@ -160,6 +193,11 @@ def use_lora_stream(
     if existing is not None:
         return existing  # type: ignore[no-any-return]
     hook = TrlSyncHook(trainer, dict(stream_options or {}), dict(sink_options or {}))
+    client = getattr(gen, "vllm_client", None) if gen.mode == "server" else None
+    if client is not None and getattr(client, "communicator", None) is not None:
+        # TRL already joined vLLM's transfer engine (built outside without_trl_transfer_group): leave
+        # its group, so that the server's engine can be initialized again for lora_stream's sink.
+        client.close_communicator()
     hook._original = gen.sync_weights
     gen.sync_weights = hook.sync_weights
     gen._lora_stream_hook = hook

@@ -2,7 +2,7 @@
 
 Every sink implements :class:`Sink`. The vLLM sinks share their parts and differ only in transport: one pre-flight
 (:func:`preflight`), one description of what is sent (:class:`SyncSource`, which also builds the
-:class:`SyncRecord`), and one reload bracket with its consumption check (:class:`ReloadBracket`), run in the
+:class:`SyncRecord`), and one reload bracket with its reload check (:class:`ReloadBracket`), run in the
 trainer's process, in an engine's child process, or in a vLLM server's worker.
 """
 

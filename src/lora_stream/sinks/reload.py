@@ -199,6 +199,13 @@ class ReloadBracket:
                 "expert weights. lora_stream repeats it only for the implementations it verified "
                 f"({sorted(RELAYOUT_REPEATED)}); nothing was sent"
             )
+        if self._relaid and _reload_bookkeeping() is None:
+            # Without vLLM's reload counts, a layer that kept its old (already laid out) weights cannot be told from
+            # one that got new ones, and re-laying out the former would corrupt it.
+            raise VLLMLoadError(
+                f"{LOAD_ERROR_TAG} this vLLM has MoE layers that re-lay their weights out after loading but no "
+                "per-module reload bookkeeping to read; nothing was sent"
+            )
         # Names as the loaded model holds them, tied ones included; taken before the bracket swaps in meta tensors.
         self._param_names = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
         self._sent = set()

@@ -11,7 +11,7 @@ missing shard corrupts the layer silently. This sink therefore
 2. opens the reload bracket (:class:`~lora_stream.sinks.reload.ReloadBracket`) and loads one group of the
    :class:`~lora_stream.sinks.source.SyncSource` per ``load_weights`` call (tied aliases such as ``lm_head.weight``
    included: vLLM on CPU keeps a separately repacked copy of a tied ``lm_head``);
-3. closes the bracket and raises :class:`~lora_stream.sinks.reload.VLLMLoadError` if vLLM did not consume every name
+3. closes the bracket and raises :class:`~lora_stream.sinks.reload.VLLMLoadError` if vLLM did not reload every module
    or fill every shard of a fused module;
 4. resets the prefix cache (cached KV blocks were computed with the old weights), whatever happened, and returns
    the :class:`~lora_stream.sinks.SyncRecord` of what was sent.
@@ -64,7 +64,7 @@ class VLLMColocatedSink:
 
     Every trainer rank must call ``sync`` with its own stream (the gathers are collectives); each rank loads into
     its own engine. ``checkpoint`` is where the pre-flight reads the served model's safetensors headers: by default
-    the directory the engine was started from; ``False`` skips the pre-flight (the consumption check after loading
+    the directory the engine was started from; ``False`` skips the pre-flight (the reload check after loading
     still runs unless ``check_consumed=False``). Implements :class:`~lora_stream.sinks.base.Sink`.
     """
 

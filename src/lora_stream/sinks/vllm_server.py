@@ -98,6 +98,9 @@ class VLLMServerClient:
     def update_weight_version(self, version: str) -> None:
         self._request("POST", "update_weight_version", {"new_version": version})
 
+    def reset_prefix_cache(self) -> None:
+        self._request("POST", "reset_prefix_cache")
+
 
 def _free_port(address: str) -> int:
     with socket.socket() as s:
@@ -152,7 +155,7 @@ class VLLMServerSink:
     Implements :class:`~lora_stream.sinks.base.Sink`: the pre-flight, the tied aliases and the record are the
     colocated sink's (:func:`~lora_stream.sinks.preflight.preflight`, :class:`~lora_stream.sinks.source.SyncSource`);
     on the server, lora_stream's ``gloo`` worker engine loads through the same
-    :class:`~lora_stream.sinks.reload.ReloadBracket` and its consumption check.
+    :class:`~lora_stream.sinks.reload.ReloadBracket` and its reload check.
 
     Args:
         base_url: the server's address.
@@ -224,6 +227,16 @@ class VLLMServerSink:
             error = _load_error(exc)
         finally:
             self._source.current = None
+        if self.is_sender and (source.tensors or error is None):
+            # Some layers may hold new weights now, even after a failure: KV blocks cached under the old ones must
+            # not serve another request (vLLM's finish_weight_update leaves the prefix cache as it was).
+            try:
+                self.client.reset_prefix_cache()
+            except BaseException as exc:
+                if error is None:
+                    error = exc
+                else:
+                    error.add_note(f"lora_stream: resetting the server's prefix cache also failed: {exc!r}")
         # 3. Every rank learns how it ended -- unless the pass already told them: a pass that ended early exchanged
         #    its stop with every rank, and no rank would join one more exchange.
         if not source.ended_early:
@@ -301,7 +314,7 @@ class VLLMServerSink:
 
 
 def _load_error(exc: BaseException) -> BaseException:
-    """The server's worker found that vLLM did not consume the sync: raise the colocated sink's error for it."""
+    """The server's worker found that vLLM did not reload every module: raise the colocated sink's error for it."""
     text = str(exc)
     if isinstance(exc, LoraStreamError) and LOAD_ERROR_TAG in text:
         error = VLLMLoadError(text[text.index(LOAD_ERROR_TAG) :])

@@ -4,7 +4,7 @@ Start an engine that lives in a child process with
 ``LLM(..., worker_extension_cls="lora_stream.sinks.vllm_worker.LoraStreamWorkerExtension")``; vLLM mixes this class
 into its worker, and :class:`~lora_stream.sinks.VLLMColocatedSink` calls its methods by name. Weights arrive as
 safetensors bytes (msgpack carries bytes intact, and nothing needs ``VLLM_ALLOW_INSECURE_SERIALIZATION``). The
-bracket and its consumption check are :class:`~lora_stream.sinks.reload.ReloadBracket`'s, as in every other sink.
+bracket and its reload check are :class:`~lora_stream.sinks.reload.ReloadBracket`'s, as in every other sink.
 """
 
 from __future__ import annotations

@@ -105,8 +105,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     bracket is closed before the error propagates, so the engine keeps serving; the layers that had all their
     weights hold the new ones, the others the old ones, and the weight version is not advanced. One update per
     session: the bracket (:class:`~lora_stream.sinks.reload.ReloadBracket`) opens in ``start_weight_update`` and is
-    closed and checked when the update's last chunk has been loaded; a consumption failure fails the update with
-    :class:`~lora_stream.sinks.reload.VLLMLoadError`, which the trainer's sink raises as the colocated sink would.
+    closed and checked when the update's last chunk has been loaded; a module vLLM did not reload whole fails the
+    update with :class:`~lora_stream.sinks.reload.VLLMLoadError`, which the trainer's sink raises as the colocated
+    sink would.
     """
 
     init_info_cls = GlooInitInfo
