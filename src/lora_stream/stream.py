@@ -194,7 +194,8 @@ class ParamStream:
        dtype (none with ``layout="memory"``). Adapter weights are not yielded.
     4. **The model is never written to**: merged tensors are fresh; parameters and peft's ``merged`` flags are
        bitwise unchanged after any number of passes.
-    5. **Order** is the model's registration order, so a decoder layer's tensors arrive together.
+    5. **Order** is the model's registration order, so a decoder layer's tensors arrive together; the tensors one
+       checkpoint conversion writes come together, and never straddle two groups.
     6. **Memory**: at most one group is gathered at a time, and within it one merged tensor is computed at a time
        (``iter_groups()`` holds the group's outputs together). A parameter that needs no merge and no cast is
        yielded without a copy. A yielded tensor may alias the trainer's storage or a gathered buffer: treat it as
