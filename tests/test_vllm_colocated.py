@@ -194,6 +194,47 @@ def test_a_fused_module_missing_a_shard_is_named_and_the_engine_keeps_serving(un
     assert_vllm_serves(vllm_generate(llm), merged_copy(pm))
 
 
+def test_an_error_of_vllms_loader_names_the_batch_and_the_model_and_the_engine_keeps_serving(untied) -> None:  # type: ignore[no-untyped-def]
+    """A name vLLM's loader rejects (pre-flight off): a VLLMLoadError naming the model class, the batch and vLLM's
+    own message, raised after the bracket was closed."""
+    from transformers import LlamaForCausalLM
+
+    from lora_stream import VLLMLoadError
+
+    path, llm = untied
+    pm = lora(LlamaForCausalLM.from_pretrained(path), target_modules="all-linear", seed=14)
+    stream = ParamStream(pm, group_by="layer", renames={"model.norm": "model.final_norm"})
+    with pytest.raises(VLLMLoadError) as err:
+        VLLMColocatedSink(llm, checkpoint=False).sync(stream)
+    message = str(err.value)
+    assert "LlamaForCausalLM.load_weights raised" in message and "model.final_norm.weight" in message, message
+    assert isinstance(err.value.__cause__, Exception) and str(err.value.__cause__) in message
+    vllm_generate(llm)  # still serving (the layers loaded before the failing group hold the new weights)
+    VLLMColocatedSink(llm).sync(ParamStream(pm, group_by="layer"))
+    assert_vllm_serves(vllm_generate(llm), merged_copy(pm))
+
+
+def test_a_name_sent_twice_in_one_sync_is_refused_before_vllm_sees_it(untied) -> None:  # type: ignore[no-untyped-def]
+    """vLLM counts elements per module: a duplicate would complete a fused module whose other shards never came."""
+    from lora_stream import VLLMLoadError
+
+    _, llm = untied
+    bracket = VLLMColocatedSink(llm)._bracket
+    assert bracket is not None
+    name = "model.layers.0.self_attn.q_proj.weight"
+    tensor = torch.zeros(64, 64)
+    before = vllm_generate(llm)
+    bracket.begin()
+    try:
+        bracket.load([(name, tensor)])
+        with pytest.raises(VLLMLoadError, match="sent twice"):
+            bracket.load([(name, tensor)])
+    finally:
+        bracket.abort()
+    # qkv_proj got q only: put back to its old weights, not rebuilt around uninitialized k and v rows.
+    assert vllm_generate(llm) == before
+
+
 def test_qlora_trainer_syncs_the_dequantized_merge(untied) -> None:  # type: ignore[no-untyped-def]
     """A 4-bit (nf4, double-quantized) QLoRA trainer: vLLM serves peft's merge on the dequantized base."""
     from helpers import dequantized_reference, load_quantized, perturb_adapters
