@@ -262,7 +262,12 @@ class _Planner:
                 raise UnsupportedAdapterError(f"{psrc!r} has {len(shape)} dimensions; peft adapts 2-D and 3-D only")
         unit = Unit(src)
         self._own_params(module, hf, msrc, unit, merges)
-        self._emit(unit)
+        # One unit per tensor: an MoE layer's fused expert weights are each as large as a dense layer, and each is
+        # merged and converted on its own, so a byte budget may put them in different groups (a conversion that
+        # reads several of them joins them again, see _join_conversions).
+        for target in unit.targets:
+            merge = target.merge
+            self._emit(Unit(src, [target], merge.params() if merge is not None else [target.param]))
         for cname, child in module._modules.items():
             if child is not None:
                 self.visit(child, join(hf, cname), join(msrc, cname))
