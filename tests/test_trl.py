@@ -41,15 +41,22 @@ def test_trls_own_sync_fails_on_this_vllm_and_the_hooked_trainer_trains(tmp_path
     _check_syncs(_outcome(hooked.output))
 
 
-def test_two_zero3_ranks_each_with_its_engine_sync_the_merged_model(tmp_path: Path) -> None:
-    require("deepspeed")
-    results = launch("trl_grpo", "hook", str(tmp_path), world=2, timeout=400, env={"LORA_STREAM_TEST_ZERO3": "1"})
+@pytest.mark.parametrize("how", ["zero3", "ddp"])
+def test_two_ranks_each_with_its_engine_sync_the_merged_model(how: str, tmp_path: Path) -> None:
+    """2 processes, one colocated engine per rank (external_launcher, as TRL sets it up): under DeepSpeed ZeRO-3 the
+    hook streams the DeepSpeedEngine, under DDP the DistributedDataParallel module."""
+    env = {}
+    if how == "zero3":
+        require("deepspeed")
+        env["LORA_STREAM_TEST_ZERO3"] = "1"
+    results = launch("trl_grpo", "hook", str(tmp_path), world=2, timeout=400, env=env)
     assert_all_ok(results)
+    wrapper = {"zero3": "DeepSpeedEngine", "ddp": "DistributedDataParallel"}[how]
     for r in results:
-        assert event(r.output, "built")["deepspeed"], describe(results)
+        assert event(r.output, "built")["deepspeed"] == (how == "zero3"), describe(results)
         rec = _outcome(r.output)
         _check_syncs(rec)
-        assert {c["wrapped"] for c in rec["checks"]} == {"DeepSpeedEngine"}, rec
+        assert {c["wrapped"] for c in rec["checks"]} == {wrapper}, rec
 
 
 def test_under_zero3_trl_gathers_the_whole_model_and_the_hook_one_layer(tmp_path: Path) -> None:

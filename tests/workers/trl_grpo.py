@@ -4,7 +4,8 @@ Usage: trl_grpo.py SCENARIO WORKDIR
 
   hook      GRPO with the hook for 3 steps. After every sync, the logprobs vLLM assigns to a fixed probe equal the
             trainer's merged model's (transformers, merge_and_unload() of a copy), and they change between syncs.
-            One process, or every rank of a ZeRO-3 run (LORA_STREAM_TEST_ZERO3=1; vLLM external_launcher per rank).
+            One process, or every rank of a 2-process run: DDP, or ZeRO-3 with LORA_STREAM_TEST_ZERO3=1 (vLLM
+            external_launcher, one engine per rank).
   trl-own   the same trainer with TRL's own sync: reports how it ends.
   removed   the hook installed, then removed: TRL's own sync is back (reports how it ends).
   server    server mode against the vLLM server at LORA_STREAM_TEST_SERVER (lora_stream's gloo backend), the trainer
