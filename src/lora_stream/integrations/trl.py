@@ -84,14 +84,14 @@ class TrlSyncHook:
             gen.llm.wake_up(tags=["weights"])
             gen._llm_weights_sleeping = False
         stream = ParamStream(self._model(), **{"group_by": "layer", **self.stream_options})
-        # The sink logs the record as one line; the version names the trainer's step. Both sinks leave vLLM's prefix
-        # cache empty (the server sink through the server's weight update, the colocated one itself).
+        # The sink logs the record as one line; the version names the trainer's step. Both sinks reset vLLM's prefix
+        # cache after loading, as TRL's own sync does.
         record = self._get_sink().sync(stream, version=f"step-{self.trainer.state.global_step}")
         self.records.append(record)
 
     def _model(self) -> Any:
-        # What TRL itself syncs from: the trainer's model as accelerate prepared it (a DeepSpeed engine, an FSDP- or
-        # DDP-wrapped module, or the model itself); the gatherer is chosen from it.
+        # The trainer's model as accelerate prepared it (a DeepSpeed engine, an FSDP- or DDP-wrapped module, or the
+        # model itself): the gatherer is chosen from the wrapper, and the names are found through it.
         return self.trainer.model_wrapped if self.trainer.model_wrapped is not None else self.trainer.model
 
     def _get_sink(self) -> Any:
