@@ -43,13 +43,13 @@ class CheckpointFormatError(LoraStreamError):
 class FormatStep:
     """One conversion: the in-memory tensors it reads, and the checkpoint tensors it writes, in order.
 
-    ``kind`` is ``"same"`` (nothing changes), ``"rename"`` (the tensor itself, under another name) or ``"convert"``
-    (transformers' reverse operations run on the inputs: split, concatenate, transpose, ...).
+    With ``convert`` false the step is one tensor, yielded as it is (under another name if transformers renames
+    it); otherwise transformers' reverse operations run on the inputs (split, concatenate, transpose, ...).
     """
 
     inputs: list[str]
     outputs: list[Output]
-    kind: Literal["same", "rename", "convert"]
+    convert: bool
 
 
 def _meta(specs: Sequence[Output]) -> dict[str, torch.Tensor]:
@@ -82,7 +82,7 @@ class CheckpointFormat:
         reproduce one revert of the whole set.
         """
         if self.model is None:
-            return [FormatStep([t.name], [t], "same") for t in tensors]
+            return [FormatStep([t.name], [t], False) for t in tensors]
         from transformers.core_model_loading import revert_weight_conversion
 
         by_name = {t.name: t for t in tensors}
@@ -92,40 +92,34 @@ class CheckpointFormat:
             kind, key = keys[t.name]
             step = steps.get((kind, key))
             if step is None:
-                steps[(kind, key)] = FormatStep([t.name], [], "convert" if kind == "convert" else "same")
+                steps[(kind, key)] = FormatStep([t.name], [], kind == "convert")
             else:
                 step.inputs.append(t.name)
-        for (kind, key), step in steps.items():
-            if kind == "convert":
+        for (_, key), step in steps.items():
+            if step.convert:
                 step.outputs = _specs(revert_weight_conversion(self.model, _meta([by_name[n] for n in step.inputs])))
             elif len(step.inputs) > 1:
                 raise CheckpointFormatError(f"transformers renames {step.inputs} all to {key!r} in the checkpoint")
             else:
                 t = by_name[step.inputs[0]]
                 step.outputs = [Output(key, t.dtype, t.shape)]
-                step.kind = "same" if key == t.name else "rename"
         whole = _specs(revert_weight_conversion(self.model, _meta(tensors)))
         self._verify(whole, [o for s in steps.values() for o in s.outputs])
         return list(steps.values())
 
     def apply(self, step: FormatStep, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The checkpoint tensors of ``step`` from its in-memory ``tensors`` (in ``step.inputs`` order).
-
-        Outputs are checked against the plan; a rename or an unchanged tensor is returned as is (no copy).
-        """
-        if step.kind != "convert":
-            return tensors
+        """The checkpoint tensors of a converting ``step`` from its in-memory ``tensors`` (in ``step.inputs`` order),
+        in ``step.outputs`` order. The names are checked here; the stream checks every output's shape and dtype."""
         from transformers.core_model_loading import revert_weight_conversion
 
-        assert self.model is not None
+        assert self.model is not None and step.convert
         out = revert_weight_conversion(self.model, dict(zip(step.inputs, tensors, strict=True)))
-        got = [Output(k, v.dtype, tuple(v.shape)) for k, v in out.items()]
-        if sorted(got, key=lambda s: s.name) != sorted(step.outputs, key=lambda s: s.name):
+        if sorted(out) != sorted(o.name for o in step.outputs):
             raise CheckpointFormatError(
-                f"transformers' conversion of {step.inputs} gave {[(s.name, s.shape) for s in got]}, but the plan "
-                f"promised {[(s.name, s.shape) for s in step.outputs]}"
+                f"transformers' conversion of {step.inputs} gave {sorted(out)}, but the plan promised "
+                f"{[o.name for o in step.outputs]}"
             )
-        return [out[s.name] for s in step.outputs]
+        return [out[o.name] for o in step.outputs]
 
     def _conversion_keys(self, names: list[str]) -> dict[str, tuple[str, str]]:
         """For each in-memory name: ``("convert", key)`` (the names sharing a key are one conversion's inputs) or

@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from .core import Output, ParamRef, Step, Target, Unit
+from .core import Output, ParamRef, Step, Unit
 
 __all__ = ["GroupBy", "DEFAULT_BUDGET_BYTES", "Group", "partition", "stack_key"]
 
@@ -22,10 +22,6 @@ class Group:
     units: list[Unit]
     params: list[ParamRef]
     gathered_bytes: int
-
-    @property
-    def targets(self) -> list[Target]:
-        return [t for u in self.units for t in u.targets]
 
     @property
     def steps(self) -> list[Step]:

@@ -210,20 +210,21 @@ class _Planner:
         """LoRA on parameters (``target_parameters``): one ``ParamWrapper`` per adapted parameter of the innermost
         module, nested through ``base_layer`` when a module has several (MoE experts' ``gate_up_proj`` and
         ``down_proj``)."""
-        wrappers: list[tuple[Any, str]] = []
+        wrappers: list[tuple[Any, str, LayerRule]] = []
         module, msrc = layer, src
         while isinstance(module, self.cls["tuner"]):
             _check_unmerged(module, msrc)
-            if rule_for(module, msrc).layout != "param":
+            rule = rule_for(module, msrc)
+            if rule.layout != "param":
                 raise UnsupportedAdapterError(
                     f"module {msrc!r} is a {type(module).__name__} nested inside a ParamWrapper; lora_stream merges "
                     "nested ParamWrappers only"
                 )
-            wrappers.append((module, msrc))
+            wrappers.append((module, msrc, rule))
             module, msrc = module.base_layer, join(msrc, "base_layer")
         own = dict(self.g.module_params(module))
         merges: dict[str, Merge] = {}
-        for wrapper, wsrc in wrappers:
+        for wrapper, wsrc, rule in wrappers:
             pname = wrapper.parameter_name
             param = own.get(pname)
             if param is None or pname in merges:
@@ -234,7 +235,6 @@ class _Planner:
             active = _active_adapters(wrapper)
             if not active:
                 continue
-            rule = rule_for(wrapper, wsrc)
             psrc = join(msrc, pname)
             if id(param) in self.seen_params:
                 tied = self.seen_params[id(param)]
@@ -430,7 +430,7 @@ def _join_conversions(units: list[Unit], fmt: CheckpointFormat) -> list[Unit]:
     for fs in fsteps:
         inputs = [where[n][1] for n in fs.inputs]
         outputs = list(fs.outputs)
-        convert = None if fs.kind != "convert" else functools.partial(fmt.apply, fs)
+        convert = functools.partial(fmt.apply, fs) if fs.convert else None
         owner[where[fs.inputs[0]][0]].steps.append(Step(inputs, outputs, convert))
     return joined
 
@@ -447,6 +447,6 @@ def _output_aliases(
             continue
         spec = Output(alias, torch.float32, ())
         steps = fmt.plan([spec])
-        if len(steps) == 1 and steps[0].kind != "convert":
+        if len(steps) == 1 and not steps[0].convert:
             result[normalizer(steps[0].outputs[0].name, alias)] = out_of[primary]
     return result

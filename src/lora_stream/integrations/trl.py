@@ -52,7 +52,6 @@ class TrlSyncHook:
     stream_options: dict[str, Any]
     sink_options: dict[str, Any]
     records: list[SyncRecord] = field(default_factory=list)
-    _original: Any = None
     _sink: Any = None
 
     @property
@@ -198,7 +197,6 @@ def use_lora_stream(
         # TRL already joined vLLM's transfer engine (built outside without_trl_transfer_group): leave
         # its group, so that the server's engine can be initialized again for lora_stream's sink.
         client.close_communicator()
-    hook._original = gen.sync_weights
     gen.sync_weights = hook.sync_weights
     gen._lora_stream_hook = hook
     return hook
