@@ -29,6 +29,22 @@ def finish(code: int = 0) -> None:
     os._exit(code)
 
 
+def report_aborted(exc: Any, start: float) -> None:
+    """A rank worker's ``aborted`` record for a :class:`~lora_stream.StreamAbortedError`, then exit 3."""
+    import time
+
+    import torch.distributed as dist
+
+    report(
+        rank=dist.get_rank(),
+        event="aborted",
+        seconds=time.monotonic() - start,
+        failed_ranks=list(exc.failed_ranks),
+        message=str(exc),
+    )
+    finish(3)
+
+
 def report(**fields: Any) -> None:
     """A test worker's result, as one ``RESULT {json}`` line that the test parses (see :func:`results_of`)."""
     import json
@@ -211,8 +227,12 @@ def vllm_llama(*, tie: bool = False, seed: int = 0, inter: int = 128) -> nn.Modu
     return model
 
 
-def save_for_vllm(model: nn.Module, path: str) -> str:
+def save_for_vllm(model: nn.Module, path: str, *, tokenizer: bool = False) -> str:
+    """Save ``model`` where an engine will load it; with ``tokenizer`` also the word-level tokenizer a vLLM server
+    needs (:func:`save_tokenizer`)."""
     model.save_pretrained(path)
+    if tokenizer:
+        save_tokenizer(path)
     return path
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import VLLM_ENV, assert_matches, assert_vllm_serves, lora, oracle, require, tiny_llama, vllm_generate
+from helpers import VLLM_ENV, assert_matches, assert_vllm_serves, lora, oracle, tiny_llama, vllm_generate
 from launch import TESTS
 
 from lora_stream import CheckpointError, ParamStream, SafetensorsSink, save_merged
@@ -134,8 +134,7 @@ def test_a_killed_save_leaves_the_previous_directory_intact_and_the_next_save_wo
 
 
 def test_vllm_serves_the_saved_checkpoint_like_transformers(tmp_path: Path) -> None:
-    vllm = require("vllm")
-    from helpers import vllm_llama
+    from helpers import vllm_engine, vllm_llama
     from transformers import AutoModelForCausalLM
 
     for k, v in VLLM_ENV.items():
@@ -143,13 +142,5 @@ def test_vllm_serves_the_saved_checkpoint_like_transformers(tmp_path: Path) -> N
     pm = lora(vllm_llama(tie=True), target_modules="all-linear", lora_alpha=32)
     out = tmp_path / "merged"
     save_merged(pm, out, max_shard_size="200KB")
-    llm = vllm.LLM(
-        model=str(out),
-        dtype="float32",
-        max_model_len=128,
-        enforce_eager=True,
-        seed=0,
-        skip_tokenizer_init=True,
-        gpu_memory_utilization=0.5,
-    )
+    llm = vllm_engine(str(out))
     assert_vllm_serves(vllm_generate(llm), AutoModelForCausalLM.from_pretrained(out))

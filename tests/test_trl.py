@@ -73,13 +73,11 @@ def test_server_mode_on_two_zero3_ranks_serves_the_merged_model(tmp_path: Path) 
     """TRL's server mode against a real vLLM OpenAI server (float32) over lora_stream's gloo backend; the trainer is
     built inside without_trl_transfer_group() (TRL's own transfer group needs CUDA)."""
     require("deepspeed")
-    from helpers import save_tokenizer, vllm_llama
+    from helpers import save_for_vllm, vllm_llama
     from vllm_server import Server
 
-    path = tmp_path / "model"
-    vllm_llama().save_pretrained(path)
-    save_tokenizer(str(path))
-    server = Server(str(path)).wait_ready()
+    path = save_for_vllm(vllm_llama(), str(tmp_path / "model"), tokenizer=True)
+    server = Server(path).wait_ready()
     try:
         env = {"LORA_STREAM_TEST_ZERO3": "1", "LORA_STREAM_TEST_SERVER": server.url}
         results = launch("trl_grpo", "server", str(tmp_path), world=2, timeout=400, env=env)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from helpers import require, results_of, save_for_vllm, save_tokenizer, vllm_llama
+from helpers import require, results_of, save_for_vllm, vllm_llama
 from launch import assert_all_ok, describe, launch
 from vllm_server import Server
 
@@ -18,9 +18,7 @@ KEY = "test-secret-key"
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
     require("vllm")
     require("deepspeed")
-    path = save_for_vllm(vllm_llama(tie=False), str(tmp_path_factory.mktemp("served") / "model"))
-    save_tokenizer(path)
-    return path
+    return save_for_vllm(vllm_llama(tie=False), str(tmp_path_factory.mktemp("served") / "model"), tokenizer=True)
 
 
 @pytest.fixture(scope="module")
@@ -84,9 +82,7 @@ def test_an_empty_stream_syncs_nothing_and_the_server_keeps_serving(server: Serv
 def tied_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
     require("vllm")
     require("deepspeed")
-    path = save_for_vllm(vllm_llama(tie=True), str(tmp_path_factory.mktemp("served-tied") / "model"))
-    save_tokenizer(path)
-    return path
+    return save_for_vllm(vllm_llama(tie=True), str(tmp_path_factory.mktemp("served-tied") / "model"), tokenizer=True)
 
 
 def test_tied_checkpoint_alias_sent_and_separately_saved_lm_head_refused_before_any_byte(tied_checkpoint: str) -> None:
@@ -128,8 +124,7 @@ def test_moe_push_with_lora_on_the_experts_serves_the_merged_model(tmp_path: Pat
     require("deepspeed")
     from architectures import BY_ID, build
 
-    path = save_for_vllm(build(BY_ID["qwen3_moe"]), str(tmp_path / "moe"))
-    save_tokenizer(path)
+    path = save_for_vllm(build(BY_ID["qwen3_moe"]), str(tmp_path / "moe"), tokenizer=True)
     s = Server(path).wait_ready()
     try:
         results = launch("vllm_server_push", "push-moe", s.url, path, timeout=300)

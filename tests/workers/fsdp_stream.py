@@ -20,7 +20,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from helpers import CollectiveCounter, assert_matches, finish, lora, oracle, report, tiny_llama
+from helpers import CollectiveCounter, assert_matches, finish, lora, oracle, report, report_aborted, tiny_llama
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -126,14 +126,7 @@ def run_failure(model: torch.nn.Module) -> None:
         report(rank=dist.get_rank(), event="consumer-raised", message=str(exc))
         finish(0)
     except StreamAbortedError as exc:
-        report(
-            rank=dist.get_rank(),
-            event="aborted",
-            seconds=time.monotonic() - start,
-            failed_ranks=list(exc.failed_ranks),
-            message=str(exc),
-        )
-        finish(3)
+        report_aborted(exc, start)
     finish(4)
 
 

@@ -48,7 +48,7 @@ def build_trainer(workdir: str, zero3: bool) -> tuple[object, object]:
     """The trainer, and an unsharded peft model of the same structure to hold its weights for the reference (built
     before the DeepSpeed config exists: transformers would build it under zero.Init afterwards)."""
     from datasets import Dataset
-    from helpers import ZERO3_CONFIG, save_tokenizer, vllm_llama
+    from helpers import ZERO3_CONFIG, save_for_vllm, vllm_llama
     from peft import LoraConfig
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
@@ -56,8 +56,7 @@ def build_trainer(workdir: str, zero3: bool) -> tuple[object, object]:
     path = os.path.join(workdir, "model")
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0 and not os.path.exists(os.path.join(path, "config.json")):
-        vllm_llama().save_pretrained(path)
-        save_tokenizer(path)
+        save_for_vllm(vllm_llama(), path, tokenizer=True)
     while not os.path.exists(os.path.join(path, "tokenizer_config.json")):
         time.sleep(0.1)
     time.sleep(0.5)

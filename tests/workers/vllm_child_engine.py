@@ -6,22 +6,13 @@ import sys
 
 
 def main(path: str) -> None:
-    from helpers import assert_vllm_serves, lora, merged_copy, report, vllm_generate
+    from helpers import assert_vllm_serves, lora, merged_copy, report, vllm_engine, vllm_generate
     from transformers import LlamaForCausalLM
-    from vllm import LLM
 
     from lora_stream import ParamStream, VLLMColocatedSink
     from lora_stream.sinks import WORKER_EXTENSION
 
-    kw = dict(
-        dtype="float32",
-        max_model_len=128,
-        enforce_eager=True,
-        seed=0,
-        skip_tokenizer_init=True,
-        gpu_memory_utilization=0.5,
-    )
-    llm = LLM(model=path, worker_extension_cls=WORKER_EXTENSION, **kw)
+    llm = vllm_engine(path, worker_extension_cls=WORKER_EXTENSION)
     sink = VLLMColocatedSink(llm)
     assert not sink.in_process
     pm = lora(LlamaForCausalLM.from_pretrained(path), target_modules="all-linear", lora_alpha=16)
@@ -32,7 +23,7 @@ def main(path: str) -> None:
 
     from lora_stream import LoraStreamError
 
-    plain = LLM(model=path, **kw)
+    plain = vllm_engine(path)
     try:
         VLLMColocatedSink(plain).sync(ParamStream(pm, group_by="layer"))
     except LoraStreamError as exc:

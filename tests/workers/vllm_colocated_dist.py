@@ -20,7 +20,15 @@ for _k, _v in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": 
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from helpers import assert_vllm_serves, lora, oracle, report, vllm_generate, zero3_whole_into  # noqa: E402
+from helpers import (  # noqa: E402
+    assert_vllm_serves,
+    lora,
+    oracle,
+    report,
+    vllm_engine,
+    vllm_generate,
+    zero3_whole_into,
+)
 
 from lora_stream import ParamStream, StreamAbortedError, VLLMColocatedSink  # noqa: E402
 
@@ -41,22 +49,11 @@ def reference(engine, template: torch.nn.Module) -> torch.nn.Module:  # type: ig
 
 def main() -> None:
     from transformers import LlamaForCausalLM
-    from vllm import LLM
 
     scenario, path = sys.argv[1], sys.argv[2]
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
-    llm = LLM(
-        model=path,
-        dtype="float32",
-        max_model_len=128,
-        enforce_eager=True,
-        seed=0,
-        skip_tokenizer_init=True,
-        tensor_parallel_size=2,
-        distributed_executor_backend="external_launcher",
-        gpu_memory_utilization=0.5,
-    )
+    llm = vllm_engine(path, tensor_parallel_size=2, distributed_executor_backend="external_launcher")
     kw = {
         "lora": dict(target_modules="all-linear", lora_alpha=32),
         "tied": dict(target_modules=["q_proj", "embed_tokens"], lora_alpha=4),

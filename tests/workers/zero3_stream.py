@@ -32,6 +32,7 @@ from helpers import (
     lora,
     oracle,
     report,
+    report_aborted,
     tiny_llama,
     zero3_engine,
     zero3_whole_into,
@@ -196,17 +197,6 @@ def scenario_drift() -> None:
     report(rank=dist.get_rank(), event="bitwise-identical", streams=100)
 
 
-def aborted(exc: StreamAbortedError, start: float) -> None:
-    report(
-        rank=dist.get_rank(),
-        event="aborted",
-        seconds=time.monotonic() - start,
-        failed_ranks=list(exc.failed_ranks),
-        message=str(exc),
-    )
-    finish(3)
-
-
 def scenario_failure(kind: str) -> None:
     pm = lora(tiny_llama(layers=4), target_modules="all-linear")
     engine = engine_for(pm)
@@ -223,7 +213,7 @@ def scenario_failure(kind: str) -> None:
         report(rank=dist.get_rank(), event="consumer-raised", message=str(exc), seconds=time.monotonic() - start)
         finish(0)
     except StreamAbortedError as exc:
-        aborted(exc, start)
+        report_aborted(exc, start)
     report(rank=dist.get_rank(), event="completed")  # should not happen
     finish(4)
 
@@ -248,7 +238,7 @@ def scenario_raise_kept() -> None:
         time.sleep(30)  # still alive: rank 0 cannot learn of the stop from a closed connection
         finish(0)
     except StreamAbortedError as exc:
-        aborted(exc, start)
+        report_aborted(exc, start)
     report(rank=dist.get_rank(), event="completed")  # should not happen
     finish(4)
 
