@@ -209,3 +209,35 @@ def test_rank_dropout_in_training_mode_does_not_change_the_merge() -> None:
     second = dict(ParamStream(pm))
     assert all(torch.equal(first[n], second[n]) for n in first)
     assert_matches(first.items(), oracle(copy.deepcopy(pm).eval()))
+
+
+def test_lora_on_parameters_peft_cannot_merge_exactly_is_refused_at_construction() -> None:
+    """A single expert stored [1, in, out] (peft adds its [out, in] delta there), and a non-float weight."""
+    import warnings
+
+    from peft import get_peft_model
+
+    class OneTransposedExpert(nn.Module):
+        is_transposed = True
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_up = nn.Parameter(torch.randn(1, 16, 32))
+
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.moe = OneTransposedExpert()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = get_peft_model(Holder(), _lora(target_modules=[], target_parameters=["moe.gate_up"]))
+    perturb_adapters(pm)
+    with pytest.raises(UnsupportedAdapterError, match=r"\[1, in, out\]"):
+        ParamStream(pm)
+
+    pm = _peft_model(lambda: _lora(target_modules=[], target_parameters=["moe.gate_up"]))
+    base = pm.base_model.model.moe.get_base_layer()
+    base.gate_up = nn.Parameter(base.gate_up.data.to(torch.float64), requires_grad=False)
+    with pytest.raises(UnsupportedAdapterError, match="float64"):
+        ParamStream(pm)
