@@ -251,14 +251,15 @@ def vllm_engine(path: str, **kw: Any) -> Any:
     return vllm.LLM(model=path, **options)
 
 
-def vllm_generate(llm: Any) -> list[tuple[list[int], list[float]]]:
-    """Greedy continuation of PROMPTS with the chosen tokens' logprobs."""
+def vllm_generate(llm: Any, lora_request: Any = None) -> list[tuple[list[int], list[float]]]:
+    """Greedy continuation of PROMPTS with the chosen tokens' logprobs (with ``lora_request``: through that adapter)."""
     from vllm import SamplingParams
 
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in PROMPTS],
         SamplingParams(temperature=0, max_tokens=8, logprobs=1),
         use_tqdm=False,
+        lora_request=lora_request,
     )
     result = []
     for o in outs:

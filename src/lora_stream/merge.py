@@ -38,6 +38,7 @@ __all__ = [
     "LoraTerm",
     "LoraWeightMerge",
     "LoraBiasMerge",
+    "ScaledFactor",
     "LycorisMerge",
     "BufferRead",
     "ExpertLoraMerge",
@@ -293,6 +294,25 @@ class ExpertLoraMerge(Merge):
                     running.addmm_(left.narrow(0, start, n), right, alpha=scaling)
                 out[e].narrow(0, start, n).copy_(running)
         return out
+
+
+@dataclass
+class ScaledFactor(Merge):
+    """``scaling * factor``, in float32, rounded once: a LoRA ``lora_B`` with its layer's scaling folded in, so that
+    an engine applying ``B' @ A`` with scaling 1 computes exactly the trainer's ``scaling * B @ A`` (the adapter
+    stream, :class:`~lora_stream.AdapterStream`)."""
+
+    factor: nn.Parameter
+    scaling: float
+
+    def params(self) -> list[nn.Parameter]:
+        return [self.factor]
+
+    def peak_temp_bytes(self, shape_of: ShapeOf) -> int:
+        return 4 * shape_of(self.factor).numel()
+
+    def compute(self, full: FullTensor, out_dtype: torch.dtype, scratch: Scratch) -> torch.Tensor:
+        return torch.mul(full(self.factor).to(torch.float32), self.scaling).to(out_dtype)
 
 
 @dataclass(frozen=True)

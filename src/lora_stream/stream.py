@@ -19,7 +19,7 @@ from torch import nn
 from .buffers import OutputPool, ProcessMemory, Scratch, release_freed_heap
 from .checkpoint_format import Layout
 from .coordination import Coordinator
-from .core import Step
+from .core import Step, Unit
 from .errors import LoraStreamError, StreamAbortedError
 from .gatherers import Gatherer, auto_gatherer
 from .grouping import DEFAULT_BUDGET_BYTES, GroupBy, partition
@@ -262,14 +262,7 @@ class ParamStream:
         self.model = model
         self.gatherer: Gatherer = gatherer if gatherer is not None else auto_gatherer(model)
         g = self.gatherer
-        units, self._aliases = plan_model(
-            model,
-            gatherer=g,
-            dtype=dtype,
-            normalizer=NameNormalizer(renames),
-            block_bytes=merge_block_bytes,
-            layout=layout,
-        )
+        units, self._aliases = self._plan(model, dtype, renames, merge_block_bytes, layout)
         self.layout: Layout = layout
         self._groups = partition(units, group_by, budget_bytes, g.gather_bytes)
         self._meta = [ParamMeta(o.name, o.dtype, o.shape) for grp in self._groups for o in grp.outputs]
@@ -284,6 +277,19 @@ class ParamStream:
         self.last_stats = StreamStats()
         self._last_pass: weakref.ref[StreamPass[object]] | None = None
         self._passes: weakref.WeakSet[StreamPass[object]] = weakref.WeakSet()
+
+    def _plan(
+        self, model: nn.Module, dtype: torch.dtype | None, renames: Renames, block_bytes: int, layout: Layout
+    ) -> tuple[list[Unit], dict[str, str]]:
+        """The stream's gather units, in order, and its tied aliases (what a subclass streams instead)."""
+        return plan_model(
+            model,
+            gatherer=self.gatherer,
+            dtype=dtype,
+            normalizer=NameNormalizer(renames),
+            block_bytes=block_bytes,
+            layout=layout,
+        )
 
     # -- the WeightSource channels ----------------------------------------------------------------------------------
     def metadata(self) -> list[ParamMeta]:

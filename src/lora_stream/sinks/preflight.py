@@ -20,6 +20,7 @@ __all__ = [
     "CheckpointTensor",
     "EngineCheckpoint",
     "checkpoint_metadata",
+    "adapter_preflight",
     "compare_with_checkpoint",
     "preflight",
 ]
@@ -162,3 +163,37 @@ def preflight(
         )
     compare_with_checkpoint(meta, checkpoint.tensors, may_be_missing=checkpoint.tied, extra_names=aliases)
     return aliases
+
+
+def adapter_preflight(metadata: Iterable[ParamMeta], checkpoint: EngineCheckpoint, prefix: str) -> None:
+    """The pre-flight of an adapter sync: every LoRA pair ``<prefix><module>.lora_A.weight`` (``[r, in]``) and
+    ``.lora_B.weight`` (``[out, r]``) must adapt a weight ``<module>.weight`` of shape ``[out, in]`` in the engine's
+    checkpoint. Raises :class:`CheckpointMismatchError` listing every module that does not, before anything is
+    gathered or sent."""
+    shapes = {m.name: tuple(m.shape) for m in metadata}
+    unknown: list[str] = []
+    wrong: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+    for name, a_shape in shapes.items():
+        if not name.endswith(".lora_A.weight"):
+            continue
+        module = name[len(prefix) : -len(".lora_A.weight")]
+        b_shape = shapes.get(name.replace(".lora_A.weight", ".lora_B.weight"))
+        base = checkpoint.tensors.get(f"{module}.weight")
+        if base is None or b_shape is None:
+            unknown.append(f"{module}.weight")
+            continue
+        expected = (b_shape[0], a_shape[1])
+        if base.shape != expected:
+            wrong.append((f"{module}.weight", expected, base.shape))
+    if unknown or wrong:
+        parts = []
+        if unknown:
+            parts.append(f"{len(unknown)} adapted weight(s) the checkpoint does not have: {unknown[:20]}")
+        if wrong:
+            parts.append(f"{len(wrong)} shape mismatch(es) (weight, adapter's [out, in], checkpoint): {wrong[:20]}")
+        raise CheckpointMismatchError(
+            "the adapter does not fit the engine's checkpoint; nothing was sent. " + "; ".join(parts),
+            unknown=unknown,
+            missing=[],
+            wrong_shape=wrong,
+        )

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["SyncRecord"]
+__all__ = ["AdapterSyncRecord", "SyncRecord"]
 
 logger = logging.getLogger("lora_stream")
 
@@ -45,3 +46,11 @@ class SyncRecord:
             self.peak_group_bytes / 2**20,
             self.peak_gathered_bytes / 2**20,
         )
+
+
+@dataclass(frozen=True)
+class AdapterSyncRecord(SyncRecord):
+    """An adapter sync (:class:`~lora_stream.VLLMLoRASink`): besides what was sent, the ``LoRARequest`` that
+    generation must pass to use the adapter just synced (vLLM serves the base model to requests without it)."""
+
+    lora_request: Any = None

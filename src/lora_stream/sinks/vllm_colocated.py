@@ -184,13 +184,18 @@ class VLLMColocatedSink:
             return LoadReport()
 
     def _rpc(self, method: str, *args: Any) -> list[Any]:
-        try:
-            return list(self.llm.collective_rpc(method, args=args))
-        except Exception as exc:
-            if "has no attribute" in str(exc) and method in str(exc):
-                raise LoraStreamError(
-                    f"the vLLM engine runs in a child process and its workers lack lora_stream's extension; start it "
-                    f"with LLM(..., worker_extension_cls={WORKER_EXTENSION!r}) (or set "
-                    "VLLM_ENABLE_V1_MULTIPROCESSING=0 to keep the engine in this process)"
-                ) from exc
-            raise
+        return engine_rpc(self.llm, method, *args)
+
+
+def engine_rpc(llm: Any, method: str, *args: Any) -> list[Any]:
+    """Call lora_stream's worker extension ``method`` on every worker of an engine that runs in a child process."""
+    try:
+        return list(llm.collective_rpc(method, args=args))
+    except Exception as exc:
+        if "has no attribute" in str(exc) and method in str(exc):
+            raise LoraStreamError(
+                f"the vLLM engine runs in a child process and its workers lack lora_stream's extension; start it "
+                f"with LLM(..., worker_extension_cls={WORKER_EXTENSION!r}) (or set "
+                "VLLM_ENABLE_V1_MULTIPROCESSING=0 to keep the engine in this process)"
+            ) from exc
+        raise

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .adapter_loader import StagedAdapter, stage, unstage
 from .reload import ReloadBracket
 
 __all__ = ["LoraStreamWorkerExtension"]
@@ -21,6 +22,7 @@ class LoraStreamWorkerExtension:
 
     model_runner: Any
     _lora_stream_bracket: ReloadBracket | None = None
+    _lora_stream_previous: dict[str, StagedAdapter | None] | None = None
 
     def lora_stream_begin(self) -> None:
         self._lora_stream_bracket = ReloadBracket(self.model_runner.model, self.model_runner.model_config)
@@ -41,3 +43,18 @@ class LoraStreamWorkerExtension:
         bracket, self._lora_stream_bracket = self._lora_stream_bracket, None
         if bracket is not None:
             bracket.abort()
+
+    # -- adapter sync (VLLMLoRASink): stage in this process, then the sink calls vLLM's own add_lora -------------------
+    def lora_stream_stage_adapter(
+        self, blob: bytes, path: str, config: dict[str, Any], version: str | None = None
+    ) -> None:
+        from safetensors.torch import load
+
+        if self._lora_stream_previous is None:
+            self._lora_stream_previous = {}
+        self._lora_stream_previous[path] = stage(path, StagedAdapter(load(bytes(blob)), dict(config), version))
+
+    def lora_stream_unstage_adapter(self, path: str) -> None:
+        """Put back the version the latest ``lora_stream_stage_adapter`` replaced."""
+        previous = (self._lora_stream_previous or {}).pop(path, None)
+        unstage(path, previous)
