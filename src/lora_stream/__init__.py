@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from .adapter import AdapterStream
 from .checkpoint_format import CheckpointFormatError, Layout
 from .coordination import Coordinator
 from .errors import (
@@ -28,9 +29,12 @@ from .sinks import (
     SafetensorsSink,
     ServerError,
     Sink,
+    AdapterLoadError,
+    AdapterSyncRecord,
     SyncRecord,
     VLLMColocatedSink,
     VLLMLoadError,
+    VLLMLoRASink,
     VLLMServerSink,
     save_merged,
 )
@@ -39,6 +43,10 @@ from .stream import ParamMeta, ParamStream, PassState, StreamPass, StreamStats, 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdapterStream",
+    "AdapterSyncRecord",
+    "AdapterLoadError",
+    "VLLMLoRASink",
     "CheckpointError",
     "CheckpointFormatError",
     "CheckpointMismatchError",

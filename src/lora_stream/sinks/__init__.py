@@ -14,17 +14,22 @@ from .preflight import (
     CheckpointMismatchError,
     EngineCheckpoint,
     checkpoint_metadata,
+    adapter_preflight,
     compare_with_checkpoint,
     preflight,
 )
-from .record import SyncRecord
+from .adapter_loader import AdapterLoadError
+from .record import AdapterSyncRecord, SyncRecord
 from .reload import LoadReport, ReloadBracket, VLLMLoadError
 from .source import SyncSource
 from .vllm_colocated import WORKER_EXTENSION, VLLMColocatedSink
+from .vllm_lora import VLLMLoRASink
 from .vllm_server import ServerError, VLLMServerClient, VLLMServerSink
 
 __all__ = [
     "WORKER_EXTENSION",
+    "AdapterLoadError",
+    "AdapterSyncRecord",
     "CheckpointError",
     "CheckpointMismatchError",
     "EngineCheckpoint",
@@ -37,9 +42,11 @@ __all__ = [
     "SyncSource",
     "VLLMColocatedSink",
     "VLLMLoadError",
+    "VLLMLoRASink",
     "VLLMServerClient",
     "VLLMServerSink",
     "checkpoint_metadata",
+    "adapter_preflight",
     "compare_with_checkpoint",
     "preflight",
     "save_merged",
