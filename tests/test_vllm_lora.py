@@ -176,7 +176,7 @@ def test_a_module_vllm_has_no_lora_layer_for_is_refused_and_the_previous_version
     sink = VLLMLoRASink(llm, lora_name="unknown-module", checkpoint=False)
 
     def attempt() -> None:
-        with pytest.raises(Exception, match="no LoRA layer for model.layers.0.self_attn.rotary_emb"):
+        with pytest.raises(Exception, match=r"no LoRA layer for model\.layers\.0\.self_attn\.rotary_emb"):
             sink.sync(_Renamed(lora(_base(path), target_modules=["q_proj"], r=4, seed=3)))
 
     _keeps_serving(llm, sink, lora(_base(path), target_modules=["q_proj"], r=4), attempt)

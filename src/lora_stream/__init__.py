@@ -24,13 +24,13 @@ from .grouping import DEFAULT_BUDGET_BYTES, GroupBy
 from .merge import DEFAULT_MERGE_BLOCK_BYTES
 from .names import Renames, register_wrapper
 from .sinks import (
+    AdapterLoadError,
+    AdapterSyncRecord,
     CheckpointError,
     CheckpointMismatchError,
     SafetensorsSink,
     ServerError,
     Sink,
-    AdapterLoadError,
-    AdapterSyncRecord,
     SyncRecord,
     VLLMColocatedSink,
     VLLMLoadError,

@@ -239,7 +239,8 @@ def _engine_config(model: nn.Module, adapter: str, rank: int, leaves: list[str])
         target_modules=leaves,
         lora_dropout=0.0,
     )
-    return _jsonable(out)
+    result: dict[str, Any] = _jsonable(out)
+    return result
 
 
 def _jsonable(value: Any) -> Any:

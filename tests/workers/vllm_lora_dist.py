@@ -14,6 +14,7 @@ import copy
 import os
 import sys
 import time
+from typing import ClassVar
 
 for _k, _v in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
     os.environ.setdefault(_k, _v)
@@ -48,7 +49,7 @@ def reference(engine, template: torch.nn.Module) -> torch.nn.Module:  # type: ig
 class BaseProbe(AdapterStream):
     """Checks at every group that no base parameter is gathered, and counts the groups."""
 
-    base: list[torch.nn.Parameter] = []
+    base: ClassVar[list[torch.nn.Parameter]] = []
     checked = 0
     fail_at: int | None = None
 
@@ -69,8 +70,12 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     llm = vllm_engine(
-        path, tensor_parallel_size=2, distributed_executor_backend="external_launcher", enable_lora=True,
-        max_lora_rank=16, max_loras=1,
+        path,
+        tensor_parallel_size=2,
+        distributed_executor_backend="external_launcher",
+        enable_lora=True,
+        max_lora_rank=16,
+        max_loras=1,
     )
     pm = lora(LlamaForCausalLM.from_pretrained(path), target_modules="all-linear", lora_alpha=32)
     template = copy.deepcopy(pm)

@@ -8,17 +8,17 @@ trainer's process, in an engine's child process, or in a vLLM server's worker.
 
 from __future__ import annotations
 
+from .adapter_loader import AdapterLoadError
 from .base import Sink
 from .checkpoint import CheckpointError, SafetensorsSink, save_merged
 from .preflight import (
     CheckpointMismatchError,
     EngineCheckpoint,
-    checkpoint_metadata,
     adapter_preflight,
+    checkpoint_metadata,
     compare_with_checkpoint,
     preflight,
 )
-from .adapter_loader import AdapterLoadError
 from .record import AdapterSyncRecord, SyncRecord
 from .reload import LoadReport, ReloadBracket, VLLMLoadError
 from .source import SyncSource
