@@ -300,11 +300,16 @@ def save_tokenizer(path: str, vocab: int = 1000) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2").save_pretrained(path)
 
 
-def server_generate(base_url: str, api_key: str | None = None) -> list[tuple[list[int], list[float]]]:
-    """Greedy continuation of PROMPTS from a vLLM server's /v1/completions, with the chosen tokens' logprobs."""
+def server_generate(
+    base_url: str, api_key: str | None = None, model: str | None = None
+) -> list[tuple[list[int], list[float]]]:
+    """Greedy continuation of PROMPTS from a vLLM server's /v1/completions, with the chosen tokens' logprobs
+    (``model``: a LoRA adapter's name; default the served base model)."""
     import requests
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    if model is None:
+        model = requests.get(f"{base_url}/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
     out = []
     for prompt in PROMPTS:
         r = requests.post(
@@ -312,7 +317,7 @@ def server_generate(base_url: str, api_key: str | None = None) -> list[tuple[lis
             headers=headers,
             timeout=60,
             json={
-                "model": requests.get(f"{base_url}/v1/models", headers=headers, timeout=10).json()["data"][0]["id"],
+                "model": model,
                 "prompt": prompt,
                 "max_tokens": 8,
                 "temperature": 0,

@@ -259,3 +259,27 @@ def test_guard_without_a_key_configured_refuses_instead_of_running_open() -> Non
     asyncio.run(guard({**scope, "path": "/health"}, receive, send))
     asyncio.run(guard({**scope, "path": "/v1/models"}, receive, send))
     assert calls == ["/health", "/v1/models"]
+
+
+@pytest.fixture(scope="module")
+def lora_server(checkpoint: str):  # type: ignore[no-untyped-def]
+    s = Server(checkpoint, max_lora_rank=16).wait_ready()
+    yield s
+    s.stop()
+
+
+def test_adapter_sync_serves_the_merged_model_by_name_after_every_step(lora_server: Server, checkpoint: str) -> None:
+    results = launch("vllm_server_adapter", "steps", lora_server.url, checkpoint, timeout=400)
+    assert_all_ok(results)
+    assert all(results_of(r.output)[-1]["outcome"] == "ok" for r in results), describe(results)
+    assert results_of(results[0].output)[-1]["tensors"] == 28
+    assert lora_server.version() == "v2"
+
+
+def test_an_adapter_the_server_refuses_leaves_the_previous_version_serving(
+    lora_server: Server, checkpoint: str
+) -> None:
+    results = launch("vllm_server_adapter", "refused", lora_server.url, checkpoint, world=1, timeout=300)
+    assert_all_ok(results)
+    outcome = results_of(results[0].output)[-1]
+    assert outcome["outcome"] == "raised" and "max_lora_rank" in outcome["message"], describe(results)

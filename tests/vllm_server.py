@@ -14,7 +14,13 @@ from launch import free_port
 
 class Server:
     def __init__(
-        self, model_dir: str, *, api_key: str | None = None, backend: str = "gloo", middleware: tuple[str, ...] = ()
+        self,
+        model_dir: str,
+        *,
+        api_key: str | None = None,
+        backend: str = "gloo",
+        middleware: tuple[str, ...] = (),
+        max_lora_rank: int | None = None,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -43,8 +49,13 @@ class Server:
             cmd += ["--api-key", api_key]
         for m in middleware:
             cmd += ["--middleware", m]
+        lora_env = {}
+        if max_lora_rank is not None:  # adapter sync: LoRA serving, and adapters (re)loaded at run time
+            cmd += ["--enable-lora", "--max-lora-rank", str(max_lora_rank), "--max-loras", "1"]
+            lora_env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
         env = {
             **os.environ,
+            **lora_env,
             "VLLM_SERVER_DEV_MODE": "1",
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "TOKENIZERS_PARALLELISM": "false",

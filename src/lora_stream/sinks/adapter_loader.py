@@ -27,7 +27,17 @@ import torch
 
 from ..errors import LoraStreamError
 
-__all__ = ["ADAPTER_SCHEME", "AdapterLoadError", "StagedAdapter", "adapter_path", "install_loader", "stage", "staged"]
+__all__ = [
+    "ADAPTER_SCHEME",
+    "AdapterLoadError",
+    "StagedAdapter",
+    "adapter_path",
+    "install_loader",
+    "prune",
+    "stage",
+    "staged",
+    "unstage",
+]
 
 #: ``LoRARequest.lora_path`` of an adapter lora_stream staged in memory.
 ADAPTER_SCHEME = "lora-stream://"
@@ -52,9 +62,18 @@ class StagedAdapter:
     version: str | None = None
 
 
-def adapter_path(name: str) -> str:
-    """The ``lora_path`` under which the adapter ``name`` is staged (what the sink's ``LoRARequest`` carries)."""
-    return ADAPTER_SCHEME + name
+def adapter_path(name: str, tag: str | None = None) -> str:
+    """The ``lora_path`` under which the adapter ``name`` is staged (what the sink's ``LoRARequest`` carries);
+    with ``tag``, one version of it (the server sink stages every version under a path of its own)."""
+    return ADAPTER_SCHEME + name + (f"@{tag}" if tag else "")
+
+
+def prune(path: str, keep: str | None) -> None:
+    """Drop the staged versions of ``path``'s adapter other than ``path`` itself and ``keep``."""
+    stem = path.split("@", 1)[0]
+    with _LOCK:
+        for other in [p for p in _STAGED if p.split("@", 1)[0] == stem and p not in (path, keep)]:
+            del _STAGED[other]
 
 
 def stage(path: str, adapter: StagedAdapter) -> StagedAdapter | None:

@@ -50,7 +50,10 @@ class SyncRecord:
 
 @dataclass(frozen=True)
 class AdapterSyncRecord(SyncRecord):
-    """An adapter sync (:class:`~lora_stream.VLLMLoRASink`): besides what was sent, the ``LoRARequest`` that
-    generation must pass to use the adapter just synced (vLLM serves the base model to requests without it)."""
+    """An adapter sync: besides what was sent, how generation selects the adapter just synced (vLLM serves the
+    base model to requests without it): the ``LoRARequest`` to pass to ``LLM.generate``
+    (:class:`~lora_stream.VLLMLoRASink`), or the name to pass as ``model`` to a server's ``/v1/completions``
+    (:class:`~lora_stream.VLLMServerSink`, where ``lora_request`` is ``None``)."""
 
     lora_request: Any = None
+    lora_name: str | None = None

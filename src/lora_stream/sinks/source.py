@@ -28,9 +28,17 @@ class SyncSource:
     ``iter_groups()`` yields; ``pass_`` is the stream pass of the latest iteration, with its state.
     """
 
-    def __init__(self, stream: ParamStream, aliases: Mapping[str, str] | None = None, version: str | None = None):
+    def __init__(
+        self,
+        stream: ParamStream,
+        aliases: Mapping[str, str] | None = None,
+        version: str | None = None,
+        adapter: dict[str, Any] | None = None,
+    ):
         self.stream = stream
         self.weight_version = version
+        #: For an adapter sync over a server's data plane: where the worker stages it (see ``GlooUpdateInfo``).
+        self.adapter = adapter
         self._by_primary: dict[str, list[str]] = {}
         for alias, primary in (aliases or {}).items():
             self._by_primary.setdefault(primary, []).append(alias)

@@ -184,7 +184,9 @@ class VLLMLoRASink:
         self.version = version
         seconds = time.perf_counter() - start
         base = source.record(self.name, seconds)
-        record = AdapterSyncRecord(**{**base.__dict__, "lora_request": self._request(load_inplace=False)})
+        record = AdapterSyncRecord(
+            **base.__dict__, lora_request=self._request(load_inplace=False), lora_name=self.lora_name
+        )
         record.log()
         return record
 

@@ -20,14 +20,17 @@ from __future__ import annotations
 
 import socket
 import time
+import uuid
 from typing import Any
 
+from ..adapter import ADAPTER_PREFIX, AdapterStream
 from ..coordination import this_rank
 from ..errors import LoraStreamError
 from ..lockstep import describe_error
 from ..stream import ParamStream
-from .preflight import EngineCheckpoint, preflight
-from .record import SyncRecord
+from .adapter_loader import adapter_path
+from .preflight import EngineCheckpoint, adapter_preflight, preflight
+from .record import AdapterSyncRecord, SyncRecord
 from .reload import LOAD_ERROR_TAG, VLLMLoadError
 from .source import SyncSource
 
@@ -62,7 +65,12 @@ class VLLMServerClient:
             raise ServerError(f"vLLM server at {self.base_url} requires an API key (401 on /{path}); pass api_key=")
         if response.status_code >= 400:
             raise ServerError(f"vLLM server answered {response.status_code} on {method} /{path}: {response.text[:500]}")
-        return response.json() if response.content else None
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError:
+            return response.text  # vLLM answers some routes (/v1/load_lora_adapter) with plain text
 
     # -- vLLM's VLLMWeightSyncClient protocol --------------------------------------------------------------------------
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
@@ -101,6 +109,20 @@ class VLLMServerClient:
     def reset_prefix_cache(self) -> None:
         self._request("POST", "reset_prefix_cache")
 
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """``POST /v1/load_lora_adapter`` in place: vLLM builds the adapter staged under ``path``, checks it, and
+        only then replaces the version it serves under ``name`` (same adapter id). Needs the server's
+        ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``."""
+        try:
+            self._request("POST", "v1/load_lora_adapter", {"lora_name": name, "lora_path": path, "load_inplace": True})
+        except ServerError as exc:
+            if " 404 " in str(exc) or "Not Found" in str(exc):
+                raise ServerError(
+                    f"{exc}; adapter sync needs the server started with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 and "
+                    "--enable-lora"
+                ) from exc
+            raise
+
 
 def _free_port(address: str) -> int:
     with socket.socket() as s:
@@ -126,6 +148,14 @@ class _CurrentSource:
     @property
     def weight_version(self) -> str | None:
         return self._source().weight_version
+
+    @property
+    def aliases(self) -> list[str]:
+        return self._source().aliases
+
+    @property
+    def adapter(self) -> dict[str, Any] | None:
+        return self._source().adapter
 
     def metadata(self) -> Any:
         return self._source().metadata()
@@ -168,6 +198,9 @@ class VLLMServerSink:
         timeout: seconds for every HTTP call, the group rendezvous and each chunk's broadcast.
         checkpoint: where to read the served model's safetensors headers for the pre-flight check; defaults to
             the path the server reports in ``/v1/models`` (when it exists on this machine). ``False`` skips it.
+        lora_name: the name an :class:`~lora_stream.AdapterStream` sync serves its adapter under (what
+            ``/v1/completions`` takes as ``model``); the server needs ``--enable-lora`` and
+            ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``. Adapter sync runs over the ``gloo`` backend only.
     """
 
     def __init__(
@@ -181,6 +214,7 @@ class VLLMServerSink:
         buffer_bytes: int = 256 * 1024 * 1024,
         timeout: float = 120.0,
         checkpoint: str | bool | None = None,
+        lora_name: str = "lora_stream",
     ) -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
@@ -195,15 +229,29 @@ class VLLMServerSink:
         self._engine: Any = None
         self._source = _CurrentSource()
         self._ckpt: EngineCheckpoint | None = None
+        self.lora_name = lora_name
+        #: Where the adapter the server serves now is staged in its worker (kept while a new version may fail).
+        self._serving_path: str | None = None
 
     @property
     def is_sender(self) -> bool:
         return self.rank == 0
 
     def sync(self, stream: ParamStream, *, version: str | None = None) -> SyncRecord:
-        """Send one full pass of ``stream``; on success the server serves it and reports ``version``."""
+        """Send one full pass of ``stream``; on success the server serves it and reports ``version``.
+
+        An :class:`~lora_stream.AdapterStream` is staged in the server's worker and swapped in by vLLM's own
+        ``/v1/load_lora_adapter`` as the adapter ``lora_name`` (base weights untouched); the record is an
+        :class:`~lora_stream.sinks.record.AdapterSyncRecord`. If vLLM refuses the new version, the previous one
+        keeps serving."""
         start = time.perf_counter()
         coordinator = stream.coordinator
+        is_adapter = isinstance(stream, AdapterStream)
+        if is_adapter and self.backend != "gloo":
+            raise LoraStreamError(
+                "adapter sync into a vLLM server runs over lora_stream's gloo backend only; vLLM's nccl worker "
+                "engine loads every tensor into the model"
+            )
         # 1. Rank 0 checks the server (reachable, key accepted) and the stream against its checkpoint, and joins the
         #    transfer group; every rank learns the outcome, with the reason, before any rank gathers.
         aliases: dict[str, str] = {}
@@ -219,9 +267,16 @@ class VLLMServerSink:
             raise error
         self._ensure_engine()
         # 2. The transfer: the engine iterates the source (the stream plus tied aliases) on every rank; rank 0 sends.
-        source = self._source.current = SyncSource(stream, aliases, version)
+        adapter: dict[str, Any] | None = None
+        if isinstance(stream, AdapterStream):
+            path = adapter_path(self.lora_name, uuid.uuid4().hex[:12])
+            adapter = {"path": path, "config": stream.adapter_config(), "keep": self._serving_path}
+        source = self._source.current = SyncSource(stream, aliases, version, adapter)
         try:
             self._engine.send_weights()
+            if adapter is not None and self.is_sender:
+                self.client.load_lora_adapter(self.lora_name, adapter["path"])
+                self._serving_path = adapter["path"]
         except BaseException as exc:
             self.close()  # the data plane may be half-used: start over with a new group next time
             error = _load_error(exc)
@@ -246,6 +301,8 @@ class VLLMServerSink:
         if version is not None and self.is_sender and self.backend != "gloo":
             self.client.update_weight_version(version)  # vLLM's nccl trainer engine finishes without a version
         record = source.record(self.name, time.perf_counter() - start)
+        if is_adapter:
+            record = AdapterSyncRecord(**record.__dict__, lora_name=self.lora_name)
         record.log()
         return record
 
@@ -258,8 +315,15 @@ class VLLMServerSink:
     def _preflight(self, stream: ParamStream) -> dict[str, str]:
         """Sender only: reachability, credentials, the pre-flight. Raises before anything is sent."""
         models = self.client.check_access()
+        if isinstance(stream, AdapterStream):
+            if self.checkpoint is not False:
+                adapter_preflight(stream.metadata(), self._checkpoint(models), ADAPTER_PREFIX)
+            return {}
         if self.checkpoint is False:
             return stream.tied_aliases()  # offered; the worker loads each only if its model holds it
+        return preflight(stream.metadata(), stream.tied_aliases(), self._checkpoint(models))
+
+    def _checkpoint(self, models: dict[str, Any]) -> EngineCheckpoint:
         if self._ckpt is None:
             path = self.checkpoint
             if path is None or path is True:
@@ -272,7 +336,7 @@ class VLLMServerSink:
                     f"cannot read the served checkpoint {path!r} for the pre-flight check ({exc}); pass "
                     "checkpoint= (a copy of the model directory), or checkpoint=False to skip the check"
                 ) from exc
-        return preflight(stream.metadata(), stream.tied_aliases(), self._ckpt)
+        return self._ckpt
 
     def _ensure_engine(self) -> None:
         if self._engine is not None:

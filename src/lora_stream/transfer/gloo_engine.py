@@ -20,6 +20,7 @@ from vllm.distributed.weight_transfer.base import (  # type: ignore[import-not-f
     WeightTransferUpdateInfo,
 )
 
+from ..sinks.adapter_loader import StagedAdapter, prune, stage
 from ..sinks.reload import ReloadBracket
 from .packing import plan_chunks, unpack
 
@@ -51,6 +52,10 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
     chunk_sizes: list[int] = field(default_factory=list)
     #: Names sent only if the worker's model holds them (tied aliases, see ``ReloadBracket.load``).
     optional_names: list[str] = field(default_factory=list)
+    #: An adapter sync (:class:`~lora_stream.AdapterStream`): ``{"path", "config", "keep"}``. The tensors are staged
+    #: for vLLM's ``add_lora`` under ``path`` instead of loaded into the model; ``keep`` is the path of the version
+    #: the server serves now, kept staged while the new one may still be refused.
+    adapter: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -130,8 +135,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         )
 
     def start_weight_update(self) -> None:
-        self._bracket.abort()  # a bracket left open by a trainer that vanished before finishing
-        self._bracket.begin()
+        # A bracket left open by a trainer that vanished before finishing. The new one opens with the update, which
+        # says whether it loads weights at all (an adapter sync only stages tensors).
+        self._bracket.abort()
 
     def finish_weight_update(self) -> None:
         # receive_weights already closed and checked the bracket; this closes one that an update never reached.
@@ -151,14 +157,31 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                 f"chunk plan mismatch: trainer sent {update_info.chunk_sizes}, worker computed "
                 f"{[len(c) for c in plan.chunks]} (different lora_stream versions on the two sides?)"
             )
+        adapter = update_info.adapter
+        received: dict[str, torch.Tensor] = {}
         try:
+            if adapter is not None and getattr(self.model, "lora_manager", None) is None:
+                raise RuntimeError(
+                    "lora_stream: adapter sync into a vLLM server started without LoRA support; start it with "
+                    "--enable-lora --max-lora-rank <at least the adapter's rank>"
+                )
+            if adapter is None:
+                self._bracket.begin()
             for c, chunk in enumerate(plan.chunks):
                 # A fresh buffer per chunk: the reload bracket may keep views until the layer is complete.
                 buffer = torch.empty(plan.chunk_bytes(c), dtype=torch.uint8)
                 self.group.broadcast(buffer).wait()
                 views = unpack(buffer, plan, c, update_info.shapes, dtypes)
                 pairs = list(zip([update_info.names[i] for i in chunk], views))
-                self._bracket.load(pairs, update_info.optional_names)
+                if adapter is not None:
+                    received.update(pairs)
+                else:
+                    self._bracket.load(pairs, update_info.optional_names)
+            if adapter is not None:
+                # Staged only: the trainer's /v1/load_lora_adapter call makes vLLM build, check and swap it in.
+                stage(adapter["path"], StagedAdapter(received, dict(adapter["config"])))
+                prune(adapter["path"], keep=adapter.get("keep"))
+                return
             # Every tensor arrived: close and check the bracket here, not in finish_weight_update. An error raised
             # from an update ends vLLM's update session (the trainer sees /update_weights fail); one raised from
             # finish would leave the session open and the server refusing every later update.

@@ -132,6 +132,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             "chunk_sizes": [len(c) for c in plan.chunks],
             # Tied aliases: the worker loads each only if its model holds a parameter of that name.
             "optional_names": list(getattr(source, "aliases", [])),
+            # An adapter sync: the worker stages the tensors for vLLM's add_lora instead of loading them.
+            "adapter": getattr(source, "adapter", None),
         }
         timeout = self.init_info.timeout_s
         self.client.start_weight_update()
