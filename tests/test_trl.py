@@ -23,10 +23,10 @@ def _stack() -> None:
     require("vllm")
 
 
-def _check_syncs(rec: dict[str, Any]) -> None:
+def _check_syncs(rec: dict[str, Any], tensors: int = 21) -> None:
     """Every sync served the trainer's merged model; and a step changed what was served."""
     checks = rec["checks"]
-    assert rec["outcome"] == "trained" and len(checks) == 3 and rec["records"] == [21, 21, 21], rec
+    assert rec["outcome"] == "trained" and len(checks) == 3 and rec["records"] == [tensors] * 3, rec
     assert all(c["max_err"] < rec["tol"] for c in checks), checks
     for before, after in itertools.pairwise(checks):
         moved = max(abs(a - b) for a, b in zip(before["logprobs"], after["logprobs"]))
@@ -86,6 +86,27 @@ def test_server_mode_on_two_zero3_ranks_serves_the_merged_model(tmp_path: Path) 
         _check_syncs(r0)  # rank 0 reads the server; every rank trains and syncs
         assert r1["outcome"] == "trained" and r1["records"] == [21, 21, 21], r1
         assert server.healthy()
+    finally:
+        server.stop()
+
+
+def test_adapter_sync_in_colocate_mode_generates_through_the_synced_adapter(tmp_path: Path) -> None:
+    """adapter=True: 28 LoRA factors per sync instead of 21 merged tensors; TRL's own generate goes through them."""
+    (r,) = launch("trl_grpo", "adapter", str(tmp_path), world=1, timeout=400)
+    _check_syncs(_outcome(r.output), tensors=28)
+
+
+def test_adapter_sync_in_server_mode_names_the_adapter_in_every_request(tmp_path: Path) -> None:
+    require("deepspeed")
+    from helpers import save_for_vllm, vllm_llama
+    from vllm_server import Server
+
+    path = save_for_vllm(vllm_llama(), str(tmp_path / "model"), tokenizer=True)
+    server = Server(path, max_lora_rank=8).wait_ready()
+    try:
+        env = {"LORA_STREAM_TEST_SERVER": server.url}
+        (r,) = launch("trl_grpo", "adapter", str(tmp_path), world=1, timeout=400, env=env)
+        _check_syncs(_outcome(r.output), tensors=28)
     finally:
         server.stop()
 

@@ -11,6 +11,9 @@ Usage: trl_grpo.py SCENARIO WORKDIR
   server    server mode against the vLLM server at LORA_STREAM_TEST_SERVER (lora_stream's gloo backend), the trainer
             built inside without_trl_transfer_group(); after every sync rank 0 compares the server's prompt logprobs
             of the probe (/v1/completions, echo) with the merged model's.
+  adapter   the hook with adapter=True: only the LoRA factors go into vLLM's LoRA manager (colocate: the trainer built
+            inside trl_vllm_with_lora; server mode when LORA_STREAM_TEST_SERVER is set, against a server started
+            with --enable-lora); the same checks as hook/server, through the adapter.
   measure   ZeRO-3, at the first sync: the most bytes held gathered during TRL's own gather-and-merge (its
             _iter_named_params, without the load that fails on this vLLM) and during the hooked sync, every rank.
 
@@ -44,7 +47,7 @@ def reward(completions: list[str], **_: object) -> list[float]:
 LORA = {"r": 4, "lora_alpha": 16, "target_modules": "all-linear"}
 
 
-def build_trainer(workdir: str, zero3: bool) -> tuple[object, object]:
+def build_trainer(workdir: str, zero3: bool, adapter: bool = False) -> tuple[object, object]:
     """The trainer, and an unsharded peft model of the same structure to hold its weights for the reference (built
     before the DeepSpeed config exists: transformers would build it under zero.Init afterwards)."""
     from datasets import Dataset
@@ -98,9 +101,15 @@ def build_trainer(workdir: str, zero3: bool) -> tuple[object, object]:
     prompts = [f"t{i} t{i + 7} t{i + 3}" for i in range(3, 43)]
     from contextlib import nullcontext
 
-    from lora_stream.integrations.trl import without_trl_transfer_group
+    from lora_stream.integrations.trl import trl_vllm_with_lora, without_trl_transfer_group
 
-    with without_trl_transfer_group() if server else nullcontext():
+    if server:
+        context = without_trl_transfer_group()
+    elif adapter:
+        context = trl_vllm_with_lora(max_lora_rank=8)
+    else:
+        context = nullcontext()
+    with context:
         trainer = GRPOTrainer(
             model=path,
             reward_funcs=reward,
@@ -125,11 +134,12 @@ def merged_logprobs(trainer: object, template: object, zero3: bool) -> list[floa
     return [float(lp[i - 1, PROBE[i]]) for i in range(1, len(PROBE))]
 
 
-def server_logprobs(url: str) -> list[float]:
-    """The server's logprobs of PROBE[1:], through /v1/completions (echo: the prompt's own logprobs)."""
+def server_logprobs(url: str, model: str | None = None) -> list[float]:
+    """The server's logprobs of PROBE[1:], through /v1/completions (echo: the prompt's own logprobs); ``model``
+    names a LoRA adapter (default: the base model)."""
     import requests
 
-    model = requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+    model = model or requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
     payload = {"model": model, "prompt": PROBE, "max_tokens": 1, "echo": True, "logprobs": 0, "temperature": 0}
     choice = requests.post(f"{url}/v1/completions", json=payload, timeout=60).json()["choices"][0]
     return [float(x) for x in choice["logprobs"]["token_logprobs"][1 : len(PROBE)]]
@@ -155,7 +165,8 @@ def main(scenario: str, workdir: str) -> None:
     for k, v in VLLM_ENV.items():
         os.environ.setdefault(k, v)
     zero3 = os.environ.get("LORA_STREAM_TEST_ZERO3") == "1"
-    trainer, template = build_trainer(workdir, zero3)
+    server_url = os.environ.get("LORA_STREAM_TEST_SERVER")
+    trainer, template = build_trainer(workdir, zero3, adapter=scenario == "adapter")
     rank = int(os.environ.get("RANK", "0"))
     gen = trainer.vllm_generation  # type: ignore[attr-defined]
     from lora_stream.integrations.trl import use_lora_stream
@@ -167,8 +178,8 @@ def main(scenario: str, workdir: str) -> None:
         deepspeed=bool(getattr(trainer, "is_deepspeed_enabled", False)),
         partitioned=all(hasattr(p, "ds_id") for p in params),
     )
-    if scenario in ("hook", "removed", "measure", "server"):
-        hook = use_lora_stream(trainer)
+    if scenario in ("hook", "removed", "measure", "server", "adapter"):
+        hook = use_lora_stream(trainer, adapter=scenario == "adapter", lora_name="policy")
         assert use_lora_stream(trainer) is hook, "a second call returns the installed hook"
         if scenario == "removed":
             hook.remove()
@@ -184,19 +195,18 @@ def main(scenario: str, workdir: str) -> None:
                 synced()
 
         gen.sync_weights = measured
-    if scenario in ("hook", "server"):
+    via_server = scenario == "server" or (scenario == "adapter" and server_url is not None)
+    if scenario in ("hook", "server", "adapter"):
         synced = gen.sync_weights
 
         def checked() -> None:
             synced()
             expected = merged_logprobs(trainer, template, zero3)
-            if scenario == "server" and rank != 0:
+            if via_server and rank != 0:
                 return
-            got = (
-                server_logprobs(os.environ["LORA_STREAM_TEST_SERVER"])
-                if scenario == "server"
-                else vllm_logprobs(gen.llm)
-            )
+            adapter_name = "policy" if scenario == "adapter" else None
+            # Colocated, the hook's generate adds the adapter's LoRARequest itself.
+            got = server_logprobs(str(server_url), adapter_name) if via_server else vllm_logprobs(gen.llm)
             err = max(abs(a - b) for a, b in zip(got, expected))
             wrapped = type(trainer.model_wrapped).__name__  # type: ignore[attr-defined]
             step = trainer.state.global_step  # type: ignore[attr-defined]
@@ -212,9 +222,9 @@ def main(scenario: str, workdir: str) -> None:
         error, message = type(exc).__name__, str(exc)[:500]
         report(rank=rank, scenario=scenario, outcome="raised", error=error, message=message, trace=trace)
         finish(0)
-    records = [r.tensors for r in hook.records] if scenario in ("hook", "measure", "server") else []
+    records = [r.tensors for r in hook.records] if scenario in ("hook", "measure", "server", "adapter") else []
     # The server runs float32 (--dtype float32): there the colocated tests' tolerance applies.
-    tol = SERVER_TOL if scenario == "server" else TOL
+    tol = SERVER_TOL if via_server else TOL
     report(rank=rank, scenario=scenario, outcome="trained", checks=checks, records=records, tol=tol)
     finish(0)
 
