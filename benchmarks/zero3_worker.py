@@ -82,6 +82,7 @@ def main() -> None:
     p.add_argument("--syncs", type=int, default=20)
     p.add_argument("--no-release", action="store_true", help="release_memory=False")
     p.add_argument("--reuse-outputs", action="store_true", help="reuse_outputs=True")
+    p.add_argument("--adapter", action="store_true", help="AdapterStream: only the LoRA factors")
     add_model_args(p)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--out", required=True)
@@ -89,15 +90,19 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     engine = build(args)
 
-    from lora_stream import ParamStream
+    from lora_stream import AdapterStream, ParamStream
 
-    stream = ParamStream(
-        engine,
-        group_by=args.group_by,
-        release_memory=not args.no_release,
-        reuse_outputs=args.reuse_outputs,
-        **({"budget_bytes": args.budget} if args.budget else {}),
-    )
+    budget = {"budget_bytes": args.budget} if args.budget else {}
+    if args.adapter:
+        stream: ParamStream = AdapterStream(engine, group_by=args.group_by, **budget)
+    else:
+        stream = ParamStream(
+            engine,
+            group_by=args.group_by,
+            release_memory=not args.no_release,
+            reuse_outputs=args.reuse_outputs,
+            **budget,
+        )
     # zeros, not empty: the destination's pages must be resident before the baseline RSS is read, or the first
     # sync's page faults on it would be counted as the sync's growth.
     dest = {m.name: torch.zeros(m.shape, dtype=m.dtype) for m in stream.metadata()}
@@ -123,8 +128,9 @@ def main() -> None:
     changed = sum(int((p.ds_tensor != b).sum()) for p, b in zip(partitions, before))
     max_drift = max(float((p.ds_tensor.float() - b.float()).abs().max()) for p, b in zip(partitions, before))
     options = [o for o, on in (("no-release", args.no_release), ("reuse-outputs", args.reuse_outputs)) if on]
+    label = "adapter" if args.adapter else f"lora_stream {args.group_by}"
     row = {
-        "variant": args.variant if args.variant == "whole_gather" else f"lora_stream {args.group_by}",
+        "variant": args.variant if args.variant == "whole_gather" else label,
         "options": options,
         "budget_bytes": args.budget or None,
         "rank": dist.get_rank(),
@@ -134,6 +140,7 @@ def main() -> None:
         "largest_group_bytes": max(stream.group_gathered_bytes) if args.variant != "whole_gather" else gathered,
         "groups": len(stream.groups()),
         "model_bytes": model_bytes,
+        "bytes_moved": model_bytes,
         "rss_before_bytes": rss0,
         "rss_growth_bytes": peak - rss0,
         "peak_temp_bytes": int(stream.last_stats.peak_temp_bytes) if args.variant != "whole_gather" else None,
