@@ -37,3 +37,16 @@ def test_tied_aliases_travel_in_their_primary_group_and_are_counted() -> None:
     record = source.record("test", 0.1)
     assert record.tensors == len(stream.metadata()) + 1 and record.groups == len(stream.groups())
     assert source.pass_ is not None and source.pass_.state == PassState.COMPLETE
+
+
+def test_the_server_sinks_current_source_forwards_aliases_and_the_adapter() -> None:
+    """The trainer-side transfer engine reads ``aliases`` (sent as optional names) and ``adapter`` from the source it
+    was built with, the sink's proxy of the current sync: both must come through."""
+    from lora_stream.sinks.vllm_server import _CurrentSource
+
+    model = lora(tiny_llama(tie=True), target_modules=["q_proj"])
+    stream = ParamStream(model)
+    proxy = _CurrentSource()
+    proxy.current = SyncSource(stream, {"lm_head.weight": "model.embed_tokens.weight"}, "v1", {"path": "p"})
+    assert proxy.aliases == ["lm_head.weight"]
+    assert proxy.adapter == {"path": "p"} and proxy.weight_version == "v1"

@@ -2,7 +2,8 @@
 
 After a LoRA step only the adapter changed. An inference engine that serves the frozen base with a LoRA adapter
 (vLLM's ``enable_lora``) needs just the factors: for r=16 on every linear layer of a 0.25 B model about 10 MB
-instead of the whole merged model, and under ZeRO-3 or FSDP the base weights are never gathered.
+instead of the whole merged model, and under ZeRO-3 or FSDP2 the base weights are never gathered (FSDP1 unshards
+whole FSDP units, base weights included).
 
 What the stream yields is a plain peft adapter checkpoint, the tensors ``save_pretrained`` writes into
 ``adapter_model.safetensors``: ``base_model.model.<module>.lora_A.weight`` (``[r, in]``) and
