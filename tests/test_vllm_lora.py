@@ -116,6 +116,15 @@ def test_the_stream_refuses_what_an_adapter_engine_cannot_serve(served, options,
         AdapterStream(lora(_base(path), **kw))
 
 
+def test_a_quantized_base_is_refused(served) -> None:  # type: ignore[no-untyped-def]
+    from helpers import load_quantized
+
+    require("bitsandbytes")
+    path, _ = served
+    with pytest.raises(UnsupportedAdapterError, match="QLoRA"):
+        AdapterStream(lora(load_quantized(path, "nf4"), target_modules=["q_proj"]))
+
+
 def test_several_active_adapters_and_none_are_refused(served) -> None:  # type: ignore[no-untyped-def]
     path, _ = served
     pm = lora(_base(path), target_modules=["q_proj"])

@@ -14,8 +14,8 @@ engine then applies exactly the ``scaling * B @ A`` the trainer's forward applie
 scaling from (``lora_alpha / r``, rsLoRA, ``rank_pattern`` / ``alpha_pattern``, ``set_scale``), and it never has
 to reinterpret peft's configuration. Loading the tensors with that config into peft gives the trainer's forward.
 
-Exact or refused: only plain LoRA on linear layers (``nn.Linear``, GPT-2's ``Conv1D``, bitsandbytes 4/8-bit
-``Linear``) is streamed. DoRA, ``lora_bias``, LoRA on embeddings, convolutions or MoE expert parameters, LoHa,
+Exact or refused: only plain LoRA on linear layers (``nn.Linear``, GPT-2's ``Conv1D``) is streamed. QLoRA bases,
+DoRA, ``lora_bias``, LoRA on embeddings, convolutions or MoE expert parameters, LoHa,
 LoKr, ``modules_to_save`` and trainable tokens for an active adapter, several active adapters, or none, are refused
 at construction with :class:`~lora_stream.UnsupportedAdapterError`; stream those models merged
 (:class:`~lora_stream.ParamStream`).
@@ -91,6 +91,12 @@ class _AdapterPlanner(_Planner):
             raise UnsupportedAdapterError(
                 f"module {src!r} applies several adapters {active}; an engine serves one adapter per request; "
                 f"{_USE_MERGED}"
+            )
+        if type(layer).__module__.startswith("peft.tuners.lora.bnb"):
+            raise UnsupportedAdapterError(
+                f"module {src!r}: LoRA on a bitsandbytes-quantized base (QLoRA). The trainer's forward adds the "
+                "adapter to the quantized weight, an adapter engine to the base it serves; that they agree is not "
+                f"verified; {_USE_MERGED} (it streams the dequantized merge)"
             )
         a = active[0]
         base = layer.get_base_layer()
