@@ -530,3 +530,39 @@ def dequantized_reference(qlora_model: nn.Module, path: str) -> nn.Module:
     ref = get_peft_model(dense, config)
     set_peft_model_state_dict(ref, get_peft_model_state_dict(qlora_model))
     return ref.merge_and_unload()  # type: ignore[no-any-return]
+
+
+def clear_cpu_shm() -> None:
+    """vLLM's CPU tensor-parallel engines share memory through fixed-name segments; a worker killed by an earlier
+    test's hard timeout leaves them behind and the next engine fails to start ("create shm ... errno: 17")."""
+    from pathlib import Path
+
+    for seg in Path("/dev/shm").glob("*-cpushm_*"):
+        seg.unlink(missing_ok=True)
+
+
+def run_child_engine_script(script: str, path: str, timeout: float = 300) -> str:
+    """Run ``tests/workers/<script>`` with an engine in a child process (V1 multiprocessing, no insecure
+    serialization); returns its stdout, asserting it exited cleanly."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+        "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")]),
+    }
+    env.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
+    proc = subprocess.run(
+        [sys.executable, str(tests / "workers" / script), path],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc.stdout

@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import event, require, save_for_vllm, vllm_llama
-from launch import TESTS, assert_all_ok, describe, launch
+from helpers import clear_cpu_shm, event, require, run_child_engine_script, save_for_vllm, vllm_llama
+from launch import assert_all_ok, describe, launch
 
 
 @pytest.fixture(autouse=True)
 def _stack() -> None:
     require("vllm")
     require("deepspeed")
-    # vLLM's CPU tensor-parallel engines share memory through fixed-name segments; a worker killed by an earlier
-    # test's hard timeout leaves them behind and the next engine fails to start ("create shm ... errno: 17").
-    for seg in Path("/dev/shm").glob("*-cpushm_*"):
-        seg.unlink(missing_ok=True)
+    clear_cpu_shm()
 
 
 @pytest.fixture(scope="module")
@@ -50,20 +44,6 @@ def test_a_consumer_failure_mid_sync_raises_on_every_rank(checkpoints: dict[str,
 
 def test_engine_in_a_child_process_through_the_worker_extension(tmp_path: Path) -> None:
     path = save_for_vllm(vllm_llama(tie=False), str(tmp_path / "m"))
-    env = {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
-    }
-    env.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
-    proc = subprocess.run(
-        [sys.executable, str(TESTS / "workers" / "vllm_child_engine.py"), path],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert event(proc.stdout, "child-engine-match")["tensors"] > 0
-    assert "worker_extension_cls" in event(proc.stdout, "no-extension-error")["message"]
+    stdout = run_child_engine_script("vllm_child_engine.py", path)
+    assert event(stdout, "child-engine-match")["tensors"] > 0
+    assert "worker_extension_cls" in event(stdout, "no-extension-error")["message"]

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,16 +10,18 @@ import torch
 from helpers import (
     VLLM_ENV,
     assert_vllm_serves,
+    clear_cpu_shm,
     event,
     lora,
     merged_copy,
     require,
+    run_child_engine_script,
     save_for_vllm,
     vllm_engine,
     vllm_generate,
     vllm_llama,
 )
-from launch import TESTS, assert_all_ok, describe, launch
+from launch import assert_all_ok, describe, launch
 
 from lora_stream import (
     AdapterLoadError,
@@ -214,8 +214,7 @@ def test_an_engine_without_enable_lora_is_refused_at_construction(served) -> Non
 
 def test_zero3_trainer_into_tp2_engines_never_gathers_the_base(tmp_path: Path) -> None:
     require("deepspeed")
-    for seg in Path("/dev/shm").glob("*-cpushm_*"):
-        seg.unlink(missing_ok=True)
+    clear_cpu_shm()
     path = save_for_vllm(vllm_llama(tie=False), str(tmp_path / "m"))
     results = launch("vllm_lora_dist", "steps", path, timeout=400)
     assert_all_ok(results)
@@ -226,8 +225,7 @@ def test_zero3_trainer_into_tp2_engines_never_gathers_the_base(tmp_path: Path) -
 
 def test_zero3_failure_on_one_rank_stops_both_and_the_previous_adapter_serves(tmp_path: Path) -> None:
     require("deepspeed")
-    for seg in Path("/dev/shm").glob("*-cpushm_*"):
-        seg.unlink(missing_ok=True)
+    clear_cpu_shm()
     path = save_for_vllm(vllm_llama(tie=False), str(tmp_path / "m"))
     results = launch("vllm_lora_dist", "fail", path, timeout=400)
     assert_all_ok(results)
@@ -240,18 +238,5 @@ def test_zero3_failure_on_one_rank_stops_both_and_the_previous_adapter_serves(tm
 
 def test_engine_in_a_child_process_through_the_worker_extension(tmp_path: Path) -> None:
     path = save_for_vllm(vllm_llama(tie=False), str(tmp_path / "m"))
-    env = {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.run(
-        [sys.executable, str(TESTS / "workers" / "vllm_lora_child.py"), path],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert event(proc.stdout, "child-adapter-match")["tensors"] == 28
+    stdout = run_child_engine_script("vllm_lora_child.py", path)
+    assert event(stdout, "child-adapter-match")["tensors"] == 28

@@ -24,6 +24,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus  # noqa: E402
 from helpers import (  # noqa: E402
+    ZERO3_CONFIG,
     assert_vllm_serves,
     lora,
     report,
@@ -35,11 +36,6 @@ from helpers import (  # noqa: E402
 from lora_stream import AdapterStream, StreamAbortedError, VLLMLoRASink  # noqa: E402
 
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-DS_CONFIG = {
-    "train_micro_batch_size_per_gpu": 1,
-    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-    "zero_allow_untested_optimizer": True,
-}
 
 
 def reference(engine, template: torch.nn.Module) -> torch.nn.Module:  # type: ignore[no-untyped-def]
@@ -80,7 +76,7 @@ def main() -> None:
     pm = lora(LlamaForCausalLM.from_pretrained(path), target_modules="all-linear", lora_alpha=32)
     template = copy.deepcopy(pm)
     opt = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=0.5)
-    engine, *_ = deepspeed.initialize(model=pm, optimizer=opt, config=DS_CONFIG)
+    engine, *_ = deepspeed.initialize(model=pm, optimizer=opt, config=ZERO3_CONFIG)
     BaseProbe.base = [p for n, p in engine.module.named_parameters() if "lora_" not in n]
     assert BaseProbe.base and all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in BaseProbe.base)
     sink = VLLMLoRASink(llm, lora_name="policy")
