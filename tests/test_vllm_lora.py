@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 
@@ -78,6 +79,28 @@ def test_three_training_steps_each_served_exactly_through_the_returned_lora_requ
     assert outputs[0] != outputs[1] != outputs[2], "every training step should change what is served"
     assert vllm_generate(llm) == base, "requests without the LoRARequest still get the base model"
     assert llm.llm_engine.list_loras() == {sink.lora_int_id}, "versions are replaced in place, not accumulated"
+
+
+def test_a_changed_base_pushed_merged_with_adapters_disabled_then_adapter_syncs(tmp_path: Path) -> None:
+    """When the base changed, the first sync pushes it (ParamStream with the adapter disabled yields the base) into the
+    LoRA engine; adapter syncs on top of it then serve the trainer's merged model."""
+    from lora_stream import ParamStream, VLLMColocatedSink
+
+    require("vllm")
+    path = save_for_vllm(vllm_llama(tie=False, seed=4), str(tmp_path / "m"))
+    llm = vllm_engine(path, enable_lora=True, max_lora_rank=MAX_RANK, max_loras=1)
+    base = _base(path)
+    with torch.no_grad():
+        for p in base.parameters():
+            p.mul_(1.1)
+    pm = lora(base, target_modules="all-linear", r=8)
+    with pm.disable_adapter():
+        record = VLLMColocatedSink(llm).sync(ParamStream(pm, group_by="layer"))
+        assert record.tensors == 21
+        assert_vllm_serves(vllm_generate(llm), copy.deepcopy(pm).unload())  # the changed base, without the adapter
+    synced = VLLMLoRASink(llm, lora_name="over-new-base").sync(AdapterStream(pm))
+    assert_vllm_serves(vllm_generate(llm, synced.lora_request), merged_copy(pm))
+    del llm
 
 
 def test_the_stream_is_peft_adapter_checkpoint_with_the_scaling_in_lora_b(served) -> None:  # type: ignore[no-untyped-def]
