@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import count_events, event, require, tiny_llama
+from helpers import count_events, event, require, results_of, tiny_llama
 from launch import assert_all_ok, describe, launch
 
 
@@ -78,4 +78,30 @@ def test_a_consumer_raising_inside_with_aborts_peers_even_if_its_pass_is_kept_al
     aborted = event(r0.output, "aborted")
     assert r0.returncode == 3 and aborted["failed_ranks"] == [1], describe(results)
     assert "ValueError: consumer on rank 1 failed" in aborted["message"], aborted  # the reason travelled
+    assert _abort_seconds(r0.output) < 10
+
+
+def test_direct_gather_equals_gathered_parameters_bit_for_bit_and_falls_back_where_it_must() -> None:
+    results = launch("zero3_stream", "direct", timeout=300)
+    assert_all_ok(results)
+    for r in results:
+        models = [e["model"] for e in results_of(r.output) if e.get("event") == "direct-equal"]
+        assert models == ["lora-mts-tied", "plain", "bf16-base-f32-factors", "qwen3-moe"], describe(results)
+
+
+def test_prefetch_streams_the_oracle_with_two_groups_held_and_break_releases_both() -> None:
+    results = launch("zero3_stream", "prefetch")
+    assert_all_ok(results)
+    for r in results:
+        e = event(r.output, "prefetch-match")
+        assert e["largest"] < e["peak"] <= e["bound"], e
+
+
+def test_with_a_gather_in_flight_a_consumer_raising_on_rank_1_aborts_rank_0_within_one_group() -> None:
+    results = launch("zero3_stream", "prefetch-raise", timeout=120)
+    r0, r1 = results
+    assert r1.returncode == 0 and event(r1.output, "consumer-raised"), describe(results)
+    assert r0.returncode == 3, describe(results)
+    aborted = event(r0.output, "aborted")
+    assert aborted["failed_ranks"] == [1] and "before group 3 of" in aborted["message"], aborted
     assert _abort_seconds(r0.output) < 10

@@ -69,6 +69,10 @@ class StreamStats:
     rss_peak_bytes: int | None = None
     #: Wall time of the pass so far, seconds.
     seconds: float = 0.0
+    #: Groups the gatherer gathered by each of its paths during this pass (ZeRO-3: ``{"direct": n, "fallback": m}``;
+    #: empty for gatherers with a single path), and why the latest fallback group could not take the direct path.
+    gather_paths: dict[str, int] = field(default_factory=dict)
+    fallback_reason: str | None = None
     #: True once every group was produced and every rank agreed the pass ended.
     complete: bool = False
 
@@ -230,6 +234,9 @@ class ParamStream:
             the process's ``VmHWM``).
         layout: ``"checkpoint"`` (default: names, layouts and persistent buffers as ``save_pretrained`` writes
             them, what inference engines load) or ``"memory"`` (``named_parameters()`` as transformers holds them).
+        prefetch: start gathering the next group as soon as the current one is whole, so the gather overlaps the
+            merge and the consumer (gatherers that support it: ZeRO-3's direct path). Holds two groups at once;
+            ``last_stats.peak_gathered_bytes`` counts both.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
@@ -252,6 +259,7 @@ class ParamStream:
         release_memory: bool = True,
         measure_rss: bool = False,
         layout: Layout = "checkpoint",
+        prefetch: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"ParamStream needs a torch.nn.Module, got {type(model).__name__}")
@@ -274,6 +282,7 @@ class ParamStream:
         self.reuse_outputs = reuse_outputs
         self.release_memory = release_memory
         self.measure_rss = measure_rss
+        self.prefetch = prefetch
         self.last_stats = StreamStats()
         self._last_pass: weakref.ref[StreamPass[object]] | None = None
         self._passes: weakref.WeakSet[StreamPass[object]] = weakref.WeakSet()
@@ -395,6 +404,11 @@ class ParamStream:
             if out.dtype != t.dtype:
                 out = scratch.empty(out.shape, t.dtype, out.device).copy_(out)
                 stats.computed += 1
+            elif getattr(self.gatherer, "reuses_buffers", False):
+                # The gather buffer holds the next group once this one is done; a consumer that keeps the tensor
+                # (vLLM's layerwise reload keeps a layer's weights until the layer is complete) must not see it
+                # change. Merged tensors are fresh already.
+                out = scratch.empty(out.shape, t.dtype, out.device).copy_(out)
         else:
             stats.peak_temp_bytes = max(stats.peak_temp_bytes, t.merge.peak_temp_bytes(self.gatherer.full_shape))
             out = t.merge.compute(full, t.dtype, scratch)
@@ -440,13 +454,22 @@ class ParamStream:
             stats.rss_start_bytes = rss.start
         start = time.perf_counter()
         freed_since_trim = 0
+        g = self.gatherer
+        prefetch = getattr(g, "prefetch", None) if self.prefetch else None
+        paths_before = dict(getattr(g, "path_counts", {}))
         try:
             for gi, group in enumerate(self._groups):
                 if lock is not None:
                     lock.exchange(Status.OK, f"before group {gi} of {n}")
-                with self.gatherer.gather(group.params) as full:
+                with g.gather(group.params) as full:
                     stats.groups += 1
-                    stats.peak_gathered_bytes = max(stats.peak_gathered_bytes, group.gathered_bytes)
+                    held = group.gathered_bytes
+                    if prefetch is not None and gi + 1 < n:
+                        # Every rank reaches this point for group gi, so the next group's gather (a collective)
+                        # is started everywhere, even if a consumer stops while this group is consumed.
+                        prefetch(self._groups[gi + 1].params)
+                        held += self._groups[gi + 1].gathered_bytes
+                    stats.peak_gathered_bytes = max(stats.peak_gathered_bytes, held)
                     if batched:
                         tensors = [x for s in group.steps for x in self._produce_step(s, full, stats, scratch)]
                         yield [o.name for o in group.outputs], tensors
@@ -480,6 +503,17 @@ class ParamStream:
             handle.stop_reason = describe_error(exc)
             raise
         finally:
+            end_pass = getattr(g, "end_pass", None)
+            if end_pass is not None:
+                try:
+                    end_pass()  # a prefetched gather still in flight: the peers started it too
+                except Exception as exc:
+                    if status == Status.OK and handle.state == PassState.COMPLETE:
+                        raise
+                    handle.stop_reason = handle.stop_reason or describe_error(exc)
+            paths = getattr(g, "path_counts", {})
+            stats.gather_paths = {k: v - paths_before.get(k, 0) for k, v in paths.items()}
+            stats.fallback_reason = getattr(g, "fallback_reason", None) if stats.gather_paths.get("fallback") else None
             stats.seconds = time.perf_counter() - start
             stats.workspace_bytes = scratch.workspace.nbytes
             stats.rss_peak_bytes = rss.peak()
@@ -507,6 +541,7 @@ def stream_merged_params(
     release_memory: bool = True,
     measure_rss: bool = False,
     layout: Layout = "checkpoint",
+    prefetch: bool = False,
 ) -> StreamPass[tuple[str, torch.Tensor]]:
     """Iterate ``(hf_name, merged_tensor)`` over ``model``: one pass of a :class:`ParamStream` with these options.
 
@@ -528,5 +563,6 @@ def stream_merged_params(
             release_memory=release_memory,
             measure_rss=measure_rss,
             layout=layout,
+            prefetch=prefetch,
         )
     )

@@ -10,6 +10,12 @@ Scenarios:
   drift       bf16 engine, 100 streams: every rank's partition (ds_tensor) bitwise identical afterwards.
   raise       rank 1's consumer raises at the third group (and catches it after the loop).
   die         rank 1's process exits at the third group.
+  direct      the direct gather (owned buffers) against GatheredParameters, bit for bit, group by group, on every
+              model these tests use (LoRA + modules_to_save + tied, plain, bf16 base with float32 factors, Qwen3-MoE
+              with LoRA on the experts); the path reported in the stats; the fallback chosen where it must be.
+  prefetch    prefetch=True: the stream equals the oracle, at most two groups held at every yield; a break releases
+              both buffers.
+  prefetch-raise  rank 1's consumer raises at the third group with the next group's gather in flight.
   raise-kept  rank 1's consumer raises at the third group inside ``with stream.iter_groups()``, and rank 1 keeps the
               pass and the traceback alive (and its process running) afterwards.
 """
@@ -197,10 +203,89 @@ def scenario_drift() -> None:
     report(rank=dist.get_rank(), event="bitwise-identical", streams=100)
 
 
+def _models() -> list[tuple[str, torch.nn.Module]]:
+    from architectures import BY_ID, build
+    from helpers import perturb_adapters
+    from peft import LoraConfig, get_peft_model
+
+    mixed = lora(tiny_llama(layers=2, tie=True, dtype=torch.bfloat16), target_modules="all-linear")
+    arch = BY_ID["qwen3_moe"]
+    moe = get_peft_model(build(arch), LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **arch.lora))
+    perturb_adapters(moe)
+    saved = lora(tiny_llama(layers=4, tie=True), target_modules="all-linear", modules_to_save=["lm_head"])
+    return [
+        ("lora-mts-tied", saved),
+        ("plain", tiny_llama(layers=4, seed=1)),
+        ("bf16-base-f32-factors", mixed),
+        ("qwen3-moe", moe),
+    ]
+
+
+def scenario_direct() -> None:
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    for label, model in _models():
+        engine = engine_for(model)
+        direct, fallback = ZeroThreeGatherer(engine), ZeroThreeGatherer(engine, direct=False)
+        stream = ParamStream(engine, group_by="module")
+        groups = 0
+        for group in stream._groups:
+            with direct.gather(group.params) as full:
+                got = [full(p).clone() for p in group.params]
+                assert all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in group.params), "params touched"
+            with fallback.gather(group.params) as full:
+                want = [full(p).clone() for p in group.params]
+            for a, b in zip(got, want):
+                assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), label
+            groups += 1
+        assert direct.path_counts == {"direct": groups, "fallback": 0}, direct.path_counts
+        assert fallback.path_counts == {"direct": 0, "fallback": groups} and fallback.fallback_reason == "direct=False"
+        list(stream)
+        assert stream.last_stats.gather_paths == {"direct": groups, "fallback": 0}, stream.last_stats.gather_paths
+        assert stream.last_stats.fallback_reason is None
+        # A configuration the direct path cannot prove equal (a ZeRO++ secondary partition): the group falls back.
+        probe = ZeroThreeGatherer(engine)
+        p0 = stream._groups[0].params[0]
+        p0.ds_secondary_tensor = p0.ds_tensor
+        try:
+            assert "ZeRO++" in str(probe.direct_refusal(stream._groups[0].params))
+            with probe.gather(stream._groups[0].params) as full:
+                full(p0)
+            assert probe.path_counts == {"direct": 0, "fallback": 1}
+        finally:
+            p0.ds_secondary_tensor = None
+        report(rank=dist.get_rank(), event="direct-equal", model=label, groups=groups)
+
+
+def scenario_prefetch() -> None:
+    pm = lora(tiny_llama(layers=4, tie=True), target_modules="all-linear", modules_to_save=["lm_head"])
+    template = copy.deepcopy(pm)
+    engine = engine_for(pm)
+    train_step(engine)
+    ref = oracle(unsharded(engine, template))
+    stream = ParamStream(engine, group_by="module", prefetch=True)
+    sizes = stream.group_gathered_bytes
+    bound = max(a + b for a, b in zip(sizes, [*sizes[1:], 0]))
+    got, peak = [], 0
+    for name, tensor in stream:
+        held = stream.gatherer.held_bytes()
+        assert 0 < held <= bound, f"{name}: {held} bytes held, bound {bound}"
+        peak = max(peak, held)
+        got.append((name, tensor.clone()))
+    assert_matches(got, ref)
+    assert stream.last_stats.peak_gathered_bytes == bound >= peak > max(sizes), (bound, peak, max(sizes))
+    assert stream.gatherer.held_bytes() == 0 and stream.gatherer._buffers == [None, None]
+    for i, _ in enumerate(stream.iter_groups()):
+        if i == 2:
+            break  # the next group's gather is in flight here
+    assert stream.gatherer.held_bytes() == 0 and stream.gatherer._buffers == [None, None], "break releases both"
+    report(rank=dist.get_rank(), event="prefetch-match", peak=peak, bound=bound, largest=max(sizes))
+
+
 def scenario_failure(kind: str) -> None:
     pm = lora(tiny_llama(layers=4), target_modules="all-linear")
     engine = engine_for(pm)
-    stream = ParamStream(engine, group_by="module")
+    stream = ParamStream(engine, group_by="module", prefetch=kind.startswith("prefetch"))
     rank = dist.get_rank()
     start = time.monotonic()
     try:
@@ -246,7 +331,7 @@ def scenario_raise_kept() -> None:
 def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     scenario, args = sys.argv[1], sys.argv[2:]
-    if scenario in ("raise", "die"):
+    if scenario in ("raise", "die", "prefetch-raise"):
         scenario_failure(scenario)
     elif scenario == "raise-kept":
         scenario_raise_kept()
@@ -257,6 +342,8 @@ def main() -> None:
             "mixed": scenario_mixed,
             "drift": scenario_drift,
             "moe": scenario_moe,
+            "direct": scenario_direct,
+            "prefetch": scenario_prefetch,
         }[scenario](*args)
     finish()
 

@@ -1,12 +1,33 @@
-"""DeepSpeed ZeRO-3: gather exactly one group's partitioned parameters, then re-partition them."""
+"""DeepSpeed ZeRO-3: gather exactly one group's partitioned parameters into buffers the stream owns, then let go.
+
+DeepSpeed's own ``GatheredParameters`` allocates a fresh flat tensor per parameter on every entry and frees them on
+exit. Over a sync of many groups that churn is what grows a CPU process (glibc keeps freed heap) and what
+``malloc_trim`` had to undo. The direct path here all-gathers each parameter's partition (``ds_tensor``) into one
+byte buffer per pass, sized by the largest group and reused by every group, with DeepSpeed's own layout: rank ``r``
+holds elements ``[r * P, (r + 1) * P)`` of the flattened parameter, ``P = ds_tensor.ds_numel`` (padded), so the
+whole parameter is the first ``ds_numel`` elements of the gathered ``P * world``. The bytes are those
+``GatheredParameters`` produces (the same all-gather of the same partitions; tested bit for bit), and the parameter
+itself is never touched: its ``ds_status`` stays ``NOT_AVAILABLE`` and ``param.data`` stays empty.
+
+Configurations the direct path cannot prove equal fall back to ``GatheredParameters``, for the whole group, chosen
+from the parameters alone (so every rank chooses the same): ZeRO++ hierarchical partitions
+(``ds_secondary_tensor``), quantized partitions, parameters offloaded to NVMe or kept on another device than the
+parameter's, partitions of another process group, parameters in flight. ``path_counts`` and ``fallback_reason``
+report what was used.
+
+With ``prefetch`` the stream asks for the next group's gather as soon as the current group is whole; it runs
+asynchronously into a second buffer while the current group is merged and consumed. Memory: two groups instead of one.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..core import FullTensor
@@ -14,45 +35,194 @@ from .base import ShardedGathererBase, detached
 
 __all__ = ["ZeroThreeGatherer", "is_zero3_model"]
 
+#: Offsets of parameters inside a gather buffer are aligned so that any dtype's view of the bytes is legal.
+_ALIGN = 64
+
 
 def is_zero3_model(model: nn.Module) -> bool:
     """Whether ``model``'s parameters are ZeRO-3 partitioned (engine, its ``.module``, or built under zero.Init)."""
     return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
-class ZeroThreeGatherer(ShardedGathererBase):
-    """``deepspeed.zero.GatheredParameters(group, modifier_rank=None)`` around one group at a time.
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
-    ``modifier_rank=None`` makes the gather read-only: DeepSpeed re-partitions on exit without broadcasting
-    anything back, and the local partition (``ds_tensor``) is never written. Shapes come from ``ds_shape``, so
-    planning and ``metadata()`` communicate nothing.
+
+@dataclass
+class _Gathered:
+    """One group's gather into a buffer slot: the work handles and each parameter's whole tensor."""
+
+    key: tuple[int, ...]
+    slot: int
+    nbytes: int
+    handles: list[Any] = field(default_factory=list)
+    full: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def wait(self) -> None:
+        handles, self.handles = self.handles, []
+        for h in handles:
+            h.wait()
+
+
+class ZeroThreeGatherer(ShardedGathererBase):
+    """One group at a time out of a ZeRO-3 partitioned model; read-only.
+
+    Args:
+        model: the DeepSpeed engine, its ``.module``, or a model built under ``zero.Init``.
+        direct: gather into the stream's own buffers where provably equal to ``GatheredParameters`` (default);
+            ``False`` always uses ``GatheredParameters(group, modifier_rank=None)``.
+
+    Either way the local partition (``ds_tensor``) is never written, and shapes come from ``ds_shape``, so planning
+    and ``metadata()`` communicate nothing.
     """
 
     name = "zero3"
+    #: The direct path reuses its buffers for every group: the stream copies what it yields unmerged out of them.
+    reuses_buffers = True
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, direct: bool = True) -> None:
         self._params: list[Any] = [p for p in model.parameters() if hasattr(p, "ds_id")]
         if not self._params:
             raise ValueError("ZeroThreeGatherer needs a model whose parameters are ZeRO-3 partitioned")
         self._group = getattr(self._params[0], "ds_process_group", None)
+        self.direct = direct
+        #: Groups gathered by each path since this gatherer was built.
+        self.path_counts: dict[str, int] = {"direct": 0, "fallback": 0}
+        #: Why the latest fallback group could not take the direct path.
+        self.fallback_reason: str | None = None
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._current: _Gathered | None = None
+        self._pending: _Gathered | None = None
 
     def full_shape(self, param: nn.Parameter) -> torch.Size:
         shape = getattr(param, "ds_shape", None)
         return torch.Size(shape) if shape is not None else param.shape
 
-    @contextmanager
-    def gather(self, params: Sequence[nn.Parameter]) -> Iterator[FullTensor]:
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(list(params), modifier_rank=None):
-            yield detached
-
-    def held_bytes(self) -> int:
-        """Whole bytes of the parameters ZeRO-3 currently holds gathered, not counting persistent ones."""
+    # -- which path -------------------------------------------------------------------------------------------------
+    def direct_refusal(self, params: Sequence[Any]) -> str | None:
+        """Why ``params`` cannot be gathered by the direct path (``None``: they can). Depends only on the
+        parameters' configuration, which every rank shares, so every rank takes the same path."""
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-        return sum(
+        if not self.direct:
+            return "direct=False"
+        for p in params:
+            if not hasattr(p, "ds_tensor"):
+                return f"a parameter of shape {tuple(p.shape)} is not ZeRO-3 partitioned"
+            if getattr(p, "ds_secondary_tensor", None) is not None:
+                return "ZeRO++ hierarchical partitioning (ds_secondary_tensor)"
+            t = p.ds_tensor
+            if hasattr(t, "ds_quant_scale") or t.dtype != p.dtype:
+                return f"quantized or recast partitions ({t.dtype} partition of a {p.dtype} parameter)"
+            if getattr(t, "final_location", None) is not None or t.device.type != p.device.type:
+                return "offloaded parameters"
+            if getattr(p, "ds_process_group", self._group) is not self._group:
+                return "parameters partitioned over different process groups"
+            if p.ds_status not in (ZeroParamStatus.NOT_AVAILABLE, ZeroParamStatus.AVAILABLE):
+                return f"a parameter in state {p.ds_status.name}"
+        return None
+
+    # -- gathering --------------------------------------------------------------------------------------------------
+    @contextmanager
+    def gather(self, params: Sequence[Any]) -> Iterator[FullTensor]:
+        unique = list({id(p): p for p in params}.values())
+        reason = self.direct_refusal(unique)
+        if reason is not None:
+            self.path_counts["fallback"] += 1
+            self.fallback_reason = reason
+            self._drain()
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(unique, modifier_rank=None):
+                yield detached
+            return
+        self.path_counts["direct"] += 1
+        key = tuple(id(p) for p in unique)
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.key != key:  # the stream asked for another group: never reuse it
+            pending.wait()
+            self._release(pending)
+            pending = None
+        gathered = pending if pending is not None else self._start(unique, self._free_slot())
+        self._current = gathered
+        try:
+            gathered.wait()
+            full = gathered.full
+
+            def whole(param: Any) -> torch.Tensor:
+                t = full.get(id(param))
+                return t if t is not None else detached(param)  # persistent: ZeRO keeps it whole
+
+            yield whole
+        finally:
+            self._current = None
+            self._release(gathered)
+
+    def prefetch(self, params: Sequence[Any]) -> None:
+        """Start gathering ``params`` (the stream's next group) now, into the other buffer; ``gather(params)``
+        then only waits for it. A collective: every rank must ask for the same group at the same point (the stream
+        does, right after its current group became whole). Ignored where the direct path does not apply."""
+        unique = list({id(p): p for p in params}.values())
+        if self._pending is not None or self.direct_refusal(unique) is not None:
+            return
+        self._pending = self._start(unique, self._free_slot())
+
+    def end_pass(self) -> None:
+        """Wait for a gather still in flight (the peers started it too) and free the buffers. The stream calls
+        this when a pass ends, however it ends."""
+        self._drain()
+        self._buffers = [None, None]
+
+    def _drain(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            try:
+                pending.wait()
+            finally:
+                self._release(pending)
+
+    def _free_slot(self) -> int:
+        used = {g.slot for g in (self._current, self._pending) if g is not None}
+        return next(s for s in (0, 1) if s not in used)
+
+    def _start(self, params: list[Any], slot: int) -> _Gathered:
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        world = dist.get_world_size(self._group)  # type: ignore[arg-type]
+        layout: list[tuple[Any, int, int]] = []
+        size = 0
+        for p in params:
+            if p.ds_status == ZeroParamStatus.AVAILABLE:
+                continue  # persistent (or gathered by someone else): already whole
+            n = p.ds_tensor.ds_numel * world * p.element_size()
+            layout.append((p, size, n))
+            size = _aligned(size + n)
+        buf = self._buffers[slot]
+        if buf is None or buf.numel() < size:
+            device = params[0].ds_tensor.device if params else torch.device("cpu")
+            buf = self._buffers[slot] = torch.empty(max(size, 1), dtype=torch.uint8, device=device)
+        whole_bytes = sum(int(p.ds_numel) * p.element_size() for p, _, _ in layout)
+        gathered = _Gathered(tuple(id(p) for p in params), slot, whole_bytes)
+        for p, off, n in layout:
+            out = buf.narrow(0, off, n).view(p.dtype)
+            part = p.ds_tensor.view(-1).narrow(0, 0, p.ds_tensor.ds_numel)
+            gathered.handles.append(dist.all_gather_into_tensor(out, part, group=self._group, async_op=True))
+            gathered.full[id(p)] = out.narrow(0, 0, p.ds_numel).view(p.ds_shape)
+        self._held += whole_bytes
+        return gathered
+
+    def _release(self, gathered: _Gathered) -> None:
+        self._held -= gathered.nbytes
+        gathered.full.clear()
+
+    def held_bytes(self) -> int:
+        """Whole bytes of parameters held gathered because of the stream: the direct path's current and prefetched
+        groups, and whatever ``GatheredParameters`` holds (persistent parameters not counted)."""
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        fallback = sum(
             p.ds_numel * p.element_size()
             for p in self._params
             if p.ds_status == ZeroParamStatus.AVAILABLE and not getattr(p, "ds_persist", False)
         )
+        return int(self._held + fallback)
