@@ -64,11 +64,13 @@ def unsharded_drift(args: argparse.Namespace, cycles: int) -> dict[str, dict[str
 
 def main() -> None:
     args, common = model_cli(__doc__ or "", syncs=20, out=HERE / "results" / "zero3.json")
-    variants: list[tuple[str, list[str]]] = [("whole_gather", [])]
+    variants: list[tuple[str, list[str]]] = [("whole_gather", []), ("floor", [])]
     variants += [("lora_stream", ["--budget", str(int(b) * MiB)]) for b in args.budgets_mib.split(",")]
     variants += [("lora_stream", ["--group-by", "layer"])]
     first = str(int(args.budgets_mib.split(",")[0]) * MiB)
     variants += [
+        ("lora_stream", ["--budget", first, "--prefetch"]),
+        ("lora_stream", ["--budget", first, "--fallback"]),
         ("lora_stream", ["--budget", first, "--no-release"]),
         ("lora_stream", ["--budget", first, "--reuse-outputs"]),
     ]
@@ -82,7 +84,27 @@ def main() -> None:
         f"\nmodel: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}: {model_mib:.0f} MiB bf16; "
         f"{args.syncs} syncs per variant, 2 ranks\n"
     )
+    floors = {r["rank"]: r["floors"] for r in rows if r["variant"] == "floor"}
+    rows = [r for r in rows if r["variant"] != "floor"]
     print(table(rows, "whole_gather"))
+    print(
+        "\nfloors measured in the same run (median; no-overlap = all-gather + merge + copy, overlap = max(all-gather,"
+        " merge + copy)):"
+    )
+    for rank, f in sorted(floors.items()):
+        print(
+            f"  rank {rank}: raw all-gather {f['all_gather_s']:.3f} s, merge alone {f['merge_s']:.3f} s, copy alone "
+            f"{f['copy_s']:.3f} s; no-overlap floor {f['no_overlap_s']:.3f} s, overlapped floor {f['overlap_s']:.3f} s"
+        )
+    print("\neach variant against the floors of its rank:")
+    for r in rows:
+        f = floors[r["rank"]]
+        print(
+            f"  {r['variant']:<22} {','.join(r['options']) or '-':<14} rank {r['rank']}: "
+            f"{r['median_sync_s'] / f['no_overlap_s']:.2f}x no-overlap floor, "
+            f"{r['median_sync_s'] / f['overlap_s']:.2f}x overlapped floor, growth "
+            f"{r['rss_growth_bytes'] / max(r['largest_group_bytes'], 1):.2f}x largest group"
+        )
     drift = unsharded_drift(args, cycles=args.syncs)
     print(
         f"\ndrift of the training weights after {args.syncs} syncs of an unsharded bf16 model (2 layers, same shapes):"
@@ -90,7 +112,8 @@ def main() -> None:
     for variant, d in drift.items():
         print(f"  {variant:<14} {d['changed_elements']:>10} elements changed, max |change| {d['max_abs']:.3g}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows, "unsharded_drift": drift}, indent=1))
+    out = {"args": vars(args), "rows": rows, "floors": floors, "unsharded_drift": drift}
+    Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"\nwrote {args.out}")
 
 

@@ -74,6 +74,54 @@ def lora_stream_sync(stream, dest: dict[str, torch.Tensor]) -> int:  # type: ign
     return int(stream.last_stats.peak_gathered_bytes)
 
 
+def measure_floors(engine, stream, dest: dict[str, torch.Tensor], syncs: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Lower bounds measured on this machine and process group, each the median of ``syncs`` runs: the raw
+    all-gather of every partition into one reused buffer (no merge, no copy out), the stream's merges alone on
+    whole tensors already in memory (an unsharded copy of the model), and copying every output into the destination."""
+    import copy
+
+    from lora_stream import ParamStream, PlainGatherer
+
+    params = list(engine.module.parameters())
+    world = dist.get_world_size()
+    largest = max(p.ds_tensor.ds_numel * world * p.element_size() for p in params)
+    buf = torch.empty(largest, dtype=torch.uint8)
+
+    def all_gather() -> None:
+        for p in params:
+            n = p.ds_tensor.ds_numel * world * p.element_size()
+            out = buf.narrow(0, 0, n).view(p.dtype)
+            dist.all_gather_into_tensor(out, p.ds_tensor.view(-1).narrow(0, 0, p.ds_tensor.ds_numel))
+
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        whole = copy.deepcopy(engine.module)  # unsharded: the merges run on tensors already in memory
+    for p in whole.parameters():
+        p.requires_grad_(False)
+    merged_only = ParamStream(whole, gatherer=PlainGatherer(), release_memory=False)
+    outputs = {n: t.clone() for n, t in merged_only}
+
+    def merge() -> None:
+        for _name, _tensor in merged_only:
+            pass
+
+    def copy_out() -> None:
+        for name, tensor in outputs.items():
+            dest[name].copy_(tensor)
+
+    out: dict[str, float] = {}
+    for label, fn in (("all_gather_s", all_gather), ("merge_s", merge), ("copy_s", copy_out)):
+        runs = []
+        for _ in range(syncs):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            runs.append(time.perf_counter() - t0)
+        out[label] = statistics.median(runs)
+    out["no_overlap_s"] = out["all_gather_s"] + out["merge_s"] + out["copy_s"]
+    out["overlap_s"] = max(out["all_gather_s"], out["merge_s"] + out["copy_s"])
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("variant")
@@ -83,6 +131,8 @@ def main() -> None:
     p.add_argument("--no-release", action="store_true", help="release_memory=False")
     p.add_argument("--reuse-outputs", action="store_true", help="reuse_outputs=True")
     p.add_argument("--adapter", action="store_true", help="AdapterStream: only the LoRA factors")
+    p.add_argument("--fallback", action="store_true", help="ZeroThreeGatherer(direct=False): GatheredParameters")
+    p.add_argument("--prefetch", action="store_true", help="prefetch=True")
     add_model_args(p)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--out", required=True)
@@ -90,17 +140,20 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     engine = build(args)
 
-    from lora_stream import AdapterStream, ParamStream
+    from lora_stream import AdapterStream, ParamStream, ZeroThreeGatherer
 
     budget = {"budget_bytes": args.budget} if args.budget else {}
+    gatherer = ZeroThreeGatherer(engine, direct=not args.fallback)
     if args.adapter:
-        stream: ParamStream = AdapterStream(engine, group_by=args.group_by, **budget)
+        stream: ParamStream = AdapterStream(engine, group_by=args.group_by, gatherer=gatherer, **budget)
     else:
         stream = ParamStream(
             engine,
+            gatherer=gatherer,
             group_by=args.group_by,
             release_memory=not args.no_release,
             reuse_outputs=args.reuse_outputs,
+            prefetch=args.prefetch,
             **budget,
         )
     # zeros, not empty: the destination's pages must be resident before the baseline RSS is read, or the first
@@ -116,7 +169,11 @@ def main() -> None:
     sampler = RssSampler()
     sampler.start()
     times, gathered = [], 0
-    for _ in range(args.syncs):
+    floors: dict[str, float] = {}
+    if args.variant == "floor":
+        floors = measure_floors(engine, stream, dest, args.syncs)
+        times = [floors["no_overlap_s"]]
+    for _ in range(args.syncs if args.variant != "floor" else 0):
         dist.barrier()
         t0 = time.perf_counter()
         if args.variant == "whole_gather":
@@ -127,10 +184,18 @@ def main() -> None:
     peak = sampler.stop()
     changed = sum(int((p.ds_tensor != b).sum()) for p, b in zip(partitions, before))
     max_drift = max(float((p.ds_tensor.float() - b.float()).abs().max()) for p, b in zip(partitions, before))
-    options = [o for o, on in (("no-release", args.no_release), ("reuse-outputs", args.reuse_outputs)) if on]
+    flags = (
+        ("no-release", args.no_release),
+        ("reuse-outputs", args.reuse_outputs),
+        ("prefetch", args.prefetch),
+        ("fallback", args.fallback),
+    )
+    options = [o for o, on in flags if on]
     label = "adapter" if args.adapter else f"lora_stream {args.group_by}"
     row = {
-        "variant": args.variant if args.variant == "whole_gather" else label,
+        "variant": args.variant if args.variant in ("whole_gather", "floor") else label,
+        "floors": floors,
+        "gather_paths": stream.last_stats.gather_paths,
         "options": options,
         "budget_bytes": args.budget or None,
         "rank": dist.get_rank(),
