@@ -77,8 +77,6 @@ class ZeroThreeGatherer(ShardedGathererBase):
     """
 
     name = "zero3"
-    #: The direct path reuses its buffers for every group: the stream copies what it yields unmerged out of them.
-    reuses_buffers = True
 
     def __init__(self, model: nn.Module, *, direct: bool = True) -> None:
         self._params: list[Any] = [p for p in model.parameters() if hasattr(p, "ds_id")]
@@ -93,6 +91,12 @@ class ZeroThreeGatherer(ShardedGathererBase):
         self._buffers: list[torch.Tensor | None] = [None, None]
         self._current: _Gathered | None = None
         self._pending: _Gathered | None = None
+
+    @property
+    def reuses_buffers(self) -> bool:
+        """The direct path reuses its buffers for every group: the stream copies what it yields unmerged out of
+        them (``GatheredParameters`` hands out fresh tensors each time)."""
+        return self.direct
 
     def full_shape(self, param: nn.Parameter) -> torch.Size:
         shape = getattr(param, "ds_shape", None)
