@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["AdapterSyncRecord", "SyncRecord"]
@@ -27,6 +27,9 @@ class SyncRecord:
     peak_group_bytes: int
     peak_gathered_bytes: int
     version: str | None = None
+    #: Seconds by stage where the sink measures them (the server sink over gloo: the trainer's engine's
+    #: ``last_stages``, with the server worker's own timing under ``"worker"``).
+    stages: dict[str, Any] = field(default_factory=dict)
 
     @property
     def gbps(self) -> float:

@@ -18,6 +18,7 @@ the trainer's address. Keep both on a private network or loopback; see ``docs/vl
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import time
 import uuid
@@ -301,6 +302,9 @@ class VLLMServerSink:
         if version is not None and self.is_sender and self.backend != "gloo":
             self.client.update_weight_version(version)  # vLLM's nccl trainer engine finishes without a version
         record = source.record(self.name, time.perf_counter() - start)
+        stages = dict(getattr(self._engine, "last_stages", None) or {}) if self.is_sender else {}
+        if stages:
+            record = dataclasses.replace(record, stages=stages)
         if is_adapter:
             record = AdapterSyncRecord(**record.__dict__, lora_name=self.lora_name)
         record.log()

@@ -9,6 +9,7 @@ finish) over a ``ProcessGroupGloo`` between the trainer (rank 0) and every vLLM 
 from __future__ import annotations
 
 import datetime
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,8 @@ from .packing import plan_chunks, unpack
 __all__ = ["GlooInitInfo", "GlooUpdateInfo", "GlooWeightTransferEngine", "TransferGroup"]
 
 STORE_PREFIX = "lora_stream_weight_transfer"
+#: Where each server worker leaves the timing of its side of the latest update, in the trainer's store.
+TIMING_KEY = "lora_stream_worker_timing_{rank}"
 
 
 @dataclass
@@ -130,6 +133,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         pc = self.parallel_config
         rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
         self.buffer_bytes = init_info.buffer_bytes
+        self._rank = rank
         self.group = TransferGroup(
             init_info.master_address, init_info.master_port, rank, init_info.world_size, init_info.timeout_s
         )
@@ -159,6 +163,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             )
         adapter = update_info.adapter
         received: dict[str, torch.Tensor] = {}
+        clock = time.perf_counter
+        timing = {"recv_wait_s": 0.0, "unpack_s": 0.0, "load_s": 0.0, "finish_s": 0.0}
         try:
             if adapter is not None and getattr(self.model, "lora_manager", None) is None:
                 raise RuntimeError(
@@ -167,32 +173,59 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                 )
             if adapter is None:
                 self._bracket.begin()
-            for c, chunk in enumerate(plan.chunks):
+
+            def post(c: int) -> tuple[torch.Tensor, Any]:
                 # A fresh buffer per chunk: the reload bracket may keep views until the layer is complete.
                 buffer = torch.empty(plan.chunk_bytes(c), dtype=torch.uint8)
-                self.group.broadcast(buffer).wait()
+                return buffer, self.group.broadcast(buffer)
+
+            nxt = post(0) if plan.chunks else None
+            for c, chunk in enumerate(plan.chunks):
+                assert nxt is not None
+                buffer, work = nxt
+                t = clock()
+                work.wait()
+                timing["recv_wait_s"] += clock() - t
+                # Receive the next chunk while this one is loaded.
+                nxt = post(c + 1) if c + 1 < len(plan.chunks) else None
+                t = clock()
                 views = unpack(buffer, plan, c, update_info.shapes, dtypes)
                 pairs = list(zip([update_info.names[i] for i in chunk], views))
+                timing["unpack_s"] += clock() - t
+                t = clock()
                 if adapter is not None:
                     received.update(pairs)
                 else:
                     self._bracket.load(pairs, update_info.optional_names)
+                timing["load_s"] += clock() - t
+            t = clock()
             if adapter is not None:
                 # Staged only: the trainer's /v1/load_lora_adapter call makes vLLM build, check and swap it in.
                 stage(adapter["path"], StagedAdapter(received, dict(adapter["config"])))
                 prune(adapter["path"], keep=adapter.get("keep"))
-                return
-            # Every tensor arrived: close and check the bracket here, not in finish_weight_update. An error raised
-            # from an update ends vLLM's update session (the trainer sees /update_weights fail); one raised from
-            # finish would leave the session open and the server refusing every later update.
-            error = self._bracket.finish().error(" (server worker)")
-            if error is not None:
-                raise error
+            else:
+                # Every tensor arrived: close and check the bracket here, not in finish_weight_update. An error
+                # raised from an update ends vLLM's update session (the trainer sees /update_weights fail); one
+                # raised from finish would leave the session open and the server refusing every later update.
+                error = self._bracket.finish().error(" (server worker)")
+                if error is not None:
+                    raise error
+            timing["finish_s"] += clock() - t
+            self._report(timing)
         except BaseException:
             # Never leave layers on the meta device: the next forward would kill the engine.
             self._bracket.abort()
             self.shutdown()
             raise
+
+    def _report(self, timing: dict[str, float]) -> None:
+        """Leave this worker's timing of the update in the trainer's store (the trainer's engine reads it)."""
+        import json
+
+        try:
+            self.group.store.set(TIMING_KEY.format(rank=self._rank), json.dumps(timing))
+        except Exception:  # diagnostics only: never fail an update for them
+            pass
 
     def shutdown(self) -> None:
         group, self.group = self.group, None

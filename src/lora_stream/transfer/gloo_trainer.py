@@ -22,7 +22,7 @@ from vllm.distributed.weight_transfer.base import (  # type: ignore[import-not-f
 )
 
 from ..errors import TransferError
-from .gloo_engine import TransferGroup
+from .gloo_engine import TIMING_KEY, TransferGroup
 from .packing import plan_chunks
 
 __all__ = ["GlooTrainerInitInfo", "GlooTrainerWeightTransferEngine", "TransferError"]
@@ -48,19 +48,24 @@ def _ending(source: Any) -> AbstractContextManager[Any]:
     return closing(batches) if hasattr(batches, "close") else nullcontext(batches)
 
 
-def _send(
-    group: TransferGroup, payload: torch.Tensor, pending: concurrent.futures.Future[Any], timeout_s: float
-) -> None:
-    """Broadcast one chunk, failing fast if the server's HTTP call already failed or the data plane broke."""
+def _start(group: TransferGroup, payload: torch.Tensor) -> Any:
+    try:
+        return group.broadcast(payload)
+    except RuntimeError as exc:  # gloo: the server's worker went away ("Connection closed by peer")
+        raise TransferError(f"the data plane to the vLLM server broke mid-transfer: {exc}") from exc
+
+
+def _finish(work: Any, pending: concurrent.futures.Future[Any], timeout_s: float) -> None:
+    """Wait for one chunk's broadcast, failing fast if the server's HTTP call already failed or the data plane
+    broke. The HTTP call is only looked at while waiting, never between chunks that complete."""
     deadline = time.monotonic() + timeout_s
     try:
-        work = group.broadcast(payload)
         while not work.is_completed():
             if pending.done() and pending.exception() is not None:
                 raise TransferError(f"the server failed the update while receiving: {pending.exception()}")
             if time.monotonic() > deadline:
                 raise TransferError(f"a chunk broadcast did not complete within {timeout_s} s")
-            time.sleep(0.0005)
+            time.sleep(0.0002)
         work.wait()
     except RuntimeError as exc:  # gloo: the server's worker went away ("Connection closed by peer")
         raise TransferError(f"the data plane to the vLLM server broke mid-transfer: {exc}") from exc
@@ -75,6 +80,12 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
     group: Any = None
     init_info: GlooTrainerInitInfo
+    #: Seconds of the latest ``send_weights`` by stage: ``produce_s`` (waiting for the stream: gathers and merges),
+    #: ``pack_s`` (copies into the packing buffers), ``send_wait_s`` (waiting for broadcasts), ``http_s`` (the
+    #: weight-update calls, minus the time the update's reply overlapped the transfer), and ``worker``, the server
+    #: workers' own timing (``recv_wait_s``, ``unpack_s``, ``load_s``: vLLM's ``load_weights``, ``finish_s``: vLLM's
+    #: reload finalisation and lora_stream's check).
+    last_stages: dict[str, Any]
 
     @classmethod
     def trainer_init(
@@ -82,6 +93,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
     ) -> GlooTrainerWeightTransferEngine:
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         engine.init_info = init_info
+        engine.last_stages = {}
         if not engine.is_sender:
             return engine
         payload = {
@@ -136,40 +148,98 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             "adapter": getattr(source, "adapter", None),
         }
         timeout = self.init_info.timeout_s
+        clock = time.perf_counter
+        stages = {"produce_s": 0.0, "pack_s": 0.0, "send_wait_s": 0.0, "http_s": 0.0}
+        t0 = clock()
         self.client.start_weight_update()
+        stages["http_s"] += clock() - t0
         pool = concurrent.futures.ThreadPoolExecutor(1)
         try:
             pending = pool.submit(self.client.update_weights, update)
             largest_chunk = max((plan.chunk_bytes(c) for c in range(len(plan.chunks))), default=0)
-            buffer = torch.empty(min(self.init_info.buffer_bytes, largest_chunk), dtype=torch.uint8)
+            size = min(self.init_info.buffer_bytes, largest_chunk)
+            # Two packing buffers: the next chunk is packed while the previous one is on the wire.
+            buffers = [
+                torch.empty(size, dtype=torch.uint8),
+                torch.empty(size if len(plan.chunks) > 1 else 0, dtype=torch.uint8),
+            ]
+            inflight: list[tuple[Any, int, torch.Tensor]] = []  # (work, buffer index or -1, payload kept alive)
+            current = 0
             index = 0
+
+            def wait_for(which: int | None) -> None:
+                # Wait for the in-flight broadcasts that use buffer ``which`` (None: all of them), oldest first.
+                while inflight and (which is None or any(b == which for _, b, _ in inflight)):
+                    work, _, _ = inflight.pop(0)
+                    t = clock()
+                    _finish(work, pending, timeout)
+                    stages["send_wait_s"] += clock() - t
+
             with _ending(source) as batches:  # a failure below ends the pass for every rank, with its reason
+                t = clock()
                 for names, tensors in batches:
+                    stages["produce_s"] += clock() - t
                     for name, tensor in zip(names, tensors):
                         if index >= len(meta) or name != meta[index].name:
                             promised = meta[index].name if index < len(meta) else "nothing more"
                             raise TransferError(f"stream yielded {name!r} where metadata() promised {promised!r}")
                         c = chunk_of[index]
                         members = plan.chunks[c]
-                        if len(members) == 1 and plan.sizes[index] > buffer.numel():
-                            # Larger than the buffer: it travels alone, as its own bytes.
+                        t = clock()
+                        if len(members) == 1 and plan.sizes[index] > size:
+                            # Larger than the buffer: it travels alone, as its own bytes (kept alive until sent).
                             payload = tensor.contiguous().view(-1).view(torch.uint8)
+                            inflight.append((_start(self.group, payload), -1, payload))
                         else:
+                            if index == members[0]:
+                                wait_for(current)  # the buffer's previous chunk must be on the wire already
                             off, n = plan.offsets[index], plan.sizes[index]
-                            buffer[off : off + n].copy_(tensor.contiguous().view(-1).view(torch.uint8))
-                            payload = buffer[: plan.chunk_bytes(c)] if index == members[-1] else None
-                        if payload is not None:
-                            _send(self.group, payload, pending, timeout)
+                            buf = buffers[current]
+                            buf[off : off + n].copy_(tensor.contiguous().view(-1).view(torch.uint8))
+                            if index == members[-1]:
+                                payload = buf[: plan.chunk_bytes(c)]
+                                inflight.append((_start(self.group, payload), current, payload))
+                                current = 1 - current if buffers[1].numel() else 0
+                        stages["pack_s"] += clock() - t
                         index += 1
+                    t = clock()
+                wait_for(None)
             if index != len(meta):
                 raise TransferError(f"stream yielded {index} tensors where metadata() promised {len(meta)}")
+            t = clock()
             try:
                 pending.result(timeout=timeout)
             except Exception as exc:
                 raise TransferError(f"the server failed the update: {exc}") from exc
+            stages["http_s"] += clock() - t
         finally:
             pool.shutdown(wait=False)
+        t = clock()
         self.client.finish_weight_update(getattr(source, "weight_version", None))
+        stages["http_s"] += clock() - t
+        stages["worker"] = self._worker_timing()  # type: ignore[assignment]
+        self.last_stages = stages
+
+    def _worker_timing(self) -> dict[str, float]:
+        """The server workers' side of the latest update (what each left in the store): the slowest per stage."""
+        import json
+
+        out: dict[str, float] = {}
+        store = getattr(self.group, "store", None)
+        if store is None:
+            return out
+        for rank in range(1, self.init_info.world_size):
+            key = TIMING_KEY.format(rank=rank)
+            try:
+                if not store.check([key]):  # get() would block until the store's timeout
+                    continue
+                data = json.loads(store.get(key).decode())
+                store.delete_key(key)  # never read as the next update's timing
+            except Exception:
+                continue
+            for k, v in data.items():
+                out[k] = max(out.get(k, 0.0), float(v))
+        return out
 
     def shutdown(self) -> None:
         group, self.group = self.group, None
