@@ -4,8 +4,11 @@
 
 Starts a vLLM OpenAI server (dev mode, gloo weight transfer) on 127.0.0.1 with a random Llama-shaped model, then
 pushes the same model with a non-zero LoRA adapter merged, `--syncs` times, from one trainer process. Reports the
-median sync time and GB/s (merged bytes per second, end to end: merge, pack, broadcast, load in vLLM). The first
-sync, which also sets up the transfer group, is reported separately. Writes benchmarks/results/server.json.
+median sync time and GB/s (merged bytes per second, end to end: merge, pack, broadcast, load in vLLM), and where
+the time goes: the trainer's stages and the server worker's own (from `SyncRecord.stages`). The first sync, which
+also sets up the transfer group, is reported separately. The floor, measured in the same run: a raw gloo broadcast
+of the same bytes in the same chunks between two processes of this machine, with a copy into a destination on the
+receiver (`broadcast_floor.py`). Writes benchmarks/results/server.json.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap, layers=8)
     ap.add_argument("--syncs", type=int, default=5)
-    ap.add_argument("--buffer-mib", type=int, default=256)
+    ap.add_argument("--buffer-mib", type=float, default=1.0)
     ap.add_argument("--out", default=str(HERE / "results" / "server.json"))
     args = ap.parse_args()
 
@@ -85,24 +88,77 @@ def main() -> None:
             model = get_peft_model(
                 base, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", init_lora_weights=False)
             )
-            sink = VLLMServerSink(url, rank=0, buffer_bytes=args.buffer_mib * 2**20, timeout=300)
+            sink = VLLMServerSink(url, rank=0, buffer_bytes=int(args.buffer_mib * 2**20), timeout=300)
             records = [sink.sync(ParamStream(model, group_by="layer"), version=f"v{i}") for i in range(args.syncs)]
+            stream = ParamStream(model, group_by="layer")
+            from lora_stream.transfer.packing import plan_chunks
+
+            meta = stream.metadata()
+            plan = plan_chunks(
+                [list(m.shape) for m in meta],
+                [m.dtype for m in meta],
+                [len(g) for g in stream.groups()],
+                int(args.buffer_mib * 2**20),
+            )
+            chunk_bytes = [plan.chunk_bytes(c) for c in range(len(plan.chunks))]
         finally:
             server.terminate()
             server.wait(timeout=60)
+        floor_out = os.path.join(tmp, "floor.json")
+        fport = free_port()
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(HERE / "broadcast_floor.py"), str(r), str(fport), floor_out]
+                + [str(n) for n in chunk_bytes],
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+            )
+            for r in (0, 1)
+        ]
+        for p in procs:
+            p.wait(timeout=600)
+        floor = json.loads(Path(floor_out).read_text())["broadcast_floor_s"]
     first, rest = records[0], records[1:]
     median = statistics.median(r.seconds for r in rest)
     gbps = rest[0].bytes / median / 1e9
+
+    def med(key: str, worker: bool = False) -> float:
+        return statistics.median(
+            float((r.stages.get("worker", {}) if worker else r.stages).get(key, 0.0)) for r in rest
+        )
+
+    trainer = {k: med(k) for k in ("produce_s", "pack_s", "send_wait_s", "http_s")}
+    worker = {k: med(k, worker=True) for k in ("recv_wait_s", "unpack_s", "load_s", "finish_s")}
+    vllm_own = worker["load_s"] + worker["finish_s"]
+    ours = median - vllm_own
     print(
         f"\nmodel: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}: {first.bytes / 2**20:.0f} MiB "
-        f"float32, {first.tensors} tensors; buffer {args.buffer_mib} MiB; 1 trainer process -> vLLM server (gloo)"
+        f"float32, {first.tensors} tensors; buffer {args.buffer_mib:g} MiB; 1 trainer process -> vLLM server (gloo)"
     )
     print(f"  first sync (with group setup): {first.seconds:.2f} s")
     print(f"  median of the next {len(rest)}:     {median:.2f} s  ({gbps:.3f} GB/s end to end)")
+    print(f"  broadcast floor (same bytes and chunks, 2 processes, copy on the receiver): {floor:.3f} s")
+    print("  trainer stages (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in trainer.items()))
+    print("  server worker stages (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in worker.items()))
+    print(
+        f"  vLLM's own load (load_weights + reload finalisation and check): {vllm_own:.3f} s; the rest, ours: "
+        f"{ours:.3f} s = {ours / floor:.2f}x the broadcast floor; end to end {median / floor:.2f}x the floor, "
+        f"{median / vllm_own:.2f}x vLLM's own load"
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(
         json.dumps(
-            {"args": vars(args), "first_s": first.seconds, "median_s": median, "bytes": first.bytes, "gbps": gbps},
+            {
+                "args": vars(args),
+                "first_s": first.seconds,
+                "median_s": median,
+                "bytes": first.bytes,
+                "gbps": gbps,
+                "broadcast_floor_s": floor,
+                "trainer_stages_s": trainer,
+                "worker_stages_s": worker,
+                "vllm_own_load_s": vllm_own,
+                "ours_s": ours,
+            },
             indent=1,
         )
     )

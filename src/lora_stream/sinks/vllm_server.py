@@ -38,6 +38,10 @@ from .source import SyncSource
 __all__ = ["ServerError", "VLLMServerClient", "VLLMServerSink"]
 
 
+#: Packing buffer size per backend when the sink is not told one (see ``VLLMServerSink``'s ``buffer_bytes``).
+DEFAULT_BUFFER_BYTES = {"gloo": 1024 * 1024, "nccl": 256 * 1024 * 1024}
+
+
 class ServerError(LoraStreamError):
     """The vLLM server is unreachable, refused the request (status and body included), or needs an API key."""
 
@@ -195,7 +199,10 @@ class VLLMServerSink:
             the weight-update routes).
         backend: ``"gloo"`` (CPU, shipped by lora_stream) or ``"nccl"`` (vLLM's, GPUs).
         master_address: the address the data plane's store listens on (rank 0's host, reachable by the server).
-        buffer_bytes: packing buffer size; chunks follow the stream's groups and a larger tensor travels alone.
+        buffer_bytes: packing buffer size; chunks follow the stream's groups and a larger tensor travels alone, as
+            its own bytes, without a copy. Default: 1 MiB for ``gloo`` (small tensors are packed, every large one
+            travels uncopied: 0.93 s per sync against 1.23 s with 256 MiB buffers on the server benchmark,
+            ``docs/benchmarks.md``), 256 MiB for ``nccl`` (vLLM's packed buffer).
         timeout: seconds for every HTTP call, the group rendezvous and each chunk's broadcast.
         checkpoint: where to read the served model's safetensors headers for the pre-flight check; defaults to
             the path the server reports in ``/v1/models`` (when it exists on this machine). ``False`` skips it.
@@ -212,7 +219,7 @@ class VLLMServerSink:
         api_key: str | None = None,
         backend: str = "gloo",
         master_address: str = "127.0.0.1",
-        buffer_bytes: int = 256 * 1024 * 1024,
+        buffer_bytes: int | None = None,
         timeout: float = 120.0,
         checkpoint: str | bool | None = None,
         lora_name: str = "lora_stream",
@@ -224,7 +231,7 @@ class VLLMServerSink:
         self.backend = backend
         self.name = f"vllm-server/{backend}"
         self.master_address = master_address
-        self.buffer_bytes = buffer_bytes
+        self.buffer_bytes = buffer_bytes if buffer_bytes is not None else DEFAULT_BUFFER_BYTES[backend]
         self.timeout = timeout
         self.checkpoint = checkpoint
         self._engine: Any = None
