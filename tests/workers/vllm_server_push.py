@@ -86,6 +86,9 @@ def main() -> None:
             second = server_generate(url, api_key)
             assert second != first, "the step should change what the server serves"
             assert_vllm_serves(second, expected)
+        if rank == 0:  # both sides timed their stages; the worker's came back through the trainer's store
+            assert {"produce_s", "pack_s", "send_wait_s", "http_s"} <= set(record.stages), record.stages
+            assert record.stages["worker"]["load_s"] > 0 and record.stages["worker"]["recv_wait_s"] >= 0, record.stages
         report(rank=rank, outcome="ok", tensors=record.tensors, streamed=len(ParamStream(engine)), version="v2")
         finish()
     k0 = "model.layers.0.self_attn.k_proj.weight"
