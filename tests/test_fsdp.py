@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from helpers import count_events, event
+from helpers import count_events, event, results_of
 from launch import assert_all_ok, describe, launch
 
 
@@ -50,3 +50,11 @@ def test_fsdp1_before_the_first_forward_is_a_clear_error() -> None:
     results = launch("fsdp_stream", "fsdp1-noforward")
     assert_all_ok(results)
     assert all("forward" in event(r.output, "clear-error")["message"] for r in results), describe(results)
+
+
+def test_fsdp2_direct_gather_equals_full_tensor_bit_for_bit() -> None:
+    results = launch("fsdp_stream", "fsdp2-direct")
+    assert_all_ok(results)
+    for r in results:
+        models = [e["model"] for e in results_of(r.output) if e.get("event") == "direct-equal"]
+        assert models == ["lora-r3-mts", "plain", "bf16"], describe(results)

@@ -5,6 +5,8 @@ Scenarios:
               every rank's stream == oracle; unsharded bytes bounded at every yield; metadata() communicates nothing.
   fsdp2-drift 100 streams in bf16: local shards bitwise identical afterwards.
   fsdp2-raise rank 1's consumer raises at the third group.
+  fsdp2-direct the direct gather (owned buffer) against full_tensor(), bit for bit, group by group: LoRA r=3 (shards
+              of different lengths on the two ranks), modules_to_save, a plain model, a bf16 model; the path counts.
   fsdp1       FullyShardedDataParallel per decoder layer, use_orig_params True and False, LoRA (peft's FSDP wrap
               policy) and plain models, after a training step: stream == oracle, bound at every yield.
   fsdp1-drift 100 streams: local flat shards bitwise identical.
@@ -109,6 +111,34 @@ def scenario_drift() -> None:
             pass
     assert all(torch.equal(p.to_local(), b) for p, b in zip(pm.parameters(), locals_before))
     report(rank=dist.get_rank(), event="bitwise-identical", streams=100)
+
+
+def scenario_fsdp2_direct() -> None:
+    from lora_stream import Fsdp2Gatherer
+
+    models = [
+        ("lora-r3-mts", lora(tiny_llama(layers=2), target_modules="all-linear", r=3, modules_to_save=["lm_head"])),
+        ("plain", tiny_llama(layers=2, seed=1)),
+        ("bf16", lora(tiny_llama(layers=2, dtype=torch.bfloat16), target_modules="all-linear")),
+    ]
+    for label, model in models:
+        shard(model)
+        direct, fallback = Fsdp2Gatherer(model), Fsdp2Gatherer(model, direct=False)
+        stream = ParamStream(model, group_by="module")
+        uneven = 0
+        for group in stream._groups:
+            with direct.gather(group.params) as full:
+                got = [full(p).clone() for p in group.params]
+            with fallback.gather(group.params) as full:
+                want = [full(p).clone() for p in group.params]
+            for p, a, b in zip(group.params, got, want):
+                assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), label
+                uneven += int(p.shape[0] % dist.get_world_size() != 0)
+        dtensors = sum(len(g.params) for g in stream._groups)
+        assert direct.path_counts == {"direct": dtensors, "fallback": 0}, direct.path_counts
+        assert fallback.path_counts["direct"] == 0 and fallback.fallback_reason == "direct=False"
+        assert label != "lora-r3-mts" or uneven > 0, "r=3 should give shards of different lengths"
+        report(rank=dist.get_rank(), event="direct-equal", model=label, uneven=uneven)
 
 
 def scenario_raise() -> None:
@@ -226,6 +256,7 @@ def main() -> None:
         "fsdp2": scenario_fsdp2,
         "fsdp2-drift": scenario_drift,
         "fsdp2-raise": scenario_raise,
+        "fsdp2-direct": scenario_fsdp2_direct,
         "fsdp1": scenario_fsdp1,
         "fsdp1-drift": scenario_fsdp1_drift,
         "fsdp1-raise": scenario_fsdp1_raise,
