@@ -26,6 +26,7 @@ def main() -> None:
     variants += [("lora_stream", ["--group-by", "layer"])]
     first = str(int(args.budgets_mib.split(",")[0]) * MiB)
     variants += [("lora_stream", ["--budget", first, "--no-release"])]
+    variants += [("lora_stream", ["--budget", first, "--fallback"])]
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         for variant, extra in variants:

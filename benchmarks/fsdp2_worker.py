@@ -72,16 +72,18 @@ def main() -> None:
     p.add_argument("--group-by", default="budget")
     p.add_argument("--syncs", type=int, default=10)
     p.add_argument("--no-release", action="store_true", help="release_memory=False")
+    p.add_argument("--fallback", action="store_true", help="Fsdp2Gatherer(direct=False): full_tensor()")
     add_model_args(p)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--out", required=True)
     args = p.parse_args()
     dist.init_process_group("gloo")
     model = build(args)
-    from lora_stream import ParamStream
+    from lora_stream import Fsdp2Gatherer, ParamStream
 
     stream = ParamStream(
         model,
+        gatherer=Fsdp2Gatherer(model, direct=not args.fallback),
         group_by=args.group_by,
         release_memory=not args.no_release,
         **({"budget_bytes": args.budget} if args.budget else {}),
@@ -109,7 +111,7 @@ def main() -> None:
     peak = sampler.stop()
     row = {
         "variant": args.variant if args.variant == "whole_full_tensor" else f"lora_stream {args.group_by}",
-        "options": ["no-release"] if args.no_release else [],
+        "options": [o for o, on in (("no-release", args.no_release), ("fallback", args.fallback)) if on],
         "budget_bytes": args.budget or None,
         "rank": dist.get_rank(),
         "median_sync_s": statistics.median(times),

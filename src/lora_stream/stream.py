@@ -69,8 +69,9 @@ class StreamStats:
     rss_peak_bytes: int | None = None
     #: Wall time of the pass so far, seconds.
     seconds: float = 0.0
-    #: Groups the gatherer gathered by each of its paths during this pass (ZeRO-3: ``{"direct": n, "fallback": m}``;
-    #: empty for gatherers with a single path), and why the latest fallback group could not take the direct path.
+    #: What the gatherer gathered by each of its paths during this pass: ``{"direct": n, "fallback": m}`` groups for
+    #: ZeRO-3, parameters for FSDP2; empty for gatherers with a single path. ``fallback_reason``: why the latest
+    #: fallback could not take the direct path.
     gather_paths: dict[str, int] = field(default_factory=dict)
     fallback_reason: str | None = None
     #: True once every group was produced and every rank agreed the pass ended.
