@@ -3,7 +3,8 @@
 Scenarios:
   engine      LoRA model (+ plain model) through deepspeed.initialize, one step; stream == oracle on every rank;
               gathered bytes bounded at every yield; metadata() communicates nothing.
-  zinit DIR   model built under zero.Init by HfDeepSpeedConfig + from_pretrained(DIR), then LoRA and a step.
+  zinit DIR   model built under zero.Init by HfDeepSpeedConfig + from_pretrained(DIR), then LoRA and a step; its
+              direct gather equals GatheredParameters bit for bit.
   mixed       bf16 base, float32 LoRA factors, modules_to_save on lm_head, tied embeddings.
   moe DIR     Qwen3-MoE with all-linear LoRA (experts and router through target_parameters), one step: the stream
               equals the merged checkpoint (per-expert names) within the gathered-bytes bound.
@@ -128,6 +129,7 @@ def scenario_zinit(path: str) -> None:
     engine = engine_for(pm)
     train_step(engine)
     check_stream(engine, template, budget=40_000)
+    direct_equals_gathered_parameters(engine, "zinit")
 
 
 def scenario_mixed() -> None:
@@ -221,25 +223,31 @@ def _models() -> list[tuple[str, torch.nn.Module]]:
     ]
 
 
-def scenario_direct() -> None:
+def direct_equals_gathered_parameters(engine, label: str):  # type: ignore[no-untyped-def]
+    """Every group of ``engine``: the direct gather and GatheredParameters give the same bytes."""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
+    direct, fallback = ZeroThreeGatherer(engine), ZeroThreeGatherer(engine, direct=False)
+    stream = ParamStream(engine, group_by="module")
+    groups = 0
+    for group in stream._groups:
+        with direct.gather(group.params) as full:
+            got = [full(p).clone() for p in group.params]
+            assert all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in group.params), "params touched"
+        with fallback.gather(group.params) as full:
+            want = [full(p).clone() for p in group.params]
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), label
+        groups += 1
+    assert direct.path_counts == {"direct": groups, "fallback": 0}, direct.path_counts
+    assert fallback.path_counts == {"direct": 0, "fallback": groups} and fallback.fallback_reason == "direct=False"
+    return stream, direct, groups
+
+
+def scenario_direct() -> None:
     for label, model in _models():
         engine = engine_for(model)
-        direct, fallback = ZeroThreeGatherer(engine), ZeroThreeGatherer(engine, direct=False)
-        stream = ParamStream(engine, group_by="module")
-        groups = 0
-        for group in stream._groups:
-            with direct.gather(group.params) as full:
-                got = [full(p).clone() for p in group.params]
-                assert all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in group.params), "params touched"
-            with fallback.gather(group.params) as full:
-                want = [full(p).clone() for p in group.params]
-            for a, b in zip(got, want):
-                assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), label
-            groups += 1
-        assert direct.path_counts == {"direct": groups, "fallback": 0}, direct.path_counts
-        assert fallback.path_counts == {"direct": 0, "fallback": groups} and fallback.fallback_reason == "direct=False"
+        stream, _, groups = direct_equals_gathered_parameters(engine, label)
         list(stream)
         assert stream.last_stats.gather_paths == {"direct": groups, "fallback": 0}, stream.last_stats.gather_paths
         assert stream.last_stats.fallback_reason is None
