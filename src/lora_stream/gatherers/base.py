@@ -33,6 +33,16 @@ class Gatherer(Protocol):
     while planning (and from ``metadata()``), then, for each group in order, enters ``gather(params)`` once, reads
     whole tensors through the accessor it yields, and exits before the next group is gathered. A new gatherer
     (Megatron, a custom sharding) implements this protocol, usually by subclassing :class:`GathererBase`.
+
+    Optional members the stream uses when present (ZeRO-3's and FSDP2's direct paths have them):
+
+    * ``reuses_buffers`` (bool): the tensors ``gather`` hands out live in buffers the next group overwrites; the
+      stream then copies what it yields unmerged, so consumers that keep a tensor past its group stay correct.
+    * ``prefetch(params)``: start gathering the next group; called (with ``ParamStream(prefetch=True)``) right after
+      the current group became whole, at the same point on every rank, so a collective started there always has
+      its partners.
+    * ``end_pass()``: called when a pass ends, however it ends: wait for anything in flight, free per-pass buffers.
+    * ``path_counts`` / ``fallback_reason``: copied into :class:`~lora_stream.StreamStats` as ``gather_paths``.
     """
 
     #: Short name used in errors and logs ("plain", "zero3", "fsdp2", "fsdp1").
