@@ -541,9 +541,11 @@ def clear_cpu_shm() -> None:
         seg.unlink(missing_ok=True)
 
 
-def run_child_engine_script(script: str, path: str, timeout: float = 300) -> str:
+def run_child_engine_script(script: str, path: str, timeout: float = 300, *, in_process: bool = False) -> str:
     """Run ``tests/workers/<script>`` with an engine in a child process (V1 multiprocessing, no insecure
-    serialization); returns its stdout, asserting it exited cleanly."""
+    serialization) or, with ``in_process``, in the script's own process (for tests that need an engine of their own:
+    vLLM's parallel state is per process, and tearing down a second engine breaks a module's shared one); returns
+    its stdout, asserting it exited cleanly."""
     import os
     import subprocess
     import sys
@@ -553,7 +555,7 @@ def run_child_engine_script(script: str, path: str, timeout: float = 300) -> str
     env = {
         **os.environ,
         "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1",
         "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")]),
     }
     env.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import os
 from pathlib import Path
 
@@ -83,24 +82,12 @@ def test_three_training_steps_each_served_exactly_through_the_returned_lora_requ
 
 def test_a_changed_base_pushed_merged_with_adapters_disabled_then_adapter_syncs(tmp_path: Path) -> None:
     """When the base changed, the first sync pushes it (ParamStream with the adapter disabled yields the base) into the
-    LoRA engine; adapter syncs on top of it then serve the trainer's merged model."""
-    from lora_stream import ParamStream, VLLMColocatedSink
-
+    LoRA engine; adapter syncs on top of it then serve the trainer's merged model. An engine of its own, in a process
+    of its own (see run_child_engine_script)."""
     require("vllm")
     path = save_for_vllm(vllm_llama(tie=False, seed=4), str(tmp_path / "m"))
-    llm = vllm_engine(path, enable_lora=True, max_lora_rank=MAX_RANK, max_loras=1)
-    base = _base(path)
-    with torch.no_grad():
-        for p in base.parameters():
-            p.mul_(1.1)
-    pm = lora(base, target_modules="all-linear", r=8)
-    with pm.disable_adapter():
-        record = VLLMColocatedSink(llm).sync(ParamStream(pm, group_by="layer"))
-        assert record.tensors == 21
-        assert_vllm_serves(vllm_generate(llm), copy.deepcopy(pm).unload())  # the changed base, without the adapter
-    synced = VLLMLoRASink(llm, lora_name="over-new-base").sync(AdapterStream(pm))
-    assert_vllm_serves(vllm_generate(llm, synced.lora_request), merged_copy(pm))
-    del llm
+    stdout = run_child_engine_script("vllm_lora_base.py", path, in_process=True)
+    assert event(stdout, "base-then-adapter")["base_tensors"] == 21
 
 
 def test_the_stream_is_peft_adapter_checkpoint_with_the_scaling_in_lora_b(served) -> None:  # type: ignore[no-untyped-def]
