@@ -11,13 +11,40 @@ from torch import nn
 
 from ..core import FullTensor, ParamRef
 
-__all__ = ["Gatherer", "GathererBase", "ParamRef", "ShardedGathererBase", "detached", "nbytes"]
+__all__ = [
+    "BUFFER_ALIGN",
+    "Gatherer",
+    "GathererBase",
+    "ParamRef",
+    "ShardedGathererBase",
+    "aligned",
+    "detached",
+    "nbytes",
+    "reusable_buffer",
+]
 
 
 def detached(param: ParamRef) -> torch.Tensor:
     """The parameter's tensor without a copy; ``detach()`` keeps the consumer out of the trainer's autograd graph."""
     t: torch.Tensor = param.detach()
     return t
+
+
+#: Tensors laid out in one gather buffer start at multiples of this many bytes, so that a view of any dtype is legal.
+BUFFER_ALIGN = 64
+
+
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to :data:`BUFFER_ALIGN`: the offset of the next tensor in a gather buffer."""
+    return (nbytes + BUFFER_ALIGN - 1) // BUFFER_ALIGN * BUFFER_ALIGN
+
+
+def reusable_buffer(buf: torch.Tensor | None, nbytes: int, device: torch.device) -> torch.Tensor:
+    """``buf`` if it holds at least ``nbytes`` on ``device``, else a fresh byte buffer of that size: the gather
+    buffer a direct path owns and reuses for every group of a pass."""
+    if buf is None or buf.numel() < nbytes or buf.device != device:
+        buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+    return buf
 
 
 def nbytes(shape: torch.Size, dtype: torch.dtype) -> int:

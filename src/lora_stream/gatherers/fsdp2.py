@@ -20,9 +20,7 @@ import torch
 from torch import nn
 
 from ..core import FullTensor
-from .base import ShardedGathererBase
-
-_ALIGN = 64
+from .base import ShardedGathererBase, aligned, reusable_buffer
 
 __all__ = ["Fsdp2Gatherer", "is_dtensor"]
 
@@ -142,10 +140,9 @@ class Fsdp2Gatherer(ShardedGathererBase):
             row_numel = p.numel() // rows if rows else 0
             n = chunk * row_numel * world * p.element_size()
             layout.append((p, size, chunk, row_numel))
-            size = (size + n + _ALIGN - 1) // _ALIGN * _ALIGN
-        device = params[0].to_local().device
-        if self._buffer is None or self._buffer.numel() < size or self._buffer.device != device:
-            self._buffer = torch.empty(max(size, 1), dtype=torch.uint8, device=device)
+            size = aligned(size + n)
+        self._buffer = reusable_buffer(self._buffer, size, params[0].to_local().device)
+        device = self._buffer.device
         out: dict[int, torch.Tensor] = {}
         handles = []
         for p, off, chunk, row_numel in layout:

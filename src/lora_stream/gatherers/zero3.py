@@ -31,21 +31,14 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core import FullTensor
-from .base import ShardedGathererBase, detached
+from .base import ShardedGathererBase, aligned, detached, reusable_buffer
 
 __all__ = ["ZeroThreeGatherer", "is_zero3_model"]
-
-#: Offsets of parameters inside a gather buffer are aligned so that any dtype's view of the bytes is legal.
-_ALIGN = 64
 
 
 def is_zero3_model(model: nn.Module) -> bool:
     """Whether ``model``'s parameters are ZeRO-3 partitioned (engine, its ``.module``, or built under zero.Init)."""
     return any(hasattr(p, "ds_id") for p in model.parameters())
-
-
-def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 @dataclass
@@ -200,11 +193,9 @@ class ZeroThreeGatherer(ShardedGathererBase):
                 continue  # persistent (or gathered by someone else): already whole
             n = p.ds_tensor.ds_numel * world * p.element_size()
             layout.append((p, size, n))
-            size = _aligned(size + n)
-        buf = self._buffers[slot]
-        if buf is None or buf.numel() < size:
-            device = params[0].ds_tensor.device if params else torch.device("cpu")
-            buf = self._buffers[slot] = torch.empty(max(size, 1), dtype=torch.uint8, device=device)
+            size = aligned(size + n)
+        device = params[0].ds_tensor.device if params else torch.device("cpu")
+        buf = self._buffers[slot] = reusable_buffer(self._buffers[slot], size, device)
         whole_bytes = sum(int(p.ds_numel) * p.element_size() for p, _, _ in layout)
         gathered = _Gathered(tuple(id(p) for p in params), slot, whole_bytes)
         for p, off, n in layout:
