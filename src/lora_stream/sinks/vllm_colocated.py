@@ -56,6 +56,25 @@ def _get_path(obj: Any, path: str) -> Any:
     return obj
 
 
+def local_model_runner(engine: Any) -> Any | None:
+    """The model runner of ``engine`` (an ``LLM.llm_engine``) when its worker lives in this process: an in-process
+    engine core or ``external_launcher``. ``None`` when the engine runs in a child process."""
+    for path in _LOCAL_MODEL_PATHS:
+        try:
+            return _get_path(engine, path)
+        except AttributeError:
+            continue
+    return None
+
+
+def engine_checkpoint(engine: Any, checkpoint: str | bool | None) -> EngineCheckpoint | None:
+    """What the pre-flight compares with: ``checkpoint``'s safetensors headers, by default those of the directory
+    the engine was started from; ``None`` for ``checkpoint=False`` (no pre-flight)."""
+    if checkpoint is False:
+        return None
+    return EngineCheckpoint.read(checkpoint if isinstance(checkpoint, str) else str(engine.model_config.model))
+
+
 class VLLMColocatedSink:
     """Loads :class:`~lora_stream.ParamStream` passes into a ``vllm.LLM`` living in this process (or its child).
 
@@ -74,17 +93,10 @@ class VLLMColocatedSink:
         self.llm = llm
         engine = llm.llm_engine
         self.model_config = engine.model_config
-        path = checkpoint if isinstance(checkpoint, str) else str(self.model_config.model)
-        self.checkpoint = path if checkpoint is not False else None
-        self._ckpt = EngineCheckpoint.read(path) if checkpoint is not False else None
-        self._bracket: ReloadBracket | None = None
-        for path in _LOCAL_MODEL_PATHS:
-            try:
-                runner = _get_path(engine, path)
-            except AttributeError:
-                continue
-            self._bracket = ReloadBracket(runner.model, runner.model_config)
-            break
+        self._ckpt = engine_checkpoint(engine, checkpoint)
+        self.checkpoint = self._ckpt.path if self._ckpt is not None else None
+        runner = local_model_runner(engine)
+        self._bracket = ReloadBracket(runner.model, runner.model_config) if runner is not None else None
         self.check_consumed = check_consumed
         self.version: str | None = None
 

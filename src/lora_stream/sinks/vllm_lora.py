@@ -32,10 +32,10 @@ from ..adapter import ADAPTER_PREFIX, AdapterStream
 from ..errors import LoraStreamError
 from ..lockstep import describe_error
 from .adapter_loader import AdapterLoadError, StagedAdapter, adapter_path, stage, unstage
-from .preflight import EngineCheckpoint, adapter_preflight
+from .preflight import adapter_preflight
 from .record import AdapterSyncRecord
 from .source import SyncSource
-from .vllm_colocated import _LOCAL_MODEL_PATHS, _get_path, engine_rpc
+from .vllm_colocated import engine_checkpoint, engine_rpc, local_model_runner
 
 __all__ = ["VLLMLoRASink", "stable_lora_id"]
 
@@ -94,17 +94,8 @@ class VLLMLoRASink:
         if self.lora_int_id < 1:
             raise ValueError(f"lora_int_id must be positive, got {self.lora_int_id}")
         self.path = adapter_path(lora_name)
-        model_config = engine.model_config
-        path = checkpoint if isinstance(checkpoint, str) else str(model_config.model)
-        self._ckpt = EngineCheckpoint.read(path) if checkpoint is not False else None
-        self._in_process = False
-        for attr_path in _LOCAL_MODEL_PATHS:
-            try:
-                _get_path(engine, attr_path)
-            except AttributeError:
-                continue
-            self._in_process = True
-            break
+        self._ckpt = engine_checkpoint(engine, checkpoint)
+        self._in_process = local_model_runner(engine) is not None
         self._synced = False
         self.version: str | None = None
 
@@ -200,10 +191,9 @@ class VLLMLoRASink:
         try:
             self.llm.llm_engine.add_lora(self._request(load_inplace=True))
         except BaseException as exc:
-            self._restore(exc)
+            self._restore(exc)  # resets the prefix cache itself
             raise
-        finally:
-            self._reset_prefix_cache()
+        self._reset_prefix_cache()
 
     def _restore(self, failed: BaseException) -> None:
         """Put the previous version back (stage it, reload it in place), or remove the adapter if there was none."""
