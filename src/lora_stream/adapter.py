@@ -23,12 +23,14 @@ at construction with :class:`~lora_stream.UnsupportedAdapterError`; stream those
 
 from __future__ import annotations
 
+import enum
 import math
 from typing import Any
 
 import torch
 from torch import nn
 
+from .base_weights import is_quantized
 from .core import Output, Step, Target, Unit
 from .errors import UnsupportedAdapterError
 from .gatherers import Gatherer
@@ -92,14 +94,14 @@ class _AdapterPlanner(_Planner):
                 f"module {src!r} applies several adapters {active}; an engine serves one adapter per request; "
                 f"{_USE_MERGED}"
             )
-        if type(layer).__module__.startswith("peft.tuners.lora.bnb"):
+        base = layer.get_base_layer()
+        if is_quantized(base):
             raise UnsupportedAdapterError(
-                f"module {src!r}: LoRA on a bitsandbytes-quantized base (QLoRA). The trainer's forward adds the "
-                "adapter to the quantized weight, an adapter engine to the base it serves; that they agree is not "
-                f"verified; {_USE_MERGED} (it streams the dequantized merge)"
+                f"module {src!r}: LoRA on a quantized base (QLoRA). The trainer's forward adds the adapter to the "
+                "quantized weight, an adapter engine to the base it serves; that they agree is not verified; "
+                f"{_USE_MERGED} (it streams the dequantized merge)"
             )
         a = active[0]
-        base = layer.get_base_layer()
         spec = lora_spec(rule, layer, a, src, base_has_bias="bias" in dict(self.g.module_params(base)))
         if spec.dora or spec.bias:
             feature = "DoRA" if spec.dora else "lora_bias"
@@ -233,14 +235,7 @@ def _engine_config(model: nn.Module, adapter: str, rank: int, leaves: list[str])
     config = _peft_config(model, adapter)
     if str(getattr(config, "peft_type", "")).removeprefix("PeftType.") != "LORA":
         raise UnsupportedAdapterError(f"adapter {adapter!r} is {config.peft_type}, not LoRA; {_USE_MERGED}")
-    data = config.to_dict()
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, (set, frozenset)):
-            value = sorted(value)
-        elif hasattr(value, "value"):  # enums
-            value = value.value
-        out[key] = value
+    out: dict[str, Any] = _jsonable(config.to_dict())
     out.update(
         r=rank,
         lora_alpha=rank,
@@ -250,15 +245,19 @@ def _engine_config(model: nn.Module, adapter: str, rank: int, leaves: list[str])
         target_modules=leaves,
         lora_dropout=0.0,
     )
-    result: dict[str, Any] = _jsonable(out)
-    return result
+    return out
 
 
 def _jsonable(value: Any) -> Any:
+    """peft's config as JSON types: sets as sorted lists, enums by value, anything else unknown as text."""
     if isinstance(value, dict):
         return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (set, frozenset)):
+        return sorted(_jsonable(v) for v in value)
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
+    if isinstance(value, enum.Enum):
+        return _jsonable(value.value)
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return str(value)

@@ -249,7 +249,6 @@ def base_weight_of(module: nn.Module, param: Any | None, shape: torch.Size, wher
     if is_quantized(module):
         raise UnsupportedModelError(
             f"module {where} ({type(module).__name__}, weight {kind}) has a quantized base weight that lora_stream "
-            "cannot dequantize exactly; bitsandbytes 4-bit and 8-bit bases are supported (dequantize the model, or "
-            "stream the adapter on its own)"
+            "cannot dequantize exactly; bitsandbytes 4-bit and 8-bit bases are supported (dequantize the model first)"
         )
     return None if param is None else DenseWeight(param, shape)
