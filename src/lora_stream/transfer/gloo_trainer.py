@@ -185,14 +185,15 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                             raise TransferError(f"stream yielded {name!r} where metadata() promised {promised!r}")
                         c = chunk_of[index]
                         members = plan.chunks[c]
+                        alone = len(members) == 1 and plan.sizes[index] > size
+                        if not alone and index == members[0]:
+                            wait_for(current)  # the buffer's previous chunk must be off it (counted as waiting)
                         t = clock()
-                        if len(members) == 1 and plan.sizes[index] > size:
+                        if alone:
                             # Larger than the buffer: it travels alone, as its own bytes (kept alive until sent).
                             payload = tensor.contiguous().view(-1).view(torch.uint8)
                             inflight.append((_start(self.group, payload), -1, payload))
                         else:
-                            if index == members[0]:
-                                wait_for(current)  # the buffer's previous chunk must be on the wire already
                             off, n = plan.offsets[index], plan.sizes[index]
                             buf = buffers[current]
                             buf[off : off + n].copy_(tensor.contiguous().view(-1).view(torch.uint8))
