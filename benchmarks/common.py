@@ -22,18 +22,31 @@ def rss() -> int:
 
 
 class RssSampler(threading.Thread):
-    """Samples this process's resident set every ``period`` seconds; ``stop()`` returns the peak."""
+    """Samples this process's resident set every ``period`` seconds; ``stop()`` returns the peak.
 
-    def __init__(self, period: float = 0.002) -> None:
+    With ``keep=True`` every sample is also kept in ``samples`` as ``(time.perf_counter(), rss_bytes)``, for the
+    RSS-against-time plot (``window`` cuts out one sync).
+    """
+
+    def __init__(self, period: float = 0.002, keep: bool = False) -> None:
         super().__init__(daemon=True)
         self.period = period
         self.peak = rss()
         self.running = True
+        self.samples: list[tuple[float, int]] | None = [] if keep else None
 
     def run(self) -> None:
         while self.running:
-            self.peak = max(self.peak, rss())
+            now = rss()
+            self.peak = max(self.peak, now)
+            if self.samples is not None:
+                self.samples.append((time.perf_counter(), now))
             time.sleep(self.period)
+
+    def window(self, start: float, end: float, base: int) -> list[tuple[float, int]]:
+        """The kept samples between ``start`` and ``end`` (perf_counter times) as (seconds since ``start``, bytes
+        above ``base``)."""
+        return [(t - start, r - base) for t, r in self.samples or [] if start <= t <= end]
 
     def stop(self) -> int:
         self.running = False

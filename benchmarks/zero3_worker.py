@@ -133,6 +133,7 @@ def main() -> None:
     p.add_argument("--adapter", action="store_true", help="AdapterStream: only the LoRA factors")
     p.add_argument("--fallback", action="store_true", help="ZeroThreeGatherer(direct=False): GatheredParameters")
     p.add_argument("--prefetch", action="store_true", help="prefetch=True")
+    p.add_argument("--trace", action="store_true", help="keep the RSS samples of the last sync (for the plot)")
     add_model_args(p)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--out", required=True)
@@ -166,7 +167,7 @@ def main() -> None:
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     dist.barrier()
     rss0 = rss()
-    sampler = RssSampler()
+    sampler = RssSampler(keep=args.trace)
     sampler.start()
     times, gathered = [], 0
     floors: dict[str, float] = {}
@@ -181,6 +182,11 @@ def main() -> None:
         else:
             gathered = max(gathered, lora_stream_sync(stream, dest))
         times.append(time.perf_counter() - t0)
+    trace: list[tuple[float, int]] = []
+    if args.trace:
+        # 0.1 s after the last sync, so the plot shows whether memory came back; the sampler keeps running meanwhile.
+        time.sleep(0.1)
+        trace = sampler.window(t0 - 0.05, t0 + times[-1] + 0.1, rss0)
     peak = sampler.stop()
     changed = sum(int((p.ds_tensor != b).sum()) for p, b in zip(partitions, before))
     max_drift = max(float((p.ds_tensor.float() - b.float()).abs().max()) for p, b in zip(partitions, before))
@@ -212,6 +218,9 @@ def main() -> None:
         "drift_changed_elements": changed,
         "drift_max_abs": max_drift,
         "syncs": args.syncs,
+        "layers": args.layers,
+        "rss_trace": trace,
+        "trace_sync_s": times[-1] if args.trace else None,
     }
     with open(f"{args.out}.rank{dist.get_rank()}.json", "w") as f:
         json.dump(row, f)

@@ -5,7 +5,9 @@ word-level tokenizer are built here, vLLM runs colocated in this process, 3 opti
 sync (the ``SyncRecord``) and the hook's records at the end.
 
     python examples/grpo_trl.py              # the hook on
+    python examples/grpo_trl.py --adapter    # adapter sync: only the LoRA factors, into vLLM's LoRA manager
     python examples/grpo_trl.py --trl-sync   # TRL's own sync, for comparison
+    python examples/grpo_trl.py --model DIR --server http://127.0.0.1:8000   # server mode (docs/trl.md)
 """
 
 from __future__ import annotations
@@ -18,31 +20,16 @@ import tempfile
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-
-def tiny_model(path: str) -> None:
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=1000,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=128,
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(1000)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2").save_pretrained(path)
+from tiny_model import write_tiny_model
 
 
 def reward(completions: list[str], **_: object) -> list[float]:
     """Prefers completions whose token ids sum to a multiple of 97, a little."""
     return [float(sum(int(t[1:]) for t in c.split() if t[1:].isdigit()) % 97) / 97 for c in completions]
+
+
+def option(flag: str) -> str | None:
+    return sys.argv[sys.argv.index(flag) + 1] if flag in sys.argv else None
 
 
 def main() -> None:
@@ -51,46 +38,73 @@ def main() -> None:
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    import lora_stream.integrations.trl
+    from lora_stream.integrations.trl import trl_vllm_with_lora, use_lora_stream, without_trl_transfer_group
 
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("lora_stream").setLevel(logging.INFO)
     workdir = tempfile.mkdtemp(prefix="grpo_trl_")
-    path = os.path.join(workdir, "model")
-    tiny_model(path)
-    args = GRPOConfig(
-        output_dir=os.path.join(workdir, "out"),
-        use_cpu=True,
-        use_vllm=True,
-        vllm_mode="colocate",
-        vllm_gpu_memory_utilization=0.5,
-        vllm_max_model_length=128,
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=8,
-        max_steps=3,
-        learning_rate=0.05,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-    )
-    trainer = GRPOTrainer(
-        model=path,
-        reward_funcs=reward,
-        args=args,
-        train_dataset=Dataset.from_dict({"prompt": [f"t{i} t{i + 7} t{i + 3}" for i in range(3, 43)]}),
-        processing_class=AutoTokenizer.from_pretrained(path),
-        peft_config=LoraConfig(r=4, lora_alpha=16, target_modules="all-linear"),
-    )
-    if "--trl-sync" not in sys.argv:
-        hook = lora_stream.integrations.trl.use_lora_stream(trainer)  # <- the one line
-    trainer.train()
-    if "--trl-sync" not in sys.argv:
-        for i, record in enumerate(hook.records):
-            print(
-                f"sync {i}: {record.tensors} tensors, {record.bytes / 2**20:.2f} MiB in {record.groups} groups, "
-                f"{record.seconds:.3f} s, peak gathered {record.peak_gathered_bytes / 2**20:.2f} MiB"
-            )
+    model_dir = option("--model") or write_tiny_model(os.path.join(workdir, "model"))
+    server_url = option("--server")  # a vLLM server started on model_dir, as docs/trl.md shows
+    dataset = Dataset.from_dict({"prompt": [f"t{i} t{i + 7} t{i + 3}" for i in range(3, 43)]})
+
+    def build_trainer() -> GRPOTrainer:
+        # --8<-- [start:trainer]
+        args = GRPOConfig(
+            output_dir=os.path.join(workdir, "out"),
+            use_cpu=True,
+            use_vllm=True,
+            vllm_mode="server" if server_url else "colocate",
+            vllm_server_base_url=server_url,  # None in colocate mode
+            vllm_gpu_memory_utilization=0.5,
+            vllm_max_model_length=128,
+            per_device_train_batch_size=4,
+            num_generations=4,
+            max_completion_length=8,
+            max_steps=3,
+            learning_rate=0.05,
+            logging_steps=1,
+            report_to=[],
+            save_strategy="no",
+        )
+        trainer = GRPOTrainer(
+            model=model_dir,
+            reward_funcs=reward,
+            args=args,
+            train_dataset=dataset,
+            processing_class=AutoTokenizer.from_pretrained(model_dir),
+            peft_config=LoraConfig(r=4, lora_alpha=16, target_modules="all-linear"),
+        )
+        # --8<-- [end:trainer]
+        return trainer
+
+    if "--trl-sync" in sys.argv:
+        build_trainer().train()
+        return
+    if "--adapter" in sys.argv:
+        # --8<-- [start:adapter]
+        with trl_vllm_with_lora(max_lora_rank=16):  # TRL's LLM is built with enable_lora=True
+            trainer = build_trainer()
+        hook = use_lora_stream(trainer, adapter=True, lora_name="policy")  # only the LoRA factors, every step
+        trainer.train()
+        # --8<-- [end:adapter]
+    elif server_url:
+        # --8<-- [start:server]
+        with without_trl_transfer_group():  # TRL's own NCCL group is not needed (and raises on CPU)
+            trainer = build_trainer()
+        hook = use_lora_stream(trainer, sink_options={"backend": "gloo"})  # "nccl" on GPUs
+        trainer.train()
+        # --8<-- [end:server]
+    else:
+        # --8<-- [start:hook]
+        trainer = build_trainer()
+        hook = use_lora_stream(trainer)  # <- the one line
+        trainer.train()
+        # --8<-- [end:hook]
+    for i, record in enumerate(hook.records):
+        print(
+            f"sync {i}: {record.tensors} tensors, {record.bytes / 2**20:.2f} MiB in {record.groups} groups, "
+            f"{record.seconds:.3f} s, peak gathered {record.peak_gathered_bytes / 2**20:.2f} MiB"
+        )
 
 
 if __name__ == "__main__":

@@ -118,20 +118,36 @@ def test_removing_the_hook_restores_trls_own_sync(tmp_path: Path) -> None:
     assert rec["outcome"] == "raised" and "weight_loader" in rec["message"], rec
 
 
-def test_the_example_runs() -> None:
+@pytest.mark.parametrize("mode", [[], ["--adapter"], ["--server"]], ids=["merged", "adapter", "server"])
+def test_the_example_runs(mode: list[str], tmp_path: Path) -> None:
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run(
-        [sys.executable, str(root / "examples" / "grpo_trl.py")], capture_output=True, text=True, timeout=400
-    )
+    server = None
+    if mode == ["--server"]:  # the server the docs tell users to start, on the model the example trains
+        require("vllm")
+        from vllm_server import Server
+
+        sys.path.insert(0, str(root / "examples"))
+        from tiny_model import write_tiny_model
+
+        model_dir = write_tiny_model(str(tmp_path / "model"))
+        server = Server(model_dir).wait_ready()
+        mode = ["--model", model_dir, "--server", server.url]
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(root / "examples" / "grpo_trl.py"), *mode], capture_output=True, text=True, timeout=400
+        )
+    finally:
+        if server is not None:
+            server.stop()
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert [line.split(":")[0] for line in proc.stdout.splitlines() if line.startswith("sync ")] == [
-        "sync 0",
-        "sync 1",
-        "sync 2",
-    ], proc.stdout[-2000:]
+    syncs = [line for line in proc.stdout.splitlines() if line.startswith("sync ")]
+    assert [line.split(":")[0] for line in syncs] == ["sync 0", "sync 1", "sync 2"], proc.stdout[-2000:]
+    # the LoRA factors of 2 layers x 7 modules, or the merged model's tensors
+    tensors = "28 tensors" if "--adapter" in mode else "21 tensors"
+    assert all(tensors in line for line in syncs), syncs
 
 
 def test_the_version_guard_refuses_other_trl_releases(monkeypatch: pytest.MonkeyPatch) -> None:

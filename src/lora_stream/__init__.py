@@ -1,8 +1,9 @@
 """lora_stream: stream a trainer's weights, LoRA merged out of place, into an inference engine one group at a time.
 
 >>> from lora_stream import stream_merged_params
->>> for name, tensor in stream_merged_params(model):   # doctest: +SKIP
-...     ...
+>>> with stream_merged_params(model) as weights:  # doctest: +SKIP
+...     for name, tensor in weights:
+...         ...
 """
 
 from __future__ import annotations

@@ -138,9 +138,9 @@ class AdapterStream(ParamStream):
     """The active LoRA adapter of a peft model as ``(name, tensor)`` pairs of its adapter checkpoint, one group of
     LoRA modules at a time; the base model's weights are never gathered, read or yielded.
 
-    >>> stream = AdapterStream(model)                                # doctest: +SKIP
-    >>> record = VLLMLoRASink(llm).sync(stream, version="step-7")    # doctest: +SKIP
-    >>> llm.generate(prompts, lora_request=record.lora_request)      # doctest: +SKIP
+    >>> sink = VLLMLoRASink(llm, lora_name="policy")  # doctest: +SKIP
+    >>> record = sink.sync(AdapterStream(model), version=f"step-{step}")  # every trainer rank
+    >>> out = llm.generate(["t5 t17 t42"], greedy, lora_request=record.lora_request, use_tqdm=False)
 
     Everything :class:`~lora_stream.ParamStream` promises holds (metadata without communication, groups, lockstep
     across ranks, read-only, early stop), with these outputs instead of the merged model's:

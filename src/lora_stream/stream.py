@@ -546,9 +546,9 @@ def stream_merged_params(
 ) -> StreamPass[tuple[str, torch.Tensor]]:
     """Iterate ``(hf_name, merged_tensor)`` over ``model``: one pass of a :class:`ParamStream` with these options.
 
-    >>> with stream_merged_params(peft_model) as weights:    # doctest: +SKIP
-    ...     for name, tensor in weights:
-    ...         llm_model.load_weights([(name, tensor)])
+    >>> with stream_merged_params(model) as weights:  # doctest: +SKIP
+    ...     for name, tensor in weights:  # the base model's checkpoint names
+    ...         ...
     """
     return iter(
         ParamStream(

@@ -1,8 +1,9 @@
 """TRL in one line: route a TRL trainer's vLLM weight sync through lora_stream.
 
->>> trainer = GRPOTrainer(model, args=GRPOConfig(use_vllm=True, vllm_mode="colocate", ...), peft_config=...)
->>> hook = lora_stream.integrations.trl.use_lora_stream(trainer)   # the line
+>>> hook = use_lora_stream(trainer)  # doctest: +SKIP
 >>> trainer.train()
+
+after ``trainer = GRPOTrainer(...)`` with ``use_vllm=True`` (examples/grpo_trl.py runs it).
 
 TRL's trainers that generate with vLLM (``GRPOTrainer``, ``RLOOTrainer``, ...) hold a ``VLLMGeneration`` as
 ``trainer.vllm_generation`` and call its ``sync_weights()`` whenever the step changed. TRL's own sync gathers every

@@ -159,7 +159,7 @@ def _merged_adapters(model: nn.Module) -> list[str]:
 class SafetensorsSink:
     """Writes each sync's stream as a Hugging Face checkpoint directory: sharded safetensors, index, config.
 
-    >>> SafetensorsSink("out/merged", max_shard_size="2GB").sync(ParamStream(engine))   # doctest: +SKIP
+    :func:`save_merged` builds one and runs it (docs/recipes/checkpoint.md).
 
     Implements :class:`~lora_stream.sinks.base.Sink`: every rank that iterates the stream calls ``sync``; rank 0
     writes. The guarantees, on top of the protocol's:
@@ -389,7 +389,9 @@ def save_merged(
 ) -> SyncRecord:
     """Save the trainer's model, adapters merged, as a Hugging Face checkpoint directory; every rank calls it.
 
-    >>> save_merged(engine, "out/merged-step-100", max_shard_size="2GB")     # doctest: +SKIP
+    >>> record = save_merged(  # doctest: +SKIP
+    ...     model, out_dir, dtype=torch.bfloat16, max_shard_size="2GB", tokenizer=tokenizer, overwrite=True
+    ... )
 
     ``model_or_stream`` is what :class:`~lora_stream.ParamStream` takes (a DeepSpeed engine, an FSDP model, a
     ``PeftModel``, ...) or a stream; ``dtype`` and ``stream_options`` build the stream. See

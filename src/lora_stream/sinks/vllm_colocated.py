@@ -78,8 +78,8 @@ def engine_checkpoint(engine: Any, checkpoint: str | bool | None) -> EngineCheck
 class VLLMColocatedSink:
     """Loads :class:`~lora_stream.ParamStream` passes into a ``vllm.LLM`` living in this process (or its child).
 
-    >>> sink = VLLMColocatedSink(llm)                                     # doctest: +SKIP
-    >>> record = sink.sync(ParamStream(model, group_by="layer"))          # every trainer rank calls this
+    >>> sink = VLLMColocatedSink(llm)  # doctest: +SKIP
+    >>> record = sink.sync(ParamStream(model, group_by="layer"), version=f"step-{step}")  # every trainer rank
 
     Every trainer rank must call ``sync`` with its own stream (the gathers are collectives); each rank loads into
     its own engine. ``checkpoint`` is where the pre-flight reads the served model's safetensors headers: by default

@@ -50,9 +50,9 @@ class VLLMLoRASink:
     """Syncs :class:`~lora_stream.AdapterStream` passes into a ``vllm.LLM(..., enable_lora=True)`` in this process
     (or its child), as one adapter replaced in place.
 
-    >>> sink = VLLMLoRASink(llm, lora_name="policy")                     # doctest: +SKIP
-    >>> record = sink.sync(AdapterStream(model), version="step-3")      # every trainer rank
-    >>> llm.generate(prompts, params, lora_request=record.lora_request) # doctest: +SKIP
+    >>> sink = VLLMLoRASink(llm, lora_name="policy")  # doctest: +SKIP
+    >>> record = sink.sync(AdapterStream(model), version=f"step-{step}")  # every trainer rank
+    >>> out = llm.generate(["t5 t17 t42"], greedy, lora_request=record.lora_request, use_tqdm=False)
 
     Every trainer rank calls ``sync`` with its own stream (the gathers are collectives) and loads into its own
     engine. ``checkpoint`` is where the pre-flight reads the served model's safetensors headers (default: the

@@ -184,8 +184,10 @@ class _CurrentSource:
 class VLLMServerSink:
     """Streams :class:`~lora_stream.ParamStream` passes into a vLLM server's weights.
 
-    >>> sink = VLLMServerSink("http://127.0.0.1:8000", rank=dist.get_rank())     # doctest: +SKIP
-    >>> sink.sync(ParamStream(model, group_by="layer"), version="step-42")     # every trainer rank
+    >>> sink = VLLMServerSink(  # doctest: +SKIP
+    ...     url, rank=rank, backend="nccl" if on_gpu else "gloo", api_key=os.environ.get("VLLM_API_KEY"), timeout=120
+    ... )
+    >>> record = sink.sync(ParamStream(model, group_by="layer"), version=f"step-{step}")  # every trainer rank
 
     Implements :class:`~lora_stream.sinks.base.Sink`: the pre-flight, the tied aliases and the record are the
     colocated sink's (:func:`~lora_stream.sinks.preflight.preflight`, :class:`~lora_stream.sinks.source.SyncSource`);

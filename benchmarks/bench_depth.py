@@ -1,0 +1,55 @@
+"""ZeRO-3 sync against model depth, and process memory over one sync: the data behind the docs' plots.
+
+    python3 -m nox -s bench -- depth            # about 10 minutes on 2 cores; then: python3 -m nox -s plots
+    python benchmarks/bench_depth.py --depths 2,4 --syncs 2      # a quick small run
+
+For each depth, TRL's whole-model gather and lora_stream (32 MiB budget) run in fresh processes on the ZeRO-3
+benchmark model (the shape of bench_zero3.py, 2 CPU ranks over gloo), ``--syncs`` syncs each. Every run keeps the
+RSS samples (every 2 ms) of its last sync, so the plot shows memory against time within one sync. Writes
+benchmarks/results/depth.json; benchmarks/plots.py turns it into docs/images/*.png.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from common import MiB, model_cli, run_variant  # noqa: E402
+
+
+def main() -> None:
+    import argparse
+
+    extra = argparse.ArgumentParser(add_help=False)
+    extra.add_argument("--depths", default="4,8,16,24")
+    depth_args, rest = extra.parse_known_args()
+    sys.argv = [sys.argv[0], *rest]
+    args, common = model_cli(__doc__ or "", syncs=5, out=HERE / "results" / "depth.json")
+    depths = [int(d) for d in depth_args.depths.split(",")]
+    budget = str(int(args.budgets_mib.split(",")[0]) * MiB)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for depth in depths:
+            shape = [a for a in common if not a.startswith("--layers=")] + [f"--layers={depth}", "--trace"]
+            for variant, opts in (("whole_gather", []), ("lora_stream", ["--budget", budget])):
+                print(f"depth {depth}: {variant} ...", flush=True)
+                rows += run_variant(HERE / "zero3_worker.py", variant, opts, shape, tmp, timeout=1800)
+    print(f"\n{'layers':>6} {'model':>9} {'variant':<20} {'median sync':>11} {'peak gathered':>13} {'RSS growth':>10}")
+    for r in rows:
+        if r["rank"] != 0:
+            continue
+        print(
+            f"{r['layers']:>6} {r['model_bytes'] / MiB:>6.0f}MiB {r['variant']:<20} {r['median_sync_s']:>10.2f}s "
+            f"{r['peak_gathered_bytes'] / MiB:>10.1f}MiB {r['rss_growth_bytes'] / MiB:>7.0f}MiB"
+        )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": {**vars(args), "depths": depths}, "rows": rows}))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,255 @@
+"""The documentation's code cannot rot: every example on the site is a file in examples/ that a test here runs.
+
+- A Python block on a docs page holds only snippet includes (``--8<-- "examples/x.py:section"``) of those files, so
+  the page shows exactly the code that runs; every include must name an existing, non-empty section.
+- README.md (GitHub does not expand includes) and the public docstrings (``>>>`` lines, rendered in the API reference)
+  may only show code that appears, statement for statement, in an executed example.
+- Every example runs here, on the real stack, against a tiny random model: single-process ones directly, the
+  distributed recipes under ``torchrun`` with 2 gloo ranks, the server recipe against a real vLLM server.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from helpers import clear_cpu_shm, require
+from launch import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+DOCS = ROOT / "docs"
+
+#: Every example file, and the test in this repository that executes it.
+EXECUTED = {
+    "stream_basics.py": "test_docs.py::test_stream_basics",
+    "quickstart.py": "test_docs.py::test_quickstart",
+    "recipe_zero3.py": "test_docs.py::test_recipe_zero3",
+    "recipe_fsdp2.py": "test_docs.py::test_recipe_fsdp2_into_a_server",
+    "recipe_checkpoint.py": "test_docs.py::test_recipe_checkpoint",
+    "recipe_adapter.py": "test_docs.py::test_recipe_adapter",
+    "grpo_trl.py": "test_trl.py::test_the_example_runs",
+    "tiny_model.py": "every test here (it writes their model)",
+}
+INCLUDE = re.compile(r'^\s*--8<--\s+"([^":]+)(?::([\w-]+))?"\s*$')
+FENCE = re.compile(r"^```python\s*\n(.*?)^```\s*$", re.M | re.S)
+
+
+def python_blocks(path: Path) -> list[str]:
+    return FENCE.findall(path.read_text())
+
+
+def section(path: Path, name: str) -> str:
+    text = path.read_text()
+    m = re.search(
+        rf"--8<-- \[start:{re.escape(name)}\]\n(.*?)^[^\n]*--8<-- \[end:{re.escape(name)}\]", text, re.M | re.S
+    )
+    assert m, f"{path.name} has no section {name!r}"
+    return m.group(1)
+
+
+def statements(code: str) -> set[str]:
+    """Every statement of ``code``, compound ones whole, as ``ast.unparse`` writes it: formatting and comments
+    do not matter, the code does."""
+    return {ast.unparse(node) for node in ast.walk(ast.parse(textwrap.dedent(code))) if isinstance(node, ast.stmt)}
+
+
+def executed_statements() -> set[str]:
+    return set().union(*(statements((EXAMPLES / f).read_text()) for f in EXECUTED))
+
+
+def shown_statements(code: str) -> list[str]:
+    return [ast.unparse(node) for node in ast.parse(textwrap.dedent(code)).body]
+
+
+def docstring_code(doc: str) -> list[str]:
+    """The doctest-style examples of a docstring, one code string per run of ``>>>`` / ``...`` lines."""
+    blocks: list[list[str]] = []
+    previous = False
+    for line in doc.splitlines():
+        stripped = line.strip()
+        if stripped.startswith((">>> ", "... ")) or stripped in (">>>", "..."):
+            if not previous:
+                blocks.append([])
+            blocks[-1].append(stripped[4:])
+            previous = True
+        else:
+            previous = False
+    return ["\n".join(b) for b in blocks]
+
+
+def test_every_example_file_is_executed_by_a_test() -> None:
+    assert sorted(p.name for p in EXAMPLES.glob("*.py")) == sorted(EXECUTED)
+    for where in EXECUTED.values():
+        if "::" in where:
+            module, test = where.split("::")
+            assert f"def {test}(" in (ROOT / "tests" / module).read_text(), where
+
+
+def test_every_python_block_on_the_site_is_an_included_example() -> None:
+    pages = sorted(DOCS.rglob("*.md"))
+    included = 0
+    for page in pages:
+        for block in python_blocks(page):
+            for line in block.strip().splitlines():
+                if not line.strip():
+                    continue
+                m = INCLUDE.match(line)
+                assert m, (
+                    f"{page.relative_to(ROOT)}: a Python block on the site must only include sections of examples/ "
+                    f"(which tests run), not hold code of its own:\n{block}"
+                )
+                target = ROOT / m.group(1)
+                assert target.parent == EXAMPLES and target.name in EXECUTED, (page, m.group(1))
+                if m.group(2):
+                    assert section(target, m.group(2)).strip(), (page, line)
+                included += 1
+    assert included >= 15, "the pages lost their examples"
+
+
+def test_readme_shows_only_executed_code() -> None:
+    executed = executed_statements()
+    blocks = python_blocks(ROOT / "README.md")
+    assert len(blocks) >= 3
+    for block in blocks:
+        for stmt in shown_statements(block):
+            assert stmt in executed, f"README.md shows code no example runs:\n{stmt}"
+
+
+def test_docstring_examples_are_executed_code() -> None:
+    import lora_stream
+    import lora_stream.integrations.trl
+
+    executed = executed_statements()
+    seen = 0
+    public = [lora_stream.integrations.trl.use_lora_stream] + [getattr(lora_stream, n) for n in lora_stream.__all__]
+    objects: list[object] = [lora_stream, lora_stream.integrations.trl]
+    for obj in public:  # what the API reference renders: our classes and functions, and their members
+        if (inspect.isclass(obj) or inspect.isfunction(obj)) and obj.__module__.startswith("lora_stream"):
+            objects.append(obj)
+            members = vars(obj).values() if inspect.isclass(obj) else []
+            objects += [
+                m.fget if isinstance(m, property) else m
+                for m in members
+                if inspect.isfunction(m) or isinstance(m, property)
+            ]
+    for obj in objects:
+        for code in docstring_code(inspect.getdoc(obj) or ""):
+            for stmt in shown_statements(code):
+                seen += 1
+                name = getattr(obj, "__name__", obj)
+                assert stmt in executed, f"{name}'s docstring shows code no example runs:\n{stmt}"
+    assert seen >= 8, seen
+
+
+def test_examples_parse() -> None:
+    for f in EXECUTED:
+        ast.parse((EXAMPLES / f).read_text())
+
+
+# -- running them --------------------------------------------------------------------------------------------------
+
+ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "OMP_NUM_THREADS": "1",
+}
+
+
+def run(args: list[str], timeout: float = 400, env: dict[str, str] | None = None) -> str:
+    proc = subprocess.run(
+        args,
+        env={**os.environ, **ENV, **(env or {})},
+        cwd=str(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc.stdout
+
+
+def torchrun(script: str, *args: str, timeout: float = 400) -> str:
+    return run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            str(EXAMPLES / script),
+            *args,
+        ],
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = str(tmp_path_factory.mktemp("docs") / "tiny-llama")
+    run([sys.executable, str(EXAMPLES / "tiny_model.py"), path], timeout=120)
+    return path
+
+
+def steps(output: str, what: str) -> list[str]:
+    lines = [line for line in output.splitlines() if what in line]
+    assert [line.split(":")[0] for line in lines] == ["step 0", "step 1", "step 2"], output[-3000:]
+    return lines
+
+
+def test_stream_basics() -> None:
+    assert run([sys.executable, str(EXAMPLES / "stream_basics.py")], timeout=120).startswith("ok: 21 tensors")
+
+
+def test_quickstart(tiny_model: str) -> None:
+    require("vllm")
+    out = run([sys.executable, str(EXAMPLES / "quickstart.py"), tiny_model])
+    assert all("synced 21 tensors" in line for line in steps(out, "synced"))
+    steps(out, "vLLM now generates")
+
+
+def test_recipe_zero3(tiny_model: str) -> None:
+    require("deepspeed")
+    require("vllm")
+    clear_cpu_shm()
+    out = torchrun("recipe_zero3.py", tiny_model)
+    assert all("synced 21 tensors" in line for line in steps(out, "synced"))
+    steps(out, "vLLM now generates")
+
+
+def test_recipe_fsdp2_into_a_server(tiny_model: str) -> None:
+    require("vllm")
+    from vllm_server import Server
+
+    server = Server(tiny_model).wait_ready()
+    try:
+        out = torchrun("recipe_fsdp2.py", tiny_model, server.url)
+        assert [line.split("server version ")[1] for line in steps(out, "synced")] == ["step-0", "step-1", "step-2"]
+        steps(out, "the server now generates")
+        assert server.version() == "step-2"
+    finally:
+        server.stop()
+
+
+def test_recipe_checkpoint(tiny_model: str, tmp_path: Path) -> None:
+    out = run([sys.executable, str(EXAMPLES / "recipe_checkpoint.py"), tiny_model, str(tmp_path / "merged")])
+    assert "the checkpoint equals peft's merge_and_unload()" in out, out
+    assert (tmp_path / "merged" / "tokenizer.json").exists()
+
+
+def test_recipe_adapter(tiny_model: str) -> None:
+    require("vllm")
+    out = run([sys.executable, str(EXAMPLES / "recipe_adapter.py"), tiny_model])
+    assert all("synced 28 LoRA tensors" in line and "as policy" in line for line in steps(out, "synced"))
+    steps(out, "through the adapter generates")
