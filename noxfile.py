@@ -92,6 +92,9 @@ def docs(session: nox.Session) -> None:
     """Build the documentation site (MkDocs Material, API reference by mkdocstrings) into site/, strictly: a broken
     link, anchor or API reference fails the build."""
     session.install("mkdocs==1.6.1", "mkdocs-material==9.8.2", "mkdocstrings==1.0.8", "mkdocstrings-python==2.0.11")
+    if session.posargs[:1] == ["serve"]:  # `nox -s docs -- serve`: browse it at http://127.0.0.1:8000
+        session.run("mkdocs", "serve", "--strict", *session.posargs[1:], env={"NO_MKDOCS_2_WARNING": "1"})
+        return
     session.run("mkdocs", "build", "--strict", "--site-dir", "site", env={"NO_MKDOCS_2_WARNING": "1"})
 
 
