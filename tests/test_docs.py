@@ -149,6 +149,14 @@ def test_docstring_examples_are_executed_code() -> None:
     assert seen >= 8, seen
 
 
+def test_the_api_reference_renders_every_public_name() -> None:
+    import lora_stream
+
+    rendered = set(re.findall(r"^::: lora_stream\.(\w+)$", (DOCS / "api.md").read_text(), re.M))
+    missing = [name for name in lora_stream.__all__ if name not in rendered]
+    assert not missing, f"docs/api.md lacks {missing}: a public name without a reference entry"
+
+
 def test_examples_parse() -> None:
     for f in EXECUTED:
         ast.parse((EXAMPLES / f).read_text())

@@ -30,9 +30,9 @@ from .errors import LoraStreamError
 
 __all__ = ["Layout", "FormatStep", "CheckpointFormat", "CheckpointFormatError"]
 
-#: ``"checkpoint"``: names, layouts and persistent buffers as ``save_pretrained`` writes them. ``"memory"``: the
-#: parameters as ``named_parameters()`` holds them.
 Layout = Literal["checkpoint", "memory"]
+"""``"checkpoint"``: names, layouts and persistent buffers as ``save_pretrained`` writes them. ``"memory"``: the
+parameters as ``named_parameters()`` holds them."""
 
 
 class CheckpointFormatError(LoraStreamError):

@@ -11,10 +11,13 @@ from .core import Output, ParamRef, Step, Unit
 __all__ = ["GroupBy", "DEFAULT_BUDGET_BYTES", "Group", "partition", "stack_key"]
 
 GroupBy = Literal["budget", "layer", "module"]
+"""How a stream cuts the model into groups (``group_by=``): ``"budget"`` packs consecutive modules up to
+``budget_bytes``; ``"layer"`` makes one group per decoder layer (what vLLM's layerwise reload wants); ``"module"``
+one per module. A module (a LoRA layer with its base) is never split."""
 
-#: Default byte budget of one group (whole bytes of the parameters gathered for it). 128 MiB is one decoder layer
-#: of a 1-3B model, well below a GPU's free memory, and large enough that per-group overheads vanish.
 DEFAULT_BUDGET_BYTES = 128 * 1024 * 1024
+"""Default byte budget of one group (whole bytes of the parameters gathered for it). 128 MiB is one decoder layer
+of a 1-3B model, well below a GPU's free memory, and large enough that per-group overheads vanish."""
 
 
 @dataclass

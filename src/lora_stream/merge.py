@@ -46,9 +46,9 @@ __all__ = [
     "ShapeOf",
 ]
 
-#: Largest float32 block a merge holds at once (per temporary). 8 MiB keeps a 4096 x 14336 MLP weight's merge
-#: temporaries under 1% of the weight while each block is still a large enough GEMM to run at full speed.
 DEFAULT_MERGE_BLOCK_BYTES = 8 * 1024 * 1024
+"""Largest float32 block a merge holds at once (per temporary). 8 MiB keeps a 4096 x 14336 MLP weight's merge
+temporaries under 1% of the weight while each block is still a large enough GEMM to run at full speed."""
 
 
 class Merge:

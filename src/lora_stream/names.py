@@ -23,8 +23,9 @@ from .errors import RenameError
 
 __all__ = ["Renames", "register_wrapper", "wrapped_child_attr", "NameNormalizer"]
 
-#: What users may pass as ``renames=``.
 Renames = Mapping[str, str] | Callable[[str], str] | None
+"""What ``renames=`` takes: a mapping of anchored name prefixes (a key matches a name equal to it or starting with
+``key + "."``; the longest key wins), a callable returning the new name, or ``None``. Applied last."""
 
 # (module path of the class, class name) -> attribute holding the wrapped module. Matched by qualified name so
 # that checking a model never imports DeepSpeed, FSDP or torch._dynamo.
