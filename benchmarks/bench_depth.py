@@ -22,14 +22,13 @@ from common import MiB, model_cli, run_variant  # noqa: E402
 
 
 def main() -> None:
-    import argparse
-
-    extra = argparse.ArgumentParser(add_help=False)
-    extra.add_argument("--depths", default="4,8,16,24")
-    depth_args, rest = extra.parse_known_args()
-    sys.argv = [sys.argv[0], *rest]
-    args, common = model_cli(__doc__ or "", syncs=5, out=HERE / "results" / "depth.json")
-    depths = [int(d) for d in depth_args.depths.split(",")]
+    args, common = model_cli(
+        __doc__ or "",
+        syncs=5,
+        out=HERE / "results" / "depth.json",
+        extra=lambda ap: ap.add_argument("--depths", default="4,8,16,32", help="decoder layers, comma-separated"),
+    )
+    depths = [int(d) for d in args.depths.split(",")]
     budget = str(int(args.budgets_mib.split(",")[0]) * MiB)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -47,7 +46,7 @@ def main() -> None:
             f"{r['peak_gathered_bytes'] / MiB:>10.1f}MiB {r['rss_growth_bytes'] / MiB:>7.0f}MiB"
         )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": {**vars(args), "depths": depths}, "rows": rows}))
+    Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}))
     print(f"\nwrote {args.out}")
 
 

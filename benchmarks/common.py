@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 MiB = 2**20
@@ -85,13 +86,18 @@ def add_model_args(parser: argparse.ArgumentParser, layers: int = 16) -> None:
     parser.add_argument("--vocab", type=int, default=32000)
 
 
-def model_cli(description: str, syncs: int, out: Path) -> tuple[argparse.Namespace, list[str]]:
-    """The orchestrators' command line (model shape, syncs, budgets, output), and the arguments for the workers."""
+def model_cli(
+    description: str, syncs: int, out: Path, extra: Callable[[argparse.ArgumentParser], object] | None = None
+) -> tuple[argparse.Namespace, list[str]]:
+    """The orchestrators' command line (model shape, syncs, budgets, output, and what ``extra`` adds), and the
+    arguments for the workers."""
     ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
     ap.add_argument("--syncs", type=int, default=syncs)
     ap.add_argument("--budgets-mib", default="32,128")
     ap.add_argument("--out", default=str(out))
+    if extra is not None:
+        extra(ap)
     args = ap.parse_args()
     worker_args = [f"--{k}={getattr(args, k)}" for k in ("layers", "hidden", "intermediate", "vocab", "syncs")]
     return args, worker_args

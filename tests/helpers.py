@@ -180,6 +180,38 @@ def assert_matches(
         assert err < tol, f"{name}: relative error {err:.3g} >= {tol}"
 
 
+def stream_within_bound(stream: Any, bound: int, *, clone: bool = True) -> tuple[list[tuple[str, torch.Tensor]], int]:
+    """Iterate ``stream``, asserting at every yield that its gatherer holds more than nothing and at most ``bound``
+    bytes gathered; returns the outputs and the largest amount held. ``clone=False`` keeps the yielded tensors
+    themselves (a test that checks they stay valid past their group)."""
+    got, peak = [], 0
+    for name, tensor in stream:
+        held = stream.gatherer.held_bytes()
+        assert 0 < held <= bound, f"{name}: {held} bytes gathered, bound {bound}"
+        peak = max(peak, held)
+        got.append((name, tensor.clone() if clone else tensor))
+    return got, peak
+
+
+def assert_direct_equals_fallback(
+    direct: Any, fallback: Any, groups: Iterable[Any], label: str, inside: Any = None
+) -> int:
+    """For every group, ``direct.gather`` gives the same dtypes, shapes and bytes as ``fallback.gather``;
+    ``inside(params)`` runs while the direct gather is held. Returns the number of groups compared."""
+    n = 0
+    for group in groups:
+        with direct.gather(group.params) as full:
+            got = [full(p).clone() for p in group.params]
+            if inside is not None:
+                inside(group.params)
+        with fallback.gather(group.params) as full:
+            want = [full(p).clone() for p in group.params]
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), label
+        n += 1
+    return n
+
+
 def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 

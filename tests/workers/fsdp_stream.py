@@ -22,7 +22,18 @@ import time
 
 import torch
 import torch.distributed as dist
-from helpers import CollectiveCounter, assert_matches, finish, lora, oracle, report, report_aborted, tiny_llama
+from helpers import (
+    CollectiveCounter,
+    assert_direct_equals_fallback,
+    assert_matches,
+    finish,
+    lora,
+    oracle,
+    report,
+    report_aborted,
+    stream_within_bound,
+    tiny_llama,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -125,15 +136,8 @@ def scenario_fsdp2_direct() -> None:
         shard(model)
         direct, fallback = Fsdp2Gatherer(model), Fsdp2Gatherer(model, direct=False)
         stream = ParamStream(model, group_by="module")
-        uneven = 0
-        for group in stream._groups:
-            with direct.gather(group.params) as full:
-                got = [full(p).clone() for p in group.params]
-            with fallback.gather(group.params) as full:
-                want = [full(p).clone() for p in group.params]
-            for p, a, b in zip(group.params, got, want):
-                assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), label
-                uneven += int(p.shape[0] % dist.get_world_size() != 0)
+        assert_direct_equals_fallback(direct, fallback, stream._groups, label)
+        uneven = sum(int(p.shape[0] % dist.get_world_size() != 0) for g in stream._groups for p in g.params)
         dtensors = sum(len(g.params) for g in stream._groups)
         assert direct.path_counts == {"direct": dtensors, "fallback": 0}, direct.path_counts
         assert fallback.path_counts["direct"] == 0 and fallback.fallback_reason == "direct=False"
@@ -196,12 +200,8 @@ def check_fsdp1(model: torch.nn.Module, template: torch.nn.Module, budget: int) 
     assert isinstance(stream.gatherer, Fsdp1Gatherer)
     assert [m.name for m in stream.metadata()] == list(ref)
     bound = max(budget, max(ParamStream(model, group_by="module").group_gathered_bytes))
-    got, peak = [], 0
-    for name, t in stream:
-        held = stream.gatherer.held_bytes()
-        assert 0 < held <= bound, (name, held, bound)
-        peak = max(peak, held)
-        got.append((name, t))  # kept past the group on purpose: FSDP1 frees unsharded storage in place
+    # Not cloned, on purpose: FSDP1 frees unsharded storage in place, so the tensors must be copies that stay valid.
+    got, peak = stream_within_bound(stream, bound, clone=False)
     assert_matches(got, ref)
     assert stream.gatherer.held_bytes() == 0
     report(rank=dist.get_rank(), event="match", tensors=len(got), peak=peak, bound=bound)

@@ -34,12 +34,14 @@ import torch.distributed as dist
 from helpers import (
     ZERO3_CONFIG,
     CollectiveCounter,
+    assert_direct_equals_fallback,
     assert_matches,
     finish,
     lora,
     oracle,
     report,
     report_aborted,
+    stream_within_bound,
     tiny_llama,
     zero3_engine,
     zero3_whole_into,
@@ -89,12 +91,7 @@ def check_stream(engine, template, budget: int) -> None:  # type: ignore[no-unty
     total = sum(stream.group_gathered_bytes)
     assert total >= 4 * budget, (total, budget)
     assert stream.gatherer.held_bytes() == 0
-    got, peak = [], 0
-    for name, tensor in stream:
-        held = stream.gatherer.held_bytes()
-        assert 0 < held <= bound, f"{name}: {held} bytes gathered, bound {bound}"
-        peak = max(peak, held)
-        got.append((name, tensor.clone()))
+    got, peak = stream_within_bound(stream, bound)
     assert stream.gatherer.held_bytes() == 0
     assert_matches(got, ref)
     assert stream.last_stats.complete and stream.last_stats.peak_gathered_bytes == peak
@@ -178,12 +175,8 @@ def scenario_moe(path: str) -> None:
     stream = ParamStream(engine, budget_bytes=budget)
     largest_module = max(ParamStream(engine, group_by="module").group_gathered_bytes)
     bound = max(budget, largest_module)
-    got, peak = {}, 0
-    for name, tensor in stream:
-        held = stream.gatherer.held_bytes()
-        assert 0 < held <= bound, f"{name}: {held} bytes gathered, bound {bound}"
-        peak = max(peak, held)
-        got[name] = tensor.clone()
+    pairs, peak = stream_within_bound(stream, bound)
+    got = dict(pairs)
     assert sorted(got) == sorted(ref), sorted(set(got) ^ set(ref))[:10]
     assert_matches(list(got.items()), {n: ref[n] for n in got})
     experts = sum(1 for n in got if ".mlp.experts." in n)
@@ -229,16 +222,11 @@ def direct_equals_gathered_parameters(engine, label: str):  # type: ignore[no-un
 
     direct, fallback = ZeroThreeGatherer(engine), ZeroThreeGatherer(engine, direct=False)
     stream = ParamStream(engine, group_by="module")
-    groups = 0
-    for group in stream._groups:
-        with direct.gather(group.params) as full:
-            got = [full(p).clone() for p in group.params]
-            assert all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in group.params), "params touched"
-        with fallback.gather(group.params) as full:
-            want = [full(p).clone() for p in group.params]
-        for a, b in zip(got, want):
-            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), label
-        groups += 1
+
+    def untouched(params: list) -> None:  # type: ignore[type-arg]
+        assert all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in params), "params touched"
+
+    groups = assert_direct_equals_fallback(direct, fallback, stream._groups, label, inside=untouched)
     assert direct.path_counts == {"direct": groups, "fallback": 0}, direct.path_counts
     assert fallback.path_counts == {"direct": 0, "fallback": groups} and fallback.fallback_reason == "direct=False"
     return stream, direct, groups
@@ -274,12 +262,7 @@ def scenario_prefetch() -> None:
     stream = ParamStream(engine, group_by="module", prefetch=True)
     sizes = stream.group_gathered_bytes
     bound = max(a + b for a, b in zip(sizes, [*sizes[1:], 0]))
-    got, peak = [], 0
-    for name, tensor in stream:
-        held = stream.gatherer.held_bytes()
-        assert 0 < held <= bound, f"{name}: {held} bytes held, bound {bound}"
-        peak = max(peak, held)
-        got.append((name, tensor.clone()))
+    got, peak = stream_within_bound(stream, bound)
     assert_matches(got, ref)
     assert stream.last_stats.peak_gathered_bytes == bound >= peak > max(sizes), (bound, peak, max(sizes))
     assert stream.gatherer.held_bytes() == 0 and stream.gatherer._buffers == [None, None]
