@@ -16,7 +16,8 @@ class SyncRecord:
     """One weight sync: what was sent and how long it took.
 
     ``peak_gathered_bytes`` is the largest group the trainer held whole for it (the memory bound in action);
-    ``peak_group_bytes`` the largest group of output tensors handed to the engine at once.
+    ``peak_group_bytes`` the largest group of output tensors handed to the engine at once. A record exists only
+    for a sync that committed on every rank.
     """
 
     sink: str
@@ -30,6 +31,9 @@ class SyncRecord:
     #: Seconds by stage where the sink measures them (the server sink over gloo: the trainer's engine's
     #: ``last_stages``, with the server worker's own timing under ``"worker"``).
     stages: dict[str, Any] = field(default_factory=dict)
+    #: The verification of this sync (:class:`~lora_stream.sinks.verify.Verification`: the largest probe
+    #: log-probability difference between the engine and the trainer's forward, and the tolerance), when it ran.
+    verification: Any = None
 
     @property
     def gbps(self) -> float:

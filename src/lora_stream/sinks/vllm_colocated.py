@@ -27,19 +27,35 @@ through ``collective_rpc`` with the worker extension :class:`~lora_stream.sinks.
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ..coordination import this_rank
 from ..errors import LoraStreamError
 from ..stream import ParamStream
+from ..transaction import Transaction, fault_point
 from .preflight import EngineCheckpoint, preflight
 from .record import SyncRecord
 from .reload import LoadReport, ReloadBracket, VLLMLoadError
 from .source import SyncSource
+from .verify import (
+    Verification,
+    VerifyPolicy,
+    check_policy,
+    compare,
+    engine_logprobs,
+    probe_ids,
+    should_verify,
+    timed,
+    tolerance,
+    trainer_logprobs,
+)
 
-__all__ = ["VLLMColocatedSink", "VLLMLoadError", "WORKER_EXTENSION"]
+__all__ = ["PrefixCacheError", "VLLMColocatedSink", "VLLMLoadError", "WORKER_EXTENSION", "reset_prefix_cache"]
 
 #: Pass as ``LLM(..., worker_extension_cls=WORKER_EXTENSION)`` for an engine in a child process.
 WORKER_EXTENSION = "lora_stream.sinks.vllm_worker.LoraStreamWorkerExtension"
@@ -82,14 +98,41 @@ class VLLMColocatedSink:
     >>> record = sink.sync(ParamStream(model, group_by="layer"), version=f"step-{step}")  # every trainer rank
 
     Every trainer rank must call ``sync`` with its own stream (the gathers are collectives); each rank loads into
-    its own engine. ``checkpoint`` is where the pre-flight reads the served model's safetensors headers: by default
-    the directory the engine was started from; ``False`` skips the pre-flight (the reload check after loading
-    still runs unless ``check_consumed=False``). Implements :class:`~lora_stream.sinks.base.Sink`.
+    its own engine. Each sync is one transaction (:mod:`lora_stream.transaction`): the pre-flight is agreed by every
+    rank before any byte reaches an engine; after the load, its reload check, the optional verification and the
+    prefix-cache reset, the ranks vote, and every engine keeps the new weights or every engine is put back, bit for
+    bit, to what it served before. A colocated engine is synchronous: no request runs while ``sync`` does, so none
+    can see a mix. Implements :class:`~lora_stream.sinks.base.Sink`.
+
+    Args:
+        llm: the engine.
+        checkpoint: where the pre-flight reads the served model's safetensors headers: by default the directory the
+            engine was started from; ``False`` skips the pre-flight (the reload check still runs unless
+            ``check_consumed=False``).
+        check_consumed: check after loading that vLLM reloaded every module it holds.
+        rollback: keep a host copy of the engine's weights while a sync is open, so that a failed sync is undone
+            (default). ``False`` saves that memory (one copy of the engine's weights per engine) and time, at the
+            price of the guarantee: after a failure, layers that received their weights serve the new ones.
+        verify: run the probe of :mod:`lora_stream.sinks.verify` after loading: ``True`` (every sync), ``N`` (every
+            N-th), a callable of the sync's index, or ``False`` (default).
+        verify_tolerance: nats; default :func:`~lora_stream.sinks.verify.tolerance` of the dtypes involved.
+        prefix_cache_timeout: seconds to keep retrying vLLM's prefix-cache reset while it refuses (blocks still
+            held); past it the sync fails and is rolled back.
     """
 
     name = "vllm-colocated"
 
-    def __init__(self, llm: Any, *, checkpoint: str | bool | None = None, check_consumed: bool = True) -> None:
+    def __init__(
+        self,
+        llm: Any,
+        *,
+        checkpoint: str | bool | None = None,
+        check_consumed: bool = True,
+        rollback: bool = True,
+        verify: VerifyPolicy = False,
+        verify_tolerance: float | None = None,
+        prefix_cache_timeout: float = 10.0,
+    ) -> None:
         self.llm = llm
         engine = llm.llm_engine
         self.model_config = engine.model_config
@@ -98,7 +141,12 @@ class VLLMColocatedSink:
         runner = local_model_runner(engine)
         self._bracket = ReloadBracket(runner.model, runner.model_config) if runner is not None else None
         self.check_consumed = check_consumed
+        self.rollback = rollback
+        self.verify = check_policy(verify)
+        self.verify_tolerance = verify_tolerance
+        self.prefix_cache_timeout = prefix_cache_timeout
         self.version: str | None = None
+        self._syncs = 0
 
     @property
     def in_process(self) -> bool:
@@ -115,55 +163,102 @@ class VLLMColocatedSink:
         return preflight(stream.metadata(), stream.tied_aliases(), self._ckpt)
 
     def sync(self, stream: ParamStream, *, version: str | None = None) -> SyncRecord:
-        """Load one full pass of ``stream`` into the engine. Raises before touching it if the pre-flight fails."""
+        """Load one full pass of ``stream`` into the engine, as one transaction across the trainer ranks.
+
+        Returns on every rank with the engine serving the new weights and ``version``, or raises on every rank with
+        the engine serving exactly what it served before (with ``rollback=True``): the failing rank raises its own
+        error (:class:`~lora_stream.sinks.CheckpointMismatchError` from the pre-flight, :class:`VLLMLoadError`,
+        :class:`~lora_stream.sinks.verify.VerificationError`, ...), the others
+        :class:`~lora_stream.StreamAbortedError` naming it and its reason."""
         start = time.perf_counter()
-        source = SyncSource(stream, self.preflight(stream), version)
-        failed: BaseException | None = None
-        self._begin()
-        try:
+        tx = Transaction(stream.coordinator, self.name)
+        source = SyncSource(stream, tx.prepare(lambda: self.preflight(stream)), version)
+        stages: dict[str, Any] = {}
+        verification: Verification | None = None
+        opened = False
+        with tx.attempt():
+            t = time.perf_counter()
+            self._begin()
+            opened = True
+            stages["snapshot_s"] = time.perf_counter() - t
             try:
                 with source.batches() as batches:  # a failure below ends the pass for every rank, with its reason
-                    for names, tensors in batches:
+                    for k, (names, tensors) in enumerate(batches):
+                        fault_point(f"group:{k}")
                         self._load(list(zip(names, tensors)), source.aliases)
             except BaseException as exc:
-                failed = exc
-                raise
-            finally:
                 # Always close the bracket: an open one leaves layers on the meta device and the engine's next
-                # forward kills it. Closing restores every layer that did not receive all its weights.
-                report = self._finish(failed)
+                # forward kills it. After a failure, closing puts back every layer still waiting for weights.
+                self._finish(exc)
+                raise
+            report = self._finish(None)
+            fault_point("reload-check")
             error = report.error() if self.check_consumed else None
             if error is not None:
                 raise error
-        except BaseException as exc:
-            failed = failed or exc
-            raise
-        finally:
-            # Whatever happened, some layers may hold new weights now: KV blocks cached under the old ones must go.
-            self._reset_prefix_cache(failed)
-        self.version = version
-        record = source.record(self.name, time.perf_counter() - start)
+        if should_verify(self.verify, self._syncs) and tx.vote("after loading", known=source.ended_early):
+            with tx.attempt():
+                verification = self._verify(stream)
+                fault_point("verify")
+        with tx.attempt() as go:
+            if go:
+                reset_prefix_cache(lambda: self.llm.reset_prefix_cache(), self.prefix_cache_timeout, "the engine")
+                fault_point("prefix-cache")
+                fault_point("commit")
+        tx.vote("before committing", known=source.ended_early)
+        tx.conclude(lambda: self._commit(version), lambda error: self._abort(error, opened))
+        stages["kept_bytes"] = self._kept_bytes
+        record = dataclasses.replace(
+            source.record(self.name, time.perf_counter() - start), stages=stages, verification=verification
+        )
         record.log()
         return record
 
     def close(self) -> None:
         """Nothing is held between syncs."""
 
-    def _reset_prefix_cache(self, failed: BaseException | None) -> None:
-        try:
-            self.llm.reset_prefix_cache()
-        except Exception as exc:
-            if failed is None:
-                raise
-            # The sync's own error is the one to report; say that the cache may be stale too.
-            failed.add_note(f"lora_stream: resetting vLLM's prefix cache after the failure also failed: {exc!r}")
+    # -- commit and abort ---------------------------------------------------------------------------------------------
+    def _commit(self, version: str | None) -> None:
+        if self._bracket is not None:
+            self._kept_bytes = self._bracket.kept_bytes
+            self._bracket.commit()
+        else:
+            self._kept_bytes = sum(int(n) for n in self._rpc("lora_stream_commit"))
+        self.version = version
+        self._syncs += 1
+
+    def _abort(self, error: BaseException, opened: bool) -> None:
+        """Every rank failed the sync: put this engine back (the bracket is closed already) and drop its KV blocks."""
+        if opened:
+            restored = self._bracket.rollback() if self._bracket is not None else all(self._rpc("lora_stream_rollback"))
+            if not restored:
+                error.add_note(
+                    "lora_stream: rollback=False, so the engine was not put back: layers that received all their "
+                    "weights serve the new ones; run another sync before relying on it"
+                )
+        reset_prefix_cache(lambda: self.llm.reset_prefix_cache(), self.prefix_cache_timeout, "the engine")
+
+    def _verify(self, stream: ParamStream) -> Verification:
+        """The probe through the trainer's forward and through the engine, on every rank, then compared."""
+        clock = timed()
+        ids = probe_ids(int(self.model_config.get_vocab_size()))
+        trainer, scale = trainer_logprobs(stream.model, ids)
+        engine = engine_logprobs(self.llm, ids)
+        limit = self.verify_tolerance
+        if limit is None:
+            trainer_dtype = next(stream.model.parameters()).dtype
+            layers = int(getattr(self.model_config.hf_text_config, "num_hidden_layers", 1) or 1)
+            limit = tolerance(self.model_config.dtype, trainer_dtype, layers, scale)
+        return compare(engine, trainer, limit, clock(), this_rank(), " (colocated engine)")
 
     # -- the bracket, in process or over collective_rpc ------------------------------------------------------------
+    _kept_bytes = 0
+
     def _begin(self) -> None:
         if self._bracket is not None:
-            self._bracket.begin()
+            self._bracket.begin(keep_previous=self.rollback)
         else:
-            self._rpc("lora_stream_begin")
+            self._rpc("lora_stream_begin", self.rollback)
 
     def _load(self, pairs: list[tuple[str, torch.Tensor]], optional: list[str]) -> None:
         if self._bracket is not None:
@@ -172,7 +267,15 @@ class VLLMColocatedSink:
         from safetensors.torch import save
 
         # The child engine gets bytes: msgpack would drop tensor data, and pickle needs insecure serialization.
-        self._rpc("lora_stream_load", save({n: t.contiguous() for n, t in pairs}), optional)
+        # Tied aliases are the same tensor as their primary, and safetensors refuses tensors sharing memory: an
+        # alias travels as its own copy.
+        seen: set[int] = set()
+        blob: dict[str, torch.Tensor] = {}
+        for n, t in pairs:
+            key = t.untyped_storage().data_ptr() if t.numel() else -1 - len(blob)
+            blob[n] = t.detach().clone().contiguous() if key in seen else t.contiguous()
+            seen.add(key)
+        self._rpc("lora_stream_load", save(blob), optional)
 
     def _finish(self, failed: BaseException | None) -> LoadReport:
         """Close the bracket: checked after a complete pass, unchecked after a failure (whose error is reported)."""
@@ -197,6 +300,28 @@ class VLLMColocatedSink:
 
     def _rpc(self, method: str, *args: Any) -> list[Any]:
         return engine_rpc(self.llm, method, *args)
+
+
+def reset_prefix_cache(reset: Callable[[], Any], timeout: float, what: str) -> None:
+    """Reset vLLM's prefix cache, reading what it answers: ``False`` means it did nothing (blocks are still held by
+    running requests), so wait and retry until ``timeout``; then raise :class:`PrefixCacheError`. ``None`` (a vLLM
+    that answers nothing) counts as done."""
+    deadline = time.monotonic() + timeout
+    delay = 0.01
+    while True:
+        if reset() is not False:
+            return
+        if time.monotonic() >= deadline:
+            raise PrefixCacheError(
+                f"{what} refused to reset its prefix cache for {timeout} s (KV blocks still held by running "
+                "requests); blocks computed with the old weights could be reused, so the sync fails"
+            )
+        time.sleep(delay)
+        delay = min(delay * 2, 0.5)
+
+
+class PrefixCacheError(LoraStreamError):
+    """vLLM kept refusing to reset its prefix cache after an update (blocks held); the update is rolled back."""
 
 
 def engine_rpc(llm: Any, method: str, *args: Any) -> list[Any]:

@@ -24,9 +24,10 @@ class LoraStreamWorkerExtension:
     _lora_stream_bracket: ReloadBracket | None = None
     _lora_stream_previous: dict[str, StagedAdapter | None] | None = None
 
-    def lora_stream_begin(self) -> None:
+    def lora_stream_begin(self, keep_previous: bool = False) -> None:
+        self.lora_stream_rollback()  # an update a vanished trainer left undecided: the safe outcome is the old one
         self._lora_stream_bracket = ReloadBracket(self.model_runner.model, self.model_runner.model_config)
-        self._lora_stream_bracket.begin()
+        self._lora_stream_bracket.begin(keep_previous=keep_previous)
 
     def lora_stream_load(self, blob: bytes, optional: list[str] | None = None) -> list[str]:
         from safetensors.torch import load
@@ -36,13 +37,29 @@ class LoraStreamWorkerExtension:
         return self._lora_stream_bracket.load(list(load(bytes(blob)).items()), optional or ())
 
     def lora_stream_finish(self) -> tuple[list[str], dict[str, list[str]], bool]:
-        bracket, self._lora_stream_bracket = self._lora_stream_bracket, None
+        """Close and check the bracket; the update stays undecided (kept for ``commit`` or ``rollback``)."""
+        bracket = self._lora_stream_bracket
         return bracket.finish().to_wire() if bracket is not None else ([], {}, True)
 
     def lora_stream_abort(self) -> None:
+        """Close the bracket unchecked after a failure; the update stays undecided."""
+        if self._lora_stream_bracket is not None:
+            self._lora_stream_bracket.abort()
+
+    def lora_stream_commit(self) -> int:
+        """The update stands; returns the bytes that were kept to undo it."""
         bracket, self._lora_stream_bracket = self._lora_stream_bracket, None
-        if bracket is not None:
-            bracket.abort()
+        if bracket is None:
+            return 0
+        kept = bracket.kept_bytes
+        bracket.abort()  # a no-op after finish; never leave a bracket open
+        bracket.commit()
+        return kept
+
+    def lora_stream_rollback(self) -> bool:
+        """Undo the update (bit for bit, when ``begin`` kept the previous weights); returns whether it was undone."""
+        bracket, self._lora_stream_bracket = self._lora_stream_bracket, None
+        return bracket.rollback() if bracket is not None else True
 
     # -- adapter sync (VLLMLoRASink): stage in this process, then the sink calls vLLM's own add_lora -------------------
     def lora_stream_stage_adapter(

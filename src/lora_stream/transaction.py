@@ -1,0 +1,150 @@
+"""Every sync is one transaction across the trainer ranks and the engines they feed.
+
+A sync has three phases, the same in every sink; only the transport differs:
+
+1. **prepare** -- every rank runs its pre-flight (names, shapes, tied weights, the engine's limits, the server's
+   reachability) and the ranks agree. If any rank refuses, every rank raises before a byte moves: the refusing
+   rank its own error, the others :class:`~lora_stream.StreamAbortedError` naming it and its reason.
+2. **transfer** -- the stream's pass, the engine's load, its reload check, the opt-in verification, the prefix-cache
+   reset. A failure on any rank ends the pass for every rank at the next group boundary (the stream's lockstep) or
+   is recorded until the vote.
+3. **vote, then commit or abort** -- one agreement: every rank says whether its side succeeded. If all did, every
+   rank commits (the engine drops what it kept to undo the update, the version moves). If any did not, every rank
+   aborts (the engine puts back, bit for bit, what it served before) and raises.
+
+Hence the two promises every sink keeps: when ``sync`` returns, it has returned on every rank; when it raises, it
+raises on every rank. A version moves on every engine or on none.
+
+Agreements are the stream's own status exchange (:class:`~lora_stream.Coordinator`), so a rank still inside the
+stream's pass learns the outcome there. A rank whose *process* died cannot vote; its peers fail the exchange after
+the stream's ``timeout`` (or at once, when the transport reports the closed connection) and abort.
+
+Fault points. For tests of these promises, :func:`set_fault_hook` installs a callable that every sink calls, on
+every rank, at each named point of its transaction (:data:`FAULT_POINTS`); raising from it fails the sync there, as
+a real failure at that point would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TypeVar
+
+from .coordination import Coordinator
+from .lockstep import describe_error
+
+__all__ = ["FAULT_POINTS", "FaultHook", "Transaction", "fault_point", "set_fault_hook"]
+
+T = TypeVar("T")
+
+#: Where a sink calls the fault hook, in order: the pre-flight; before loading each group (``"group:<k>"``,
+#: k counted from 0); after the engine's reload check; after the verification probe; after the prefix-cache reset;
+#: just before the commit vote.
+FAULT_POINTS = ("prepare", "group:<k>", "reload-check", "verify", "prefix-cache", "commit")
+
+FaultHook = Callable[[str], None]
+_fault_hook: FaultHook | None = None
+
+
+def set_fault_hook(hook: FaultHook | None) -> FaultHook | None:
+    """Install ``hook`` (``None`` removes it); returns the previous one.
+
+    Meant for tests of the transaction guarantees: ``hook(point)`` is called in this process at each of
+    :data:`FAULT_POINTS`, and an exception it raises is treated exactly like a failure of the sink at that point.
+    Never install one in production.
+    """
+    global _fault_hook
+    previous, _fault_hook = _fault_hook, hook
+    return previous
+
+
+def fault_point(point: str) -> None:
+    """Call the installed fault hook, if any, at ``point``."""
+    if _fault_hook is not None:
+        _fault_hook(point)
+
+
+class Transaction:
+    """One sync's phases on one rank: :meth:`prepare`, any number of :meth:`attempt` blocks, :meth:`vote`, then
+    :meth:`conclude`.
+
+    Every rank of ``coordinator``'s group builds one per sync and calls the same methods in the same order (the
+    agreements are collectives). The first failure on this rank is kept in :attr:`error`; once a vote saw a failure
+    anywhere, :attr:`error` is set on every rank and later :meth:`attempt` blocks are skipped.
+
+    Args:
+        coordinator: the stream's (``stream.coordinator``): the trainer ranks that iterate it.
+        what: the sink's name, used in the agreement's messages.
+    """
+
+    def __init__(self, coordinator: Coordinator, what: str) -> None:
+        self.coordinator = coordinator
+        self.what = what
+        self.error: BaseException | None = None
+
+    @property
+    def ok(self) -> bool:
+        """No failure so far, on this rank or (as of the latest vote) on any other."""
+        return self.error is None
+
+    def prepare(self, check: Callable[[], T]) -> T:
+        """Run this rank's pre-flight ``check`` and agree; return its result on every rank, or raise on every rank.
+
+        Nothing may have reached an engine yet: a refusal here leaves every engine untouched.
+        """
+        result: T | None = None
+        try:
+            fault_point("prepare")
+            result = check()
+        except BaseException as exc:
+            self.error = exc
+        self.coordinator.agree(self.error is None, f"in the pre-flight of {self.what}", describe_error(self.error))
+        if self.error is not None:
+            raise self.error
+        return result  # type: ignore[return-value]
+
+    @contextmanager
+    def attempt(self) -> Iterator[bool]:
+        """``with tx.attempt() as go: if go: ...`` -- runs the block's work only while nothing failed; an exception
+        raised inside is recorded (the first one wins) instead of propagating, so that this rank still votes."""
+        try:
+            yield self.ok
+        except BaseException as exc:
+            if self.error is None:
+                self.error = exc
+            elif exc is not self.error:
+                self.error.add_note(f"lora_stream: then also {describe_error(exc)}")
+
+    def vote(self, stage: str, *, known: bool = False) -> bool:
+        """Agree on whether every rank succeeded so far; return it (the same on every rank).
+
+        ``known=True`` skips the exchange when every rank already learned the outcome otherwise (a stream pass that
+        ended early told every rank, and none would join one more exchange); this rank's :attr:`error` is then
+        already set. A failed exchange (a peer died, or timed out) counts as a failure.
+        """
+        if known:
+            return self.ok
+        try:
+            self.coordinator.agree(self.ok, f"{stage} ({self.what})", describe_error(self.error))
+        except BaseException as exc:  # StreamAbortedError naming the failed ranks, or the exchange itself failed
+            if self.error is None:
+                self.error = exc
+        return self.ok
+
+    def conclude(self, commit: Callable[[], None], abort: Callable[[BaseException], None]) -> None:
+        """After the last vote: ``commit()`` if every rank succeeded; otherwise ``abort(error)`` and raise ``error``
+        (this rank's own failure, or the :class:`StreamAbortedError` naming the ranks that failed).
+
+        ``commit`` must not fail for a reason another rank could not see (it runs after the vote): it only releases
+        what the update kept and moves versions. A failure of ``abort`` is added to the error as a note.
+        """
+        if self.error is None:
+            commit()
+            return
+        error = self.error
+        try:
+            abort(error)
+        except BaseException as exc:
+            error.add_note(f"lora_stream: rolling the update back also failed: {describe_error(exc)}")
+        raise error
+
