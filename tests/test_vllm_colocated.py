@@ -250,3 +250,120 @@ def test_qlora_trainer_syncs_the_dequantized_merge(untied) -> None:  # type: ign
     served = vllm_generate(llm)
     assert served != before
     assert_vllm_serves(served, reference)
+
+
+# -- transactions: a failed sync leaves the engine bit-identical; verification catches a corrupted one ---------------
+def _two_versions(path: str):  # type: ignore[no-untyped-def]
+    from transformers import LlamaForCausalLM
+
+    from helpers import perturb_adapters
+
+    pm = lora(LlamaForCausalLM.from_pretrained(path), target_modules="all-linear", r=8, lora_alpha=32)
+    perturb_adapters(pm)
+    return pm
+
+
+def test_a_failure_at_any_point_leaves_the_engine_bit_identical_and_the_next_sync_works(untied) -> None:  # type: ignore[no-untyped-def]
+    from lora_stream.transaction import set_fault_hook
+
+    path, llm = untied
+    pm = _two_versions(path)
+    sink = VLLMColocatedSink(llm, verify=True)
+    record = sink.sync(ParamStream(pm, group_by="layer"), version="v1")
+    assert record.verification.passed and record.stages["kept_bytes"] > 0
+    before = vllm_generate(llm)
+    _training_step(pm)
+    for point in ("prepare", "group:0", "group:2", "reload-check", "verify", "prefix-cache", "commit"):
+
+        def hook(p: str, point: str = point) -> None:
+            if p == point:
+                raise RuntimeError(f"injected at {p}")
+
+        set_fault_hook(hook)
+        try:
+            with pytest.raises(RuntimeError, match=f"injected at {point}"):
+                sink.sync(ParamStream(pm, group_by="layer"), version="v2")
+        finally:
+            set_fault_hook(None)
+        assert vllm_generate(llm) == before, f"outputs changed after a failure at {point}"
+        assert sink.version == "v1"
+    sink.sync(ParamStream(pm, group_by="layer"), version="v2")
+    assert sink.version == "v2"
+    assert_vllm_serves(vllm_generate(llm), merged_copy(pm))
+
+
+def test_a_prefix_cache_that_refuses_to_reset_fails_the_sync_and_rolls_it_back(untied) -> None:  # type: ignore[no-untyped-def]
+    from lora_stream.sinks.vllm_colocated import PrefixCacheError
+
+    path, llm = untied
+    pm = _two_versions(path)
+    sink = VLLMColocatedSink(llm, prefix_cache_timeout=0.2)
+    sink.sync(ParamStream(pm, group_by="layer"), version="v1")
+    before = vllm_generate(llm)
+    _training_step(pm)
+    real = llm.reset_prefix_cache
+    answers: list[bool] = []
+
+    def refusing(*a, **k):  # type: ignore[no-untyped-def]
+        answers.append(False)
+        return False if len(answers) < 50 else real(*a, **k)  # the rollback's own reset goes through
+
+    llm.reset_prefix_cache = refusing
+    try:
+        with pytest.raises(PrefixCacheError, match="refused to reset"):
+            sink.sync(ParamStream(pm, group_by="layer"), version="v2")
+    finally:
+        llm.reset_prefix_cache = real
+    assert len(answers) > 1, "the reset should have been retried"
+    assert vllm_generate(llm) == before and sink.version == "v1"
+
+
+@pytest.mark.parametrize("corruption", ["doubled", "dropped"])
+def test_verification_catches_a_corrupted_sync_and_rolls_it_back(untied, corruption: str) -> None:  # type: ignore[no-untyped-def]
+    from contextlib import closing
+
+    from lora_stream.sinks.verify import VerificationError
+
+    path, llm = untied
+    pm = _two_versions(path)
+    sink = VLLMColocatedSink(llm, verify=True)
+    sink.sync(ParamStream(pm, group_by="layer"), version="v1")
+    before = vllm_generate(llm)
+    _training_step(pm)
+    target = "model.layers.1.mlp.down_proj.weight"
+    base = dict(pm.get_base_model().named_parameters())[target].detach().clone()
+
+    class Corrupted(ParamStream):
+        def iter_groups(self):  # type: ignore[no-untyped-def,override]
+            inner = super().iter_groups()
+            with closing(inner):
+                for names, tensors in inner:
+                    out = []
+                    for n, t in zip(names, tensors):
+                        if n == target:
+                            t = 2 * t - base if corruption == "doubled" else base.clone()
+                        out.append(t)
+                    yield names, out
+
+    with pytest.raises(VerificationError, match="differ from the trainer's forward") as info:
+        sink.sync(Corrupted(pm, group_by="layer"), version="v2")
+    assert info.value.max_abs_diff > info.value.tolerance
+    assert vllm_generate(llm) == before and sink.version == "v1"
+    record = sink.sync(ParamStream(pm, group_by="layer"), version="v2")
+    assert record.verification.max_abs_diff <= record.verification.tolerance
+
+
+def test_without_rollback_nothing_is_kept_and_a_failure_says_the_engine_is_mixed(untied) -> None:  # type: ignore[no-untyped-def]
+    from lora_stream.transaction import set_fault_hook
+
+    path, llm = untied
+    pm = _two_versions(path)
+    sink = VLLMColocatedSink(llm, rollback=False)
+    assert sink.sync(ParamStream(pm, group_by="layer")).stages["kept_bytes"] == 0
+    set_fault_hook(lambda p: (_ for _ in ()).throw(RuntimeError("late")) if p == "commit" else None)
+    try:
+        with pytest.raises(RuntimeError, match="late") as info:
+            sink.sync(ParamStream(pm, group_by="layer"))
+    finally:
+        set_fault_hook(None)
+    assert any("rollback=False" in note for note in info.value.__notes__)

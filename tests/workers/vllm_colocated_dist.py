@@ -5,6 +5,9 @@ Usage: vllm_colocated_dist.py SCENARIO CHECKPOINT_DIR
   tied   tied-embedding checkpoint, LoRA on q_proj and embed_tokens.
   mts    modules_to_save=["lm_head"] on an untied checkpoint.
   fail   rank 1's consumer fails in the middle of the sync: both ranks raise, nobody hangs.
+  faults after a verified sync at v1, a failure on rank 1 only at each transaction point: both ranks raise, rank 0
+         naming rank 1 and its reason; the engine's outputs equal v1's exactly and the version stays v1; then a
+         sync at v2 succeeds and serves the merged model.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ def main() -> None:
         "tied": dict(target_modules=["q_proj", "embed_tokens"], lora_alpha=4),
         "mts": dict(target_modules=["q_proj"], modules_to_save=["lm_head"]),
         "fail": dict(target_modules="all-linear"),
+        "faults": dict(target_modules="all-linear", lora_alpha=32),
     }[scenario]
     pm = lora(LlamaForCausalLM.from_pretrained(path), **kw)
     if scenario == "mts":
@@ -67,8 +71,11 @@ def main() -> None:
     template = copy.deepcopy(pm)
     opt = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=0.5)
     engine, *_ = deepspeed.initialize(model=pm, optimizer=opt, config=DS_CONFIG)
-    sink = VLLMColocatedSink(llm)
+    sink = VLLMColocatedSink(llm, verify=scenario == "faults")
     assert sink.in_process
+    if scenario == "faults":
+        faults(rank, engine, template, sink, llm)
+        return
 
     if scenario == "fail":
         start = time.monotonic()
@@ -109,6 +116,49 @@ def main() -> None:
         seconds=record.seconds,
         peak_gathered=record.peak_gathered_bytes,
     )
+
+
+def faults(rank: int, engine, template, sink, llm) -> None:  # type: ignore[no-untyped-def]
+    from lora_stream.transaction import set_fault_hook
+
+    ids = torch.tensor([[1, 17, 42, 99, 5, 7, 300]])
+    record = sink.sync(ParamStream(engine, group_by="layer"), version="v1")
+    assert record.verification is not None and record.verification.passed, record.verification
+    before = vllm_generate(llm)
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    for point in ("prepare", "group:1", "reload-check", "verify", "prefix-cache", "commit"):
+
+        def hook(p: str, point: str = point) -> None:
+            if rank == 1 and p == point:
+                raise RuntimeError(f"injected failure at {p} on rank 1")
+
+        set_fault_hook(hook)
+        start = time.monotonic()
+        try:
+            sink.sync(ParamStream(engine, group_by="layer"), version="v2")
+            raise AssertionError(f"the sync should have raised at {point}")
+        except (RuntimeError, StreamAbortedError) as exc:
+            error = exc
+        finally:
+            set_fault_hook(None)
+        after = vllm_generate(llm)
+        report(
+            rank=rank,
+            event="fault",
+            point=point,
+            error=type(error).__name__,
+            message=str(error)[:300],
+            failed_ranks=list(getattr(error, "failed_ranks", ())),
+            equal=after == before,
+            version=sink.version,
+            seconds=time.monotonic() - start,
+        )
+    record = sink.sync(ParamStream(engine, group_by="layer"), version="v2")
+    served = vllm_generate(llm)
+    assert served != before, "the optimizer step should change what vLLM serves"
+    assert_vllm_serves(served, reference(engine, template))
+    report(rank=rank, event="recovered", version=sink.version, max_abs_diff=record.verification.max_abs_diff)
 
 
 if __name__ == "__main__":

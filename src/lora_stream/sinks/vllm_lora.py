@@ -30,12 +30,12 @@ import torch
 
 from ..adapter import ADAPTER_PREFIX, AdapterStream
 from ..errors import LoraStreamError
-from ..lockstep import describe_error
+from ..transaction import Transaction, fault_point
 from .adapter_loader import AdapterLoadError, StagedAdapter, adapter_path, stage, unstage
 from .preflight import adapter_preflight
 from .record import AdapterSyncRecord
 from .source import SyncSource
-from .vllm_colocated import engine_checkpoint, engine_rpc, local_model_runner
+from .vllm_colocated import engine_checkpoint, engine_rpc, local_model_runner, reset_prefix_cache
 
 __all__ = ["VLLMLoRASink", "stable_lora_id"]
 
@@ -63,6 +63,8 @@ class VLLMLoRASink:
         lora_name: the adapter's name in the engine (and in the returned ``LoRARequest``).
         lora_int_id: its id; default :func:`stable_lora_id` of the name.
         checkpoint: see above.
+        prefix_cache_timeout: seconds to keep retrying vLLM's prefix-cache reset while it refuses; past it the
+            sync fails and the previous version is put back.
 
     Raises:
         LoraStreamError: the engine was started without ``enable_lora``.
@@ -77,7 +79,9 @@ class VLLMLoRASink:
         lora_name: str = "lora_stream",
         lora_int_id: int | None = None,
         checkpoint: str | bool | None = None,
+        prefix_cache_timeout: float = 10.0,
     ) -> None:
+        self.prefix_cache_timeout = prefix_cache_timeout
         engine = llm.llm_engine
         self.llm = llm
         self.lora_config = engine.vllm_config.lora_config
@@ -138,41 +142,28 @@ class VLLMLoRASink:
                 "merged ParamStream"
             )
         start = time.perf_counter()
-        coordinator = stream.coordinator
-        error: BaseException | None = None
-        try:
-            self.preflight(stream)
-        except BaseException as exc:
-            error = exc
-        # Every rank refuses together: a rank that raised alone would leave the others in the first gather.
-        coordinator.agree(error is None, "before the adapter sync (pre-flight)", describe_error(error))
-        if error is not None:
-            raise error
+        tx = Transaction(stream.coordinator, self.name)
+        tx.prepare(lambda: self.preflight(stream))  # every rank refuses together, before any gather
         source = SyncSource(stream, {}, version)
         tensors: dict[str, torch.Tensor] = {}
-        with source.batches() as batches:  # a failure here ends the pass for every rank, with its reason
-            for names, group in batches:
-                for n, t in zip(names, group):
-                    # A copy: the stream's tensors may be the trainer's own parameters, which the next optimizer
-                    # step changes in place, or a gather buffer about to be freed.
-                    tensors[n] = t.detach().to("cpu", copy=True)
-        adapter = StagedAdapter(tensors, stream.adapter_config(), version)
         installed = False
-        try:
-            self._install(adapter)
+        with tx.attempt():
+            with source.batches() as batches:  # a failure here ends the pass for every rank, with its reason
+                for k, (names, group) in enumerate(batches):
+                    fault_point(f"group:{k}")
+                    for n, t in zip(names, group):
+                        # A copy: the stream's tensors may be the trainer's own parameters, which the next optimizer
+                        # step changes in place, or a gather buffer about to be freed.
+                        tensors[n] = t.detach().to("cpu", copy=True)
+            self._install(StagedAdapter(tensors, stream.adapter_config(), version))
             installed = True
-        except BaseException as exc:
-            error = exc
-        try:
-            coordinator.agree(error is None, "after loading the adapter", describe_error(error))
-        except BaseException as exc:
-            error = exc
-        if error is not None:
-            if installed:  # a peer failed: this engine must not serve a version the others do not
-                self._restore(error)
-            raise error
-        self._synced = True
-        self.version = version
+            fault_point("reload-check")
+            # Blocks cached under the previous version carry the same adapter id.
+            reset_prefix_cache(lambda: self.llm.reset_prefix_cache(), self.prefix_cache_timeout, "the engine")
+            fault_point("prefix-cache")
+            fault_point("commit")
+        tx.vote("before committing", known=source.ended_early)
+        tx.conclude(lambda: self._commit(version), lambda error: self._restore(error) if installed else None)
         seconds = time.perf_counter() - start
         base = source.record(self.name, seconds)
         record = AdapterSyncRecord(
@@ -180,6 +171,10 @@ class VLLMLoRASink:
         )
         record.log()
         return record
+
+    def _commit(self, version: str | None) -> None:
+        self._synced = True
+        self.version = version
 
     def close(self) -> None:
         """Nothing is held between syncs but the staged adapter, which the engine needs to rebuild it after an
@@ -193,7 +188,6 @@ class VLLMLoRASink:
         except BaseException as exc:
             self._restore(exc)  # resets the prefix cache itself
             raise
-        self._reset_prefix_cache()
 
     def _restore(self, failed: BaseException) -> None:
         """Put the previous version back (stage it, reload it in place), or remove the adapter if there was none."""
@@ -206,7 +200,7 @@ class VLLMLoRASink:
         except Exception as exc:
             failed.add_note(f"lora_stream: putting the previous adapter version back also failed: {exc!r}")
         finally:
-            self._reset_prefix_cache()
+            reset_prefix_cache(lambda: self.llm.reset_prefix_cache(), self.prefix_cache_timeout, "the engine")
 
     def _stage(self, adapter: StagedAdapter) -> Any:
         if self._in_process:
@@ -221,9 +215,6 @@ class VLLMLoRASink:
             unstage(self.path, self._previous)
         else:
             self._rpc("lora_stream_unstage_adapter", self.path)
-
-    def _reset_prefix_cache(self) -> None:
-        self.llm.reset_prefix_cache()
 
     def _rpc(self, method: str, *args: Any) -> list[Any]:
         return engine_rpc(self.llm, method, *args)

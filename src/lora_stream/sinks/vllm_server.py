@@ -27,19 +27,26 @@ from typing import Any
 from ..adapter import ADAPTER_PREFIX, AdapterStream
 from ..coordination import this_rank
 from ..errors import LoraStreamError
-from ..lockstep import describe_error
 from ..stream import ParamStream
-from .adapter_loader import adapter_path
+from ..transaction import Transaction, fault_point
+from .adapter_loader import AdapterLoadError, adapter_path
 from .preflight import EngineCheckpoint, adapter_preflight, preflight
 from .record import AdapterSyncRecord, SyncRecord
 from .reload import LOAD_ERROR_TAG, VLLMLoadError
 from .source import SyncSource
+from .vllm_colocated import reset_prefix_cache
 
-__all__ = ["ServerError", "VLLMServerClient", "VLLMServerSink"]
+__all__ = ["PAUSE_MODES", "ServerError", "VLLMServerClient", "VLLMServerSink", "validate_adapter"]
 
 
 #: Packing buffer size per backend when the sink is not told one (see ``VLLMServerSink``'s ``buffer_bytes``).
 DEFAULT_BUFFER_BYTES = {"gloo": 1024 * 1024, "nccl": 256 * 1024 * 1024}
+
+
+#: ``pause=`` values: vLLM's ``/pause`` modes that keep every response on one version (``wait``: running requests
+#: finish on the old weights first; ``abort``: they are aborted), or ``None`` (no pause: only for a server that
+#: generates nothing during syncs).
+PAUSE_MODES = ("wait", "abort", None)
 
 
 class ServerError(LoraStreamError):
@@ -111,8 +118,30 @@ class VLLMServerClient:
     def update_weight_version(self, version: str) -> None:
         self._request("POST", "update_weight_version", {"new_version": version})
 
-    def reset_prefix_cache(self) -> None:
-        self._request("POST", "reset_prefix_cache")
+    def reset_prefix_cache(self) -> bool:
+        """``POST /reset_prefix_cache``: whether vLLM reset it (it answers ``{"success": false}`` while blocks are
+        held, e.g. by running requests)."""
+        out = self._request("POST", "reset_prefix_cache")
+        return not (isinstance(out, dict) and out.get("success") is False)
+
+    def pause(self, mode: str) -> None:
+        """``POST /pause?mode=...``: stop generation for a weight update (``wait``: let running requests finish;
+        ``abort``: abort them)."""
+        self._request("POST", f"pause?mode={mode}")
+
+    def resume(self) -> None:
+        self._request("POST", "resume")
+
+    def max_lora_rank(self) -> int | None:
+        """The server's ``--max-lora-rank``, or ``None`` when it runs without ``--enable-lora`` (dev-mode
+        ``/server_info``)."""
+        info = self._request("GET", "server_info?config_format=json")
+        config = (info or {}).get("vllm_config") or {}
+        lora = config.get("lora_config") if isinstance(config, dict) else None
+        return int(lora["max_lora_rank"]) if isinstance(lora, dict) and "max_lora_rank" in lora else None
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self._request("POST", "v1/unload_lora_adapter", {"lora_name": name})
 
     def load_lora_adapter(self, name: str, path: str) -> None:
         """``POST /v1/load_lora_adapter`` in place: vLLM builds the adapter staged under ``path``, checks it, and
@@ -127,6 +156,24 @@ class VLLMServerClient:
                     "--enable-lora"
                 ) from exc
             raise
+
+
+def validate_adapter(stream: AdapterStream, max_lora_rank: int | None, where: str) -> None:
+    """Refuse, before any byte moves, an adapter that vLLM would refuse: no LoRA support, or vLLM's own
+    ``PEFTHelper`` validation (rank above ``max_lora_rank``, DoRA, bias, ...)."""
+    from types import SimpleNamespace
+
+    from vllm.lora.peft_helper import PEFTHelper
+
+    if max_lora_rank is None:
+        raise AdapterLoadError(
+            f"{where} runs without LoRA support; start it with --enable-lora --max-lora-rank <at least the "
+            "adapter's rank> (and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1), or sync the merged model"
+        )
+    try:
+        PEFTHelper.from_dict(stream.adapter_config()).validate_legal(SimpleNamespace(max_lora_rank=max_lora_rank))  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise AdapterLoadError(f"{where} would refuse the adapter: {exc}") from exc
 
 
 def _free_port(address: str) -> int:
@@ -211,6 +258,13 @@ class VLLMServerSink:
         lora_name: the name an :class:`~lora_stream.AdapterStream` sync serves its adapter under (what
             ``/v1/completions`` takes as ``model``); the server needs ``--enable-lora`` and
             ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``. Adapter sync runs over the ``gloo`` backend only.
+        rollback: the server's workers keep a host copy of what an update replaces until the trainer ranks have
+            voted, so that a failed sync leaves the server serving exactly what it served (default). ``False``
+            saves that memory and copy; a failed sync then leaves updated layers new. The ``nccl`` backend (vLLM's
+            own worker engine) cannot roll back.
+        pause: how generation is paused for the update (:data:`PAUSE_MODES`; default ``"wait"``).
+        prefix_cache_timeout: seconds to keep retrying the server's prefix-cache reset while it answers
+            ``success: false``; past it the sync fails and is rolled back.
     """
 
     def __init__(
@@ -225,9 +279,25 @@ class VLLMServerSink:
         timeout: float = 120.0,
         checkpoint: str | bool | None = None,
         lora_name: str = "lora_stream",
+        rollback: bool = True,
+        pause: str | None = "wait",
+        prefix_cache_timeout: float = 30.0,
     ) -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        if pause not in PAUSE_MODES:
+            raise ValueError(
+                f"pause must be one of {PAUSE_MODES}, got {pause!r}"
+                + (
+                    ": vLLM's 'keep' freezes running requests and resumes them on the new weights, so one response "
+                    "would be computed partly with each version"
+                    if pause == "keep"
+                    else ""
+                )
+            )
+        self.rollback = rollback
+        self.pause = pause
+        self.prefix_cache_timeout = prefix_cache_timeout
         self.rank = this_rank() if rank is None else rank
         self.client = VLLMServerClient(base_url, api_key=api_key, timeout=timeout)
         self.backend = backend
@@ -248,68 +318,72 @@ class VLLMServerSink:
         return self.rank == 0
 
     def sync(self, stream: ParamStream, *, version: str | None = None) -> SyncRecord:
-        """Send one full pass of ``stream``; on success the server serves it and reports ``version``.
+        """Send one full pass of ``stream`` as one transaction; on success the server serves it and reports
+        ``version``, on every rank's return. On failure every rank raises and the server serves exactly what it
+        served before (``/weight_info`` unchanged).
 
-        An :class:`~lora_stream.AdapterStream` is staged in the server's worker and swapped in by vLLM's own
+        Rank 0 pauses generation (``pause=``), opens vLLM's update session, sends; the server's worker loads,
+        checks and keeps what it replaced; rank 0 resets the prefix cache (reading vLLM's answer). The ranks vote;
+        rank 0 tells the workers to commit (the version moves) or roll back, and resumes generation. An
+        :class:`~lora_stream.AdapterStream` is staged in the server's worker and swapped in by vLLM's own
         ``/v1/load_lora_adapter`` as the adapter ``lora_name`` (base weights untouched); the record is an
-        :class:`~lora_stream.sinks.record.AdapterSyncRecord`. If vLLM refuses the new version, the previous one
-        keeps serving."""
+        :class:`~lora_stream.sinks.record.AdapterSyncRecord`; a rollback swaps the previous version back in."""
         start = time.perf_counter()
-        coordinator = stream.coordinator
         is_adapter = isinstance(stream, AdapterStream)
         if is_adapter and self.backend != "gloo":
             raise LoraStreamError(
                 "adapter sync into a vLLM server runs over lora_stream's gloo backend only; vLLM's nccl worker "
                 "engine loads every tensor into the model"
             )
-        # 1. Rank 0 checks the server (reachable, key accepted) and the stream against its checkpoint, and joins the
-        #    transfer group; every rank learns the outcome, with the reason, before any rank gathers.
-        aliases: dict[str, str] = {}
-        error: BaseException | None = None
-        if self.is_sender:
-            try:
-                aliases = self._preflight(stream)
-                self._ensure_engine()
-            except BaseException as exc:
-                error = exc
-        coordinator.agree(error is None, "before the transfer (server checks on rank 0)", describe_error(error))
-        if error is not None:
-            raise error
+        tx = Transaction(stream.coordinator, self.name)
+        # 1. prepare: rank 0 checks the server (reachable, key accepted, LoRA limits) and the stream against its
+        #    checkpoint, and joins the transfer group; every rank learns the outcome before any rank gathers.
+        aliases = tx.prepare(lambda: self._prepare(stream) if self.is_sender else {})
         self._ensure_engine()
-        # 2. The transfer: the engine iterates the source (the stream plus tied aliases) on every rank; rank 0 sends.
         adapter: dict[str, Any] | None = None
-        if isinstance(stream, AdapterStream):
+        if is_adapter:
             path = adapter_path(self.lora_name, uuid.uuid4().hex[:12])
             adapter = {"path": path, "config": stream.adapter_config(), "keep": self._serving_path}
         source = self._source.current = SyncSource(stream, aliases, version, adapter)
-        try:
-            self._engine.send_weights()
+        state = _ServerUpdate()
+        # 2. transfer, under a pause of generation: no request is computed partly with each version.
+        with tx.attempt():
+            if self.is_sender and self.pause is not None:
+                self.client.pause(self.pause)
+                state.paused = True
+            try:
+                state.session = self.is_sender
+                self._engine.send_weights()
+            except BaseException as exc:
+                # Closing the data plane makes a worker still waiting for chunks fail at once; a worker that fails
+                # its update rolls it back itself, and vLLM ends the update session.
+                state.session = False
+                self.close()
+                error = _load_error(exc)
+                if error is exc:
+                    raise
+                raise error from exc
+            finally:
+                self._source.current = None
             if adapter is not None and self.is_sender:
                 self.client.load_lora_adapter(self.lora_name, adapter["path"])
-                self._serving_path = adapter["path"]
-        except BaseException as exc:
-            self.close()  # the data plane may be half-used: start over with a new group next time
-            error = _load_error(exc)
+                state.adapter_loaded = True
+            fault_point("reload-check")
+            if self.is_sender:
+                reset_prefix_cache(self.client.reset_prefix_cache, self.prefix_cache_timeout, "the server")
+            fault_point("prefix-cache")
+            fault_point("commit")
+        # 3. vote; rank 0 commits on the server; a second vote carries the outcome of that call to every rank.
+        if tx.vote("before committing", known=source.ended_early):
+            with tx.attempt():
+                if self.is_sender:
+                    self._commit(state, version, adapter)
+            tx.vote("after committing")
+        try:
+            tx.conclude(lambda: None, lambda error: self._abort(state, error))
         finally:
-            self._source.current = None
-        if self.is_sender and (source.tensors or error is None):
-            # Some layers may hold new weights now, even after a failure: KV blocks cached under the old ones must
-            # not serve another request (vLLM's finish_weight_update leaves the prefix cache as it was).
-            try:
-                self.client.reset_prefix_cache()
-            except BaseException as exc:
-                if error is None:
-                    error = exc
-                else:
-                    error.add_note(f"lora_stream: resetting the server's prefix cache also failed: {exc!r}")
-        # 3. Every rank learns how it ended -- unless the pass already told them: a pass that ended early exchanged
-        #    its stop with every rank, and no rank would join one more exchange.
-        if not source.ended_early:
-            coordinator.agree(error is None, "after the transfer", describe_error(error))
-        if error is not None:
-            raise error
-        if version is not None and self.is_sender and self.backend != "gloo":
-            self.client.update_weight_version(version)  # vLLM's nccl trainer engine finishes without a version
+            if state.paused:
+                self._resume(tx.error)
         record = source.record(self.name, time.perf_counter() - start)
         stages = dict(getattr(self._engine, "last_stages", None) or {}) if self.is_sender else {}
         if stages:
@@ -319,16 +393,68 @@ class VLLMServerSink:
         record.log()
         return record
 
+    # -- commit and abort (sender only) -----------------------------------------------------------------------------
+    def _commit(self, state: _ServerUpdate, version: str | None, adapter: dict[str, Any] | None) -> None:
+        if self.backend == "gloo":
+            self._engine.conclude(True, version)
+        elif version is not None:
+            self.client.update_weight_version(version)  # vLLM's nccl trainer engine finishes without a version
+        state.session = False
+        state.committed = True
+        if adapter is not None:
+            self._serving_path = adapter["path"]
+
+    def _abort(self, state: _ServerUpdate, error: BaseException) -> None:
+        """Every rank failed the sync: rank 0 puts the server back, and the data plane starts over next time."""
+        if not self.is_sender:
+            self.close()
+            return
+        try:
+            if state.committed:
+                error.add_note("lora_stream: the server had already committed this update before the failure")
+            elif state.adapter_loaded:
+                if self._serving_path is not None:
+                    self.client.load_lora_adapter(self.lora_name, self._serving_path)
+                else:
+                    self.client.unload_lora_adapter(self.lora_name)
+            if state.session and self.backend == "gloo":
+                self._engine.conclude(False, None)
+            elif self.backend != "gloo" and not state.committed:
+                error.add_note(
+                    "lora_stream: the nccl backend cannot roll an update back (vLLM's own worker engine keeps "
+                    "nothing): layers that received their weights serve the new ones until the next sync"
+                )
+            elif not self.rollback and not state.committed:
+                error.add_note("lora_stream: rollback=False: layers that received their weights serve the new ones")
+            reset_prefix_cache(self.client.reset_prefix_cache, self.prefix_cache_timeout, "the server")
+        finally:
+            self.close()  # the data plane may be half-used: start over with a new group next time
+
+    def _resume(self, error: BaseException | None) -> None:
+        try:
+            self.client.resume()
+        except BaseException as exc:
+            if error is None:
+                raise
+            error.add_note(f"lora_stream: resuming the server's generation also failed: {exc!r}")
+
     def close(self) -> None:
         engine, self._engine = self._engine, None
         if engine is not None:
             engine.shutdown()
 
     # -- steps of sync -----------------------------------------------------------------------------------------------
+    def _prepare(self, stream: ParamStream) -> dict[str, str]:
+        """Sender only: reachability, credentials, the pre-flight, the transfer group. Raises before anything is
+        sent."""
+        aliases = self._preflight(stream)
+        self._ensure_engine()
+        return aliases
+
     def _preflight(self, stream: ParamStream) -> dict[str, str]:
-        """Sender only: reachability, credentials, the pre-flight. Raises before anything is sent."""
         models = self.client.check_access()
         if isinstance(stream, AdapterStream):
+            validate_adapter(stream, self.client.max_lora_rank(), f"the server at {self.client.base_url}")
             if self.checkpoint is not False:
                 adapter_preflight(stream.metadata(), self._checkpoint(models), ADAPTER_PREFIX)
             return {}
@@ -383,11 +509,25 @@ class VLLMServerSink:
                 packed_buffer_size_bytes=self.buffer_bytes,
                 rank=self.rank,
             )
-        self._engine = WeightTransferTrainerFactory.trainer_init(
+        engine = WeightTransferTrainerFactory.trainer_init(
             info,
             client=self.client,  # type: ignore[arg-type]
             source=self._source,  # type: ignore[arg-type]  # a WeightSource structurally
         )
+        if self.backend == "gloo":
+            engine.deferred = True  # the sink concludes vLLM's update session after the ranks voted
+            engine.keep_previous = self.rollback
+        self._engine = engine
+
+
+class _ServerUpdate:
+    """Where one sync's update stands on the server (sender's view)."""
+
+    def __init__(self) -> None:
+        self.paused = False
+        self.session = False  # vLLM's update session is open and undecided
+        self.adapter_loaded = False
+        self.committed = False
 
 
 def _load_error(exc: BaseException) -> BaseException:

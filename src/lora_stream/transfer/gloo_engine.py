@@ -48,10 +48,10 @@ class GlooInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
 class GlooUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
     """One sync's metadata, sent once by ``/update_weights`` before any byte: names, dtypes, shapes, groups."""
 
-    names: list[str]
-    dtype_names: list[str]
-    shapes: list[list[int]]
-    group_sizes: list[int]
+    names: list[str] = field(default_factory=list)
+    dtype_names: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+    group_sizes: list[int] = field(default_factory=list)
     chunk_sizes: list[int] = field(default_factory=list)
     #: Names sent only if the worker's model holds them (tied aliases, see ``ReloadBracket.load``).
     optional_names: list[str] = field(default_factory=list)
@@ -59,6 +59,10 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
     #: for vLLM's ``add_lora`` under ``path`` instead of loaded into the model; ``keep`` is the path of the version
     #: the server serves now, kept staged while the new one may still be refused.
     adapter: dict[str, Any] | None = None
+    #: Keep a host copy of the model's weights while the update is undecided, so that it can be rolled back.
+    rollback: bool = False
+    #: The trainer's decision on the update this session loaded: ``"commit"`` or ``"rollback"``; no tensors travel.
+    command: str | None = None
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -139,19 +143,25 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         )
 
     def start_weight_update(self) -> None:
-        # A bracket left open by a trainer that vanished before finishing. The new one opens with the update, which
-        # says whether it loads weights at all (an adapter sync only stages tensors).
-        self._bracket.abort()
+        # An update a trainer that vanished left open or undecided: the safe outcome is the previous weights. The
+        # new bracket opens with the update, which says whether it loads weights at all (an adapter sync only
+        # stages tensors).
+        self._bracket.rollback()
 
     def finish_weight_update(self) -> None:
         # receive_weights already closed and checked the bracket; this closes one that an update never reached.
+        # Finishing ends the update: one the trainer did not roll back stands (vLLM's protocol has no other way).
         self._bracket.abort()
+        self._bracket.commit()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class calls torch.accelerator.synchronize() afterwards, which has no meaning on CPU.
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+        if update_info.command is not None:
+            self._decide(update_info.command)
+            return
         if self.group is None:
             raise RuntimeError("gloo weight transfer is not initialized: call /init_weight_transfer_engine first")
         dtypes = [getattr(torch, d) for d in update_info.dtype_names]
@@ -172,7 +182,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                     "--enable-lora --max-lora-rank <at least the adapter's rank>"
                 )
             if adapter is None:
-                self._bracket.begin()
+                self._bracket.begin(keep_previous=update_info.rollback)
 
             def post(c: int) -> tuple[torch.Tensor, Any]:
                 # A fresh buffer per chunk: the reload bracket may keep views until the layer is complete.
@@ -213,10 +223,21 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             timing["finish_s"] += clock() - t
             self._report(timing)
         except BaseException:
-            # Never leave layers on the meta device: the next forward would kill the engine.
-            self._bracket.abort()
+            # Never leave layers on the meta device (the next forward would kill the engine), and put back what the
+            # update replaced: vLLM ends the update session when this raises, so no decision will come.
+            self._bracket.rollback()
             self.shutdown()
             raise
+
+    def _decide(self, command: str) -> None:
+        """The trainer ranks voted: keep the update this session loaded, or put every module back as it was."""
+        if command == "commit":
+            self._bracket.abort()  # a no-op after a complete update
+            self._bracket.commit()
+        elif command == "rollback":
+            self._bracket.rollback()
+        else:
+            raise ValueError(f"unknown weight-update command {command!r} (expected 'commit' or 'rollback')")
 
     def _report(self, timing: dict[str, float]) -> None:
         """Leave this worker's timing of the update in the trainer's store (the trainer's engine reads it)."""

@@ -80,6 +80,11 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
     group: Any = None
     init_info: GlooTrainerInitInfo
+    #: Set by a transactional sink: ``send_weights`` leaves vLLM's update session open (the workers keep what the
+    #: update replaced), and the sink ends it with :meth:`conclude` once the trainer ranks have voted.
+    deferred: bool = False
+    #: Whether the workers keep a copy to roll the update back (sent with the update).
+    keep_previous: bool = False
     #: Seconds of the latest ``send_weights`` by stage: ``produce_s`` (waiting for the stream: gathers and merges),
     #: ``pack_s`` (copies into the packing buffers), ``send_wait_s`` (waiting for broadcasts), ``http_s`` (the
     #: weight-update calls, minus the time the update's reply overlapped the transfer), and ``worker``, the server
@@ -146,6 +151,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             "optional_names": list(getattr(source, "aliases", [])),
             # An adapter sync: the worker stages the tensors for vLLM's add_lora instead of loading them.
             "adapter": getattr(source, "adapter", None),
+            "rollback": self.keep_previous,
         }
         timeout = self.init_info.timeout_s
         clock = time.perf_counter
@@ -215,11 +221,21 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             stages["http_s"] += clock() - t
         finally:
             pool.shutdown(wait=False)
-        t = clock()
-        self.client.finish_weight_update(getattr(source, "weight_version", None))
-        stages["http_s"] += clock() - t
+        if not self.deferred:
+            t = clock()
+            self.client.finish_weight_update(getattr(source, "weight_version", None))
+            stages["http_s"] += clock() - t
         stages["worker"] = self._worker_timing()  # type: ignore[assignment]
         self.last_stages = stages
+
+    def conclude(self, commit: bool, version: str | None) -> None:
+        """Sender only, after ``send_weights`` with ``deferred`` set: tell the workers the trainer's decision on the
+        update they loaded (``commit``, or put every module back), then finish vLLM's update session, moving the
+        weight version only on commit."""
+        if not self.is_sender:
+            return
+        self.client.update_weights({"command": "commit" if commit else "rollback"})
+        self.client.finish_weight_update(version if commit else None)
 
     def _worker_timing(self) -> dict[str, float]:
         """The server workers' side of the latest update (what each left in the store): the slowest per stage."""
