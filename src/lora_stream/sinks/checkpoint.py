@@ -6,23 +6,45 @@ iterates the stream (its gathers are collectives) and rank 0 writes each tensor 
 shard plan, the index and every safetensors header are computed from ``metadata()`` before the first byte, so a
 header is written first and the tensors follow as they arrive; no shard is ever held in memory.
 
-The directory appears whole or not at all: everything is written into a temporary directory beside the target and
-renamed at the end. A failure or a kill leaves the previous directory intact, or nothing under the final name.
+Publishing (rank 0), the contract:
+
+* Everything is written into ``<parent>/.<name>.tmp-<12 hex>`` and fsynced there (every file, then the directory)
+  before anything is renamed; after the rename the parent directory is fsynced.
+* On Linux the checkpoint is published by one ``renameat2`` call: ``RENAME_EXCHANGE`` when the target exists (the
+  new and the old copy swap names in one step; the old one, now under the temporary name, is removed afterwards),
+  ``RENAME_NOREPLACE`` when it does not. The target name therefore always holds a whole checkpoint, old or new, at
+  every instant, a ``SIGKILL`` at any step included (after a machine crash, the filesystem's own rename atomicity
+  applies to data that is already on disk).
+* Where ``renameat2`` is unavailable (not Linux, an old C library, or a filesystem answering ``EINVAL``/``ENOSYS``),
+  or with the environment variable ``LORA_STREAM_NO_RENAME_EXCHANGE=1`` (a test and debug knob), the old copy is
+  renamed to ``<parent>/.<name>.old-<12 hex>`` and the new one into place: a kill between those two renames leaves
+  nothing under the target name, and the next save into the same target moves the old copy back first.
+* The next save into a target finds what a killed save left beside it (entries named exactly
+  ``.<name>.tmp-<12 hex>`` or ``.<name>.old-<12 hex>``, nothing else), recovers or removes them before anything else
+  and says so in one log line (logger ``lora_stream``, ``WARNING``). One save at a time per target: a second,
+  concurrent save into the same target would remove the first one's temporary directory.
+* Any failure removes the temporary directory (including a failure of the ranks' agreement before writing); one
+  before the publishing rename leaves the target as it was.
 """
 
 from __future__ import annotations
 
 import copy
+import ctypes
+import errno
+import functools
 import json
+import logging
 import math
 import os
 import re
 import shutil
+import stat
 import struct
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -39,8 +61,8 @@ from .source import SyncSource
 
 __all__ = ["CheckpointError", "SafetensorsSink", "ShardPlan", "plan_shards", "save_merged"]
 
-#: safetensors' dtype names.
-_ST_DTYPES = {
+#: safetensors' dtype names (its format's ``dtype`` strings, as ``safetensors.torch.save_file`` writes them).
+_ST_DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
     torch.float32: "F32",
     torch.float16: "F16",
@@ -51,10 +73,39 @@ _ST_DTYPES = {
     torch.int8: "I8",
     torch.uint8: "U8",
     torch.bool: "BOOL",
+    torch.complex64: "C64",
 }
+# Newer in torch than the floor this package supports, so looked up by name.
+for _attr, _code in (
+    ("float8_e4m3fn", "F8_E4M3"),
+    ("float8_e5m2", "F8_E5M2"),
+    ("float8_e4m3fnuz", "F8_E4M3FNUZ"),
+    ("float8_e5m2fnuz", "F8_E5M2FNUZ"),
+    ("float8_e8m0fnu", "F8_E8M0"),
+    ("float4_e2m1fn_x2", "F4"),
+    ("uint16", "U16"),
+    ("uint32", "U32"),
+    ("uint64", "U64"),
+):
+    if isinstance(getattr(torch, _attr, None), torch.dtype):
+        _ST_DTYPES[getattr(torch, _attr)] = _code
+#: Dtypes that pack two values per element: safetensors' header counts values, so the last dimension doubles.
+_PACKED_X2 = {d for d in _ST_DTYPES if _ST_DTYPES[d] == "F4"}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
+
+logger = logging.getLogger("lora_stream")
+
+#: Set (to anything but ``""`` or ``"0"``) to publish without ``renameat2``, as where it is unavailable: the old copy
+#: is moved aside, then the new one into place. A test and debug knob, read at every save.
+NO_RENAME_EXCHANGE_ENV = "LORA_STREAM_NO_RENAME_EXCHANGE"
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+#: The suffix of a leftover beside target ``name``: ``.{name}.tmp-<id>`` (being written, or, after an exchange, the
+#: old copy being removed) or ``.{name}.old-<id>`` (the old copy, moved aside by the fallback).
+_LEFTOVER = re.compile(r"(tmp|old)-[0-9a-f]{12}")
 
 
 class CheckpointError(LoraStreamError):
@@ -117,9 +168,12 @@ def plan_shards(
             if m.dtype not in _ST_DTYPES:
                 raise CheckpointError(f"tensor {m.name!r} has dtype {m.dtype}, which safetensors cannot store")
             n = _nbytes(m)
+            shape = list(m.shape)
+            if m.dtype in _PACKED_X2 and shape:
+                shape[-1] *= 2
             header[m.name] = {
                 "dtype": _ST_DTYPES[m.dtype],
-                "shape": list(m.shape),
+                "shape": shape,
                 "data_offsets": [offset, offset + n],
             }
             offset += n
@@ -159,26 +213,42 @@ def _merged_adapters(model: nn.Module) -> list[str]:
 class SafetensorsSink:
     """Writes each sync's stream as a Hugging Face checkpoint directory: sharded safetensors, index, config.
 
-    :func:`save_merged` builds one and runs it (docs/recipes/checkpoint.md).
+    :func:`save_merged` builds one and runs it (docs/checkpoint.md).
 
     Implements :class:`~lora_stream.sinks.base.Sink`: every rank that iterates the stream calls ``sync``; rank 0
     writes. The guarantees, on top of the protocol's:
 
-    * The directory is written in ``<parent>/.<name>.tmp-<id>`` and renamed into place at the end: a failure or a
-      kill leaves the previous directory intact, or nothing under the final name. An existing directory is refused
-      (before anything is gathered) unless ``overwrite=True``.
+    * Before anything is gathered, rank 0 checks the target (an existing one is refused unless ``overwrite=True``;
+      a missing, non-directory or unwritable parent is refused) and creates the temporary directory
+      ``<parent>/.<name>.tmp-<id>``; every rank learns the outcome, so a refusal is a :class:`CheckpointError` on
+      rank 0 and a :class:`~lora_stream.StreamAbortedError` naming it on the others.
+    * Atomic: the checkpoint is written and fsynced (each file, then the directory) in the temporary directory, then
+      published by one ``renameat2`` (``RENAME_EXCHANGE`` over an existing target, directory or regular file;
+      ``RENAME_NOREPLACE`` otherwise) and the parent directory fsynced; the old copy is removed only after that.
+      At every instant, a ``SIGKILL`` included, the target name holds a whole checkpoint, old or new. Where
+      ``renameat2`` is unavailable (or ``LORA_STREAM_NO_RENAME_EXCHANGE=1``), the old copy is renamed to
+      ``.<name>.old-<id>`` first: a kill between the two renames leaves the target name empty until the next save.
+    * Leftovers: a sync first recovers what a killed save left beside the target: if the target name is missing and
+      a whole ``.<name>.old-<id>`` exists, it is renamed back; every other ``.<name>.tmp-<id>`` and
+      ``.<name>.old-<id>`` is removed; one ``WARNING`` line on the ``lora_stream`` logger says which and how many
+      bytes. Only those exact names are touched. Two saves into the same target at once are not supported (the
+      second would remove the first's temporary directory).
+    * Any failure (disk full, a bad tensor, a failed stream or agreement between ranks) removes the temporary
+      directory; one before the publishing rename leaves the target as it was. A failure between the fallback's two
+      renames (an exception, not a kill) renames the old copy back at once.
     * Memory: the stream's group, nothing more: each tensor goes straight into its shard file behind a header
       computed from ``metadata()``.
     * Tied weights: a name the stream does not yield because it is tied (``lm_head.weight``) is not written, as
       ``save_pretrained`` does, and ``config.json`` says ``tie_word_embeddings: true``; a separately trained
       ``lm_head`` on a tied model is written and the config says ``false`` (what peft's ``merge_and_unload`` does).
+    * Dtypes: every dtype safetensors stores (float64 to float8 ``F8_E4M3``/``F8_E5M2``, signed and unsigned
+      integers, bool); another one is refused before anything is gathered.
 
     Args:
         directory: the checkpoint directory to create.
         max_shard_size: largest shard, as ``save_pretrained`` takes it (``"5GB"`` = 5·10⁹ bytes, ``"5GiB"``, or an
             int); one tensor larger than that gets a shard of its own.
-        overwrite: replace an existing directory (atomically: the old one is removed only after the new one is in
-            place).
+        overwrite: replace an existing directory or file (atomically, see above).
         config: the Hugging Face config to write (``None``: the trainer's base model config, found in the model;
             ``False``: none). Written on a copy with ``dtype`` set to what was written.
         tokenizer: anything with ``save_pretrained`` (a tokenizer or processor) to save beside the weights.
@@ -211,6 +281,12 @@ class SafetensorsSink:
         self.rank = this_rank() if rank is None else rank
         #: Called by rank 0 after each tensor is written, with its name (a hook for tests and progress reporting).
         self.on_tensor: Callable[[str], None] | None = None
+        #: Called by rank 0 at each step of publishing, with its name (a hook for tests that kill the process there):
+        #: ``"synced"`` (everything is on disk in the temporary directory, nothing renamed yet), ``"renamed"`` (the
+        #: exchange, the fallback's move of the old copy aside, or the only rename when there was no old copy, is
+        #: done), ``"published"`` (the new checkpoint is under the target name and the parent directory is fsynced;
+        #: the old copy, if any, is removed next).
+        self.on_publish: Callable[[str], None] | None = None
 
     @property
     def is_writer(self) -> bool:
@@ -227,6 +303,8 @@ class SafetensorsSink:
         error: BaseException | None = None
         if self.is_writer:
             try:
+                self._check_parent()
+                self._recover_leftovers()
                 self._check_target()
                 file_metadata = {"format": "pt", "merged_adapters": json.dumps(_merged_adapters(stream.model))}
                 if version is not None:
@@ -235,14 +313,19 @@ class SafetensorsSink:
                 tmp = self._temp_dir()
             except BaseException as exc:
                 error = exc
-        coordinator.agree(error is None, "before writing the checkpoint (checks on rank 0)", describe_error(error))
+        try:
+            coordinator.agree(error is None, "before writing the checkpoint (checks on rank 0)", describe_error(error))
+        except BaseException:
+            if tmp is not None:
+                _remove(tmp)
+            raise
         if error is not None:
             raise error
         try:
             if self.is_writer:
                 assert tmp is not None
-                self._write(source, meta, plan, tmp)
-                self._finish(stream, meta, plan, weight_map, tmp)
+                synced = self._write(source, meta, plan, tmp)
+                self._finish(stream, meta, plan, weight_map, tmp, synced)
             else:
                 with source.batches() as batches:
                     for _ in batches:
@@ -250,7 +333,7 @@ class SafetensorsSink:
         except BaseException as exc:
             error = exc
             if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
+                _remove(tmp)  # after an exchange this name holds the old copy, which is no longer needed either
         # Tell every rank how it ended, unless the pass already did (it ended early on some rank).
         if not source.ended_early:
             coordinator.agree(error is None, "after writing the checkpoint", describe_error(error))
@@ -264,19 +347,74 @@ class SafetensorsSink:
         """Nothing is held between syncs."""
 
     # -- rank 0 ------------------------------------------------------------------------------------------------------
+    def _check_parent(self) -> None:
+        parent = self.directory.parent
+        if not parent.exists():
+            raise CheckpointError(f"the parent directory {parent} does not exist")
+        if not parent.is_dir():
+            raise CheckpointError(f"cannot write {self.directory}: its parent {parent} is not a directory")
+        if not os.access(parent, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
+            raise CheckpointError(_unwritable(self.directory, "it is not writable by this process"))
+
     def _check_target(self) -> None:
-        if self.directory.exists() and not self.overwrite:
+        if os.path.lexists(self.directory) and not self.overwrite:
+            what = "exists" if self.directory.is_dir() else "exists and is not a directory"
             raise CheckpointError(
-                f"{self.directory} exists; pass overwrite=True to replace it (the old one is removed only once the "
+                f"{self.directory} {what}; pass overwrite=True to replace it (the old one is removed only once the "
                 "new one is complete)"
             )
-        if not self.directory.parent.exists():
-            raise CheckpointError(f"the parent directory {self.directory.parent} does not exist")
 
     def _temp_dir(self) -> Path:
-        tmp = self.directory.parent / f".{self.directory.name}.tmp-{uuid.uuid4().hex[:12]}"
-        tmp.mkdir()
+        tmp = self._beside("tmp")
+        try:
+            tmp.mkdir()
+        except OSError as exc:
+            raise CheckpointError(_unwritable(self.directory, f"creating {tmp.name} there failed ({exc})")) from exc
         return tmp
+
+    def _beside(self, kind: str) -> Path:
+        return self.directory.parent / f".{self.directory.name}.{kind}-{uuid.uuid4().hex[:12]}"
+
+    def _leftovers(self) -> list[Path]:
+        """Every ``.<name>.tmp-<id>`` and ``.<name>.old-<id>`` beside the target, and nothing else."""
+        prefix = f".{self.directory.name}."
+        with os.scandir(self.directory.parent) as entries:
+            names = [e.name for e in entries if e.name.startswith(prefix)]
+        return sorted(self.directory.parent / n for n in names if _LEFTOVER.fullmatch(n[len(prefix) :]))
+
+    def _recover_leftovers(self) -> None:
+        """Recover from a save killed mid-way: put a moved-aside old copy back when the target name is empty, remove
+        every other leftover, and log one line saying so."""
+        found = self._leftovers()
+        if not found:
+            return
+        target = self.directory
+        restored: Path | None = None
+        notes: list[str] = []
+        if not os.path.lexists(target):
+            whole = [p for p in found if p.name.startswith(f".{target.name}.old-") and _is_whole(p)]
+            if whole:
+                restored = max(whole, key=lambda p: p.lstat().st_ctime_ns)
+                size = _size(restored)
+                _rename_noreplace(restored, target)
+                _fsync_dir(target.parent)
+                notes.append(f"moved {restored.name} ({size:,} bytes) back to {target.name}: it had been moved aside")
+        rest = [p for p in found if p != restored]
+        if rest:
+            sizes = [_size(p) for p in rest]
+            failed = []
+            for p in rest:
+                why = _remove(p)
+                if why:
+                    failed.append(f"{p.name}: {why}")
+            notes.append(
+                f"removed {len(rest) - len(failed)} of {len(rest)} leftover(s) ({sum(sizes):,} bytes): "
+                + ", ".join(p.name for p in rest)
+                + (f"; could not remove {'; '.join(failed)}" if failed else "")
+            )
+        logger.warning(
+            "lora_stream checkpoint %s: an earlier save into it was interrupted; %s", target, "; ".join(notes)
+        )
 
     def _bar(self, total: int) -> Any:
         show = self.progress if self.progress is not None else sys.stderr.isatty()
@@ -286,12 +424,21 @@ class SafetensorsSink:
 
         return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"saving {self.directory.name}")
 
-    def _write(self, source: SyncSource, meta: list[ParamMeta], plan: ShardPlan, tmp: Path) -> None:
+    def _write(self, source: SyncSource, meta: list[ParamMeta], plan: ShardPlan, tmp: Path) -> set[Path]:
+        """Write every shard into ``tmp``; returns the shard files, each already fsynced."""
         shard_of = {i: k for k, idx in enumerate(plan.members) for i in idx}
         bar = self._bar(plan.total_size)
         handle: IO[bytes] | None = None
         current = -1
         index = 0
+        synced: set[Path] = set()
+
+        def close_synced(h: IO[bytes]) -> None:
+            h.flush()
+            os.fsync(h.fileno())
+            h.close()
+            synced.add(Path(h.name))
+
         try:
             with source.batches() as batches:
                 for names, tensors in batches:
@@ -305,7 +452,7 @@ class SafetensorsSink:
                         k = shard_of[index]
                         if k != current:
                             if handle is not None:
-                                handle.close()
+                                close_synced(handle)
                             handle = open(tmp / plan.files[k], "wb")
                             handle.write(plan.headers[k])
                             current = k
@@ -321,6 +468,8 @@ class SafetensorsSink:
                         index += 1
             if index != len(meta):
                 raise CheckpointError(f"the stream yielded {index} tensors where metadata() promised {len(meta)}")
+            if handle is not None:
+                close_synced(handle)
             if not meta:  # an empty stream still makes a loadable (empty) file
                 (tmp / plan.files[0]).write_bytes(plan.headers[0])
         finally:
@@ -328,9 +477,16 @@ class SafetensorsSink:
                 handle.close()
             if bar is not None:
                 bar.close()
+        return synced
 
     def _finish(
-        self, stream: ParamStream, meta: list[ParamMeta], plan: ShardPlan, weight_map: dict[str, str], tmp: Path
+        self,
+        stream: ParamStream,
+        meta: list[ParamMeta],
+        plan: ShardPlan,
+        weight_map: dict[str, str],
+        tmp: Path,
+        synced: set[Path],
     ) -> None:
         if weight_map:
             index = {"metadata": {"total_size": plan.total_size}, "weight_map": weight_map}
@@ -358,20 +514,185 @@ class SafetensorsSink:
                 gen.save_pretrained(str(tmp))
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(str(tmp))
+        _fsync_tree(tmp, synced)
+        self._step("synced")
         self._publish(tmp)
 
+    def _step(self, name: str) -> None:
+        if self.on_publish is not None:
+            self.on_publish(name)
+
     def _publish(self, tmp: Path) -> None:
-        """Rename ``tmp`` into place. With ``overwrite``, the old directory moves aside first and is removed only
-        after the new one is in place: at no moment is a partial checkpoint under the final name."""
-        old: Path | None = None
-        if self.directory.exists():
+        """Put the synced ``tmp`` under the target name: one exchange (or a no-replace rename), else the fallback's
+        two renames; fsync the parent; then remove the old copy. The caller removes ``tmp`` if this raises."""
+        target = self.directory
+        exchange = _renameat2_enabled()
+        old: Path | None = None  # where the old copy is once the new one is in place
+        if os.path.lexists(target):
             if not self.overwrite:
-                raise CheckpointError(f"{self.directory} appeared while saving; not replacing it")
-            old = self.directory.parent / f".{self.directory.name}.old-{uuid.uuid4().hex[:12]}"
-            os.replace(self.directory, old)
-        os.replace(tmp, self.directory)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+                raise CheckpointError(f"{target} appeared while saving; not replacing it")
+            if exchange and _renameat2(tmp, target, _RENAME_EXCHANGE):
+                old = tmp  # the old copy now has the temporary name; the new one is whole under the target name
+                self._step("renamed")
+            else:
+                # Fallback: until the second rename nothing is under the target name; a kill here leaves the old
+                # copy whole under .<name>.old-<id>, and the next save moves it back.
+                old = self._beside("old")
+                os.rename(target, old)
+                try:
+                    self._step("renamed")
+                    os.rename(tmp, target)
+                except BaseException:
+                    os.rename(old, target)  # a failure (not a kill) here puts the old copy back at once
+                    raise
+        else:
+            try:
+                if not (exchange and _renameat2(tmp, target, _RENAME_NOREPLACE)):
+                    os.rename(tmp, target)
+            except FileExistsError as exc:
+                raise CheckpointError(f"{target} appeared while saving; not replacing it") from exc
+            self._step("renamed")
+        try:
+            _fsync_dir(target.parent)
+            self._step("published")
+        finally:  # the new checkpoint is in place: the old copy goes, even if the fsync failed
+            if old is not None:
+                _remove(old)  # best effort: what stays behind is a leftover the next save removes
+
+
+# -- the filesystem, rank 0 --------------------------------------------------------------------------------------------
+def _unwritable(target: Path, why: str) -> str:
+    return (
+        f"cannot write the checkpoint {target}: {why} ({target.parent}). It is written into a temporary directory "
+        "beside the target and renamed into place, so the parent directory must be writable: fix its permissions "
+        "or mount, or save to a directory elsewhere"
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _libc_renameat2() -> Any:
+    """libc's ``renameat2`` (glibc 2.28+, musl 1.2.4+), or ``None`` where there is none."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _renameat2_enabled() -> bool:
+    return os.environ.get(NO_RENAME_EXCHANGE_ENV, "") in ("", "0") and _libc_renameat2() is not None
+
+
+def _renameat2(src: Path, dst: Path, flags: int) -> bool:
+    """``renameat2(src, dst, flags)``; False (nothing done) where the kernel or the filesystem does not support it."""
+    fn = _libc_renameat2()
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(src), None, str(dst))
+
+
+def _rename_noreplace(src: Path, dst: Path) -> None:
+    if not (_renameat2_enabled() and _renameat2(src, dst, _RENAME_NOREPLACE)):
+        if os.path.lexists(dst):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
+        os.rename(src, dst)
+
+
+def _fsync_path(path: Path, *, directory: bool) -> None:
+    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        # Some filesystems (and platforms) cannot fsync a directory; its entries are then as durable as they get.
+        if not directory or exc.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    _fsync_path(path, directory=True)
+
+
+def _fsync_tree(root: Path, done: Iterable[Path] = ()) -> None:
+    """fsync every regular file under ``root`` (but those in ``done``), then every directory, ``root`` last."""
+    skip = set(done)
+    for here, _dirs, files in os.walk(root, topdown=False):
+        for f in files:
+            path = Path(here) / f
+            if path not in skip and stat.S_ISREG(path.lstat().st_mode):
+                _fsync_path(path, directory=False)
+        _fsync_dir(Path(here))
+
+
+def _size(path: Path) -> int:
+    """Bytes held by the files under ``path`` (or the file itself); 0 for what cannot be read."""
+    try:
+        if not stat.S_ISDIR(path.lstat().st_mode):
+            return path.lstat().st_size
+        total = 0
+        for here, _dirs, files in os.walk(path):
+            for f in files:
+                try:
+                    total += os.lstat(os.path.join(here, f)).st_size
+                except OSError:
+                    pass
+        return total
+    except OSError:
+        return 0
+
+
+def _remove(path: Path) -> str:
+    """Remove a file, link or directory tree; returns ``""`` or why it (partly) failed."""
+    try:
+        if stat.S_ISDIR(path.lstat().st_mode):
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        return str(exc)
+    return ""
+
+
+def _is_whole(path: Path) -> bool:
+    """Whether a moved-aside old copy is whole (not a copy whose removal was cut short): every safetensors file as long
+    as its header says and every shard the index names present, and not empty. A regular file, or a directory that
+    holds no safetensors files (whatever was under the target name), counts as whole: it was moved aside in one
+    rename."""
+    try:
+        if not stat.S_ISDIR(path.lstat().st_mode):
+            return True
+        if not any(path.iterdir()):
+            return False
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+            if not all((path / f).is_file() for f in shards):
+                return False
+        for f in path.glob("*.safetensors"):
+            with open(f, "rb") as h:
+                head = h.read(8)
+                if len(head) < 8:
+                    return False
+                (n,) = struct.unpack("<Q", head)
+                header = json.loads(h.read(n))
+            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+            if f.stat().st_size < 8 + n + end:
+                return False
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+    return True
 
 
 def save_merged(
