@@ -493,7 +493,7 @@ def test_the_temporary_directory_is_removed_on_every_failure(
     if where == "agreement":  # another rank refused before writing: this one learns it in the agreement
 
         def agree(self: Coordinator, ok: bool, what: str, reason: str = "") -> None:
-            if what.startswith("before writing"):
+            if what.startswith("in the pre-flight"):
                 raise StreamAbortedError(f"rank 0: stopped {what}: rank 1: (injected)", failed_ranks=(1,))
 
         monkeypatch.setattr(Coordinator, "agree", agree)

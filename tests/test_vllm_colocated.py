@@ -254,9 +254,8 @@ def test_qlora_trainer_syncs_the_dequantized_merge(untied) -> None:  # type: ign
 
 # -- transactions: a failed sync leaves the engine bit-identical; verification catches a corrupted one ---------------
 def _two_versions(path: str):  # type: ignore[no-untyped-def]
-    from transformers import LlamaForCausalLM
-
     from helpers import perturb_adapters
+    from transformers import LlamaForCausalLM
 
     pm = lora(LlamaForCausalLM.from_pretrained(path), target_modules="all-linear", r=8, lora_alpha=32)
     perturb_adapters(pm)
@@ -331,7 +330,9 @@ def test_verification_catches_a_corrupted_sync_and_rolls_it_back(untied, corrupt
     before = vllm_generate(llm)
     _training_step(pm)
     target = "model.layers.1.mlp.down_proj.weight"
-    base = dict(pm.get_base_model().named_parameters())[target].detach().clone()
+    from helpers import read_checkpoint
+
+    base = read_checkpoint(path)[target]
 
     class Corrupted(ParamStream):
         def iter_groups(self):  # type: ignore[no-untyped-def,override]

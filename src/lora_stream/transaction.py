@@ -147,4 +147,3 @@ class Transaction:
         except BaseException as exc:
             error.add_note(f"lora_stream: rolling the update back also failed: {describe_error(exc)}")
         raise error
-

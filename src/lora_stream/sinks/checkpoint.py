@@ -54,8 +54,8 @@ from torch import nn
 
 from ..coordination import this_rank
 from ..errors import LoraStreamError
-from ..lockstep import describe_error
 from ..stream import ParamMeta, ParamStream
+from ..transaction import Transaction, fault_point
 from .record import SyncRecord
 from .source import SyncSource
 
@@ -296,49 +296,48 @@ class SafetensorsSink:
         """Write one full pass of ``stream`` as the checkpoint; every rank calls it. ``version`` goes into the
         safetensors metadata."""
         start = time.perf_counter()
-        coordinator = stream.coordinator
+        tx = Transaction(stream.coordinator, self.name)
         source = SyncSource(stream, {}, version)
         meta = source.metadata()
-        tmp: Path | None = None
-        error: BaseException | None = None
-        if self.is_writer:
-            try:
-                self._check_parent()
-                self._recover_leftovers()
-                self._check_target()
-                file_metadata = {"format": "pt", "merged_adapters": json.dumps(_merged_adapters(stream.model))}
-                if version is not None:
-                    file_metadata["version"] = version
-                plan, weight_map = plan_shards(meta, self.max_shard_bytes, file_metadata)
-                tmp = self._temp_dir()
-            except BaseException as exc:
-                error = exc
+        prepared: list[Any] = []  # rank 0's plan, index and temporary directory, once made
+
+        def prepare() -> None:
+            if not self.is_writer:
+                return
+            self._check_parent()
+            self._recover_leftovers()
+            self._check_target()
+            file_metadata = {"format": "pt", "merged_adapters": json.dumps(_merged_adapters(stream.model))}
+            if version is not None:
+                file_metadata["version"] = version
+            plan, weight_map = plan_shards(meta, self.max_shard_bytes, file_metadata)
+            prepared.extend([plan, weight_map, self._temp_dir()])
+
         try:
-            coordinator.agree(error is None, "before writing the checkpoint (checks on rank 0)", describe_error(error))
+            tx.prepare(prepare)
         except BaseException:
-            if tmp is not None:
-                _remove(tmp)
+            if prepared:
+                _remove(prepared[2])
             raise
-        if error is not None:
-            raise error
-        try:
-            if self.is_writer:
-                assert tmp is not None
-                synced = self._write(source, meta, plan, tmp)
-                self._finish(stream, meta, plan, weight_map, tmp, synced)
-            else:
-                with source.batches() as batches:
-                    for _ in batches:
-                        pass  # the gathers are collectives: every rank produces the stream
-        except BaseException as exc:
-            error = exc
-            if tmp is not None:
-                _remove(tmp)  # after an exchange this name holds the old copy, which is no longer needed either
-        # Tell every rank how it ended, unless the pass already did (it ended early on some rank).
-        if not source.ended_early:
-            coordinator.agree(error is None, "after writing the checkpoint", describe_error(error))
-        if error is not None:
-            raise error
+        # The transfer ends with the publish: after the pass only rank 0 can still fail, so its vote covers it.
+        with tx.attempt():
+            try:
+                if self.is_writer:
+                    plan, weight_map, tmp = prepared
+                    synced = self._write(source, meta, plan, tmp)
+                    fault_point("commit")
+                    self._finish(stream, meta, plan, weight_map, tmp, synced)
+                else:
+                    with source.batches() as batches:
+                        for k, _ in enumerate(batches):
+                            fault_point(f"group:{k}")  # the gathers are collectives: every rank produces the stream
+                    fault_point("commit")
+            except BaseException:
+                if prepared:
+                    _remove(prepared[2])  # after an exchange this name holds the old copy, no longer needed either
+                raise
+        tx.vote("after writing the checkpoint", known=source.ended_early)
+        tx.conclude(lambda: None, lambda error: None)
         record = source.record(self.name, time.perf_counter() - start)
         record.log()
         return record

@@ -37,8 +37,8 @@ class VLLMLoadError(LoraStreamError):
     Raised after the reload bracket was closed, so the engine keeps running. The sinks then roll the update back
     (every module serves what it served before the sync), unless they were built with ``rollback=False``: then
     modules that received all their weights serve the new ones, the others their old ones, until the next
-    successful sync. ``stale`` lists the vLLM modules that received none of their weights; ``incomplete`` maps each module
-    that received only part of them to what it got.
+    successful sync. ``stale`` lists the vLLM modules that received none of their weights; ``incomplete`` maps each
+    module that received only part of them to what it got.
     """
 
     def __init__(

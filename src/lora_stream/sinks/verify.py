@@ -21,7 +21,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -43,7 +43,7 @@ PROBE_LENGTH = 16
 
 #: ``verify=`` on a sink: ``False``/``None`` (never), ``True`` (every sync), ``N`` (every N-th sync, the first
 #: included), or a callable taking the sync's index (0, 1, ...) and returning whether to verify it.
-VerifyPolicy = Union[bool, int, Callable[[int], bool], None]
+VerifyPolicy = bool | int | Callable[[int], bool] | None
 
 # Unit roundoff of each floating dtype: the relative error of one rounding.
 _UNIT_ROUNDOFF = {
