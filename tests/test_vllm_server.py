@@ -283,3 +283,38 @@ def test_an_adapter_the_server_refuses_leaves_the_previous_version_serving(
     assert_all_ok(results)
     outcome = results_of(results[0].output)[-1]
     assert outcome["outcome"] == "raised" and "max_lora_rank" in outcome["message"], describe(results)
+
+
+def test_a_failure_on_rank_1_at_any_point_raises_everywhere_and_the_server_serves_the_previous_version(
+    server: Server, checkpoint: str
+) -> None:
+    from lora_stream.transaction import FAULT_POINTS
+
+    results = launch("vllm_server_push", "faults", server.url, checkpoint, timeout=420)
+    assert_all_ok(results)
+    for rank, r in enumerate(results):
+        faults = [e for e in results_of(r.output) if e.get("event") == "fault"]
+        assert len(faults) == len(FAULT_POINTS), describe(results)
+        for e in faults:
+            where = f"rank {rank} at {e['point']}"
+            if rank == 1:
+                assert e["error"] == "RuntimeError" and "injected" in e["message"], where
+            else:
+                assert e["error"] == "StreamAbortedError" and e["failed_ranks"] == [1], where
+                assert "injected failure" in e["message"], where
+                assert e["equal"] is True, f"{where}: the server's outputs changed after a failed sync"
+                assert e["version"] == "v1", f"{where}: /weight_info moved to {e['version']}"
+            assert e["seconds"] < 60, where
+        assert results_of(r.output)[-1]["outcome"] == "ok", describe(results)
+    assert server.version() == "v2"
+
+
+def test_a_client_generating_during_syncs_never_gets_a_response_computed_by_two_versions(
+    server: Server, checkpoint: str
+) -> None:
+    results = launch("vllm_server_push", "traffic", server.url, checkpoint, timeout=420)
+    assert_all_ok(results)
+    traffic = next(e for e in results_of(results[0].output) if e.get("event") == "traffic")
+    assert traffic["versions"] == 4, f"the probe must differ between versions: {traffic}"
+    assert traffic["responses"] >= 4, traffic
+    assert traffic["mixed"] == 0, f"responses computed partly with each version: {traffic}"

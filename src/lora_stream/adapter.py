@@ -9,14 +9,15 @@ What the stream yields is a plain peft adapter checkpoint, the tensors ``save_pr
 ``adapter_model.safetensors``: ``base_model.model.<module>.lora_A.weight`` (``[r, in]``) and
 ``base_model.model.<module>.lora_B.weight`` (``[out, r]``), with one difference that makes the engine's product
 exact: each ``lora_B`` comes **with its layer's scaling folded in** (``scaling * B``, computed in float32 and
-rounded once), and :meth:`AdapterStream.adapter_config` says ``lora_alpha == r`` (scaling 1) for every module. The
-engine then applies exactly the ``scaling * B @ A`` the trainer's forward applies, whatever peft computed the
-scaling from (``lora_alpha / r``, rsLoRA, ``rank_pattern`` / ``alpha_pattern``, ``set_scale``), and it never has
-to reinterpret peft's configuration. Loading the tensors with that config into peft gives the trainer's forward.
+rounded once), and :meth:`AdapterStream.adapter_config` gives every module ``lora_alpha`` equal to its rank (scaling
+1; a module whose rank is not the largest through ``rank_pattern`` / ``alpha_pattern``). The engine then applies
+exactly the ``scaling * B @ A`` the trainer's forward applies, whatever peft computed the scaling from
+(``lora_alpha / r``, rsLoRA, ``rank_pattern`` / ``alpha_pattern``, ``set_scale``), and it never has to reinterpret
+peft's scaling rules. Loading the tensors with that config into peft gives the trainer's forward.
 
 Exact or refused: only plain LoRA on linear layers (``nn.Linear``, GPT-2's ``Conv1D``) is streamed. QLoRA bases,
-DoRA, ``lora_bias``, LoRA on embeddings, convolutions or MoE expert parameters, LoHa,
-LoKr, ``modules_to_save`` and trainable tokens for an active adapter, several active adapters, or none, are refused
+DoRA, ``lora_bias``, LoRA on embeddings, convolutions or MoE expert parameters, LoHa, LoKr, ``modules_to_save`` for
+an active adapter, trainable tokens (``trainable_token_indices``), several active adapters, or none, are refused
 at construction with :class:`~lora_stream.UnsupportedAdapterError`; stream those models merged
 (:class:`~lora_stream.ParamStream`).
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 from typing import Any
 
 import torch
@@ -37,7 +39,7 @@ from .gatherers import Gatherer
 from .grouping import DEFAULT_BUDGET_BYTES, GroupBy
 from .merge import DEFAULT_MERGE_BLOCK_BYTES, ScaledFactor
 from .names import join
-from .plan import _active_adapters, _check_unmerged, _Planner
+from .plan import Planner, active_adapters, check_unmerged
 from .rules import lora_spec, rule_for
 from .stream import ParamStream
 
@@ -49,35 +51,41 @@ ADAPTER_PREFIX = "base_model.model."
 _USE_MERGED = "stream this model merged (ParamStream) instead"
 
 
-class _AdapterPlanner(_Planner):
-    """The merged stream's walk, emitting only each LoRA layer's two factors; base weights are never touched."""
+class _AdapterPlanner(Planner):
+    """The merged stream's walk (through :class:`~lora_stream.plan.Planner`'s seam), emitting only each LoRA
+    layer's two factors; base weights are never touched (``base_weights=False``)."""
 
     def __init__(self, gatherer: Gatherer, dtype: torch.dtype | None) -> None:
-        super().__init__(gatherer, dtype, DEFAULT_MERGE_BLOCK_BYTES, buffers=False)
+        super().__init__(gatherer, dtype, DEFAULT_MERGE_BLOCK_BYTES, buffers=False, base_weights=False)
         self.adapters: set[str] = set()
-        self.ranks: list[int] = []
+        #: module path in the base model (the checkpoint name without ``base_model.model.``) -> its LoRA rank.
+        self.ranks: dict[str, int] = {}
         #: leaf module names with a LoRA, for the config's ``target_modules``.
         self.leaves: set[str] = set()
 
-    def _own_params(
-        self, module: nn.Module, hf: str, src: str, unit: Unit, merges: dict[str, Any] | None = None
-    ) -> None:
-        return  # the base model's weights are the engine's already
-
-    def _aux(self, wrapper: Any, hf: str, src: str) -> None:
+    def visit_wrapper(self, wrapper: Any, hf: str, src: str) -> None:
+        mts = self.cls["mts"]
+        if not isinstance(wrapper, mts):
+            # Trainable tokens (TrainableTokensWrapper) or a wrapper peft adds later: it changes base weights (rows
+            # of an embedding) in a way an adapter-serving engine does not take, whichever adapter it belongs to.
+            what = "trainable tokens (trainable_token_indices)" if "TrainableTokens" in type(wrapper).__name__ else ""
+            raise UnsupportedAdapterError(
+                f"module {src!r} is a {type(wrapper).__name__}{f' ({what})' if what else ''}: it replaces base "
+                f"weights, which an adapter-serving engine does not take; {_USE_MERGED}"
+            )
         if not wrapper.disable_adapters and any(a in wrapper.modules_to_save for a in wrapper.active_adapters):
             raise UnsupportedAdapterError(
-                f"module {src!r} is a {type(wrapper).__name__} of the active adapter (modules_to_save or trainable "
-                f"tokens): it replaces base weights, which an adapter-serving engine does not take; {_USE_MERGED}"
+                f"module {src!r} is a {type(wrapper).__name__} of the active adapter (modules_to_save): it "
+                f"replaces base weights, which an adapter-serving engine does not take; {_USE_MERGED}"
             )
         original = getattr(wrapper, "original_module", None)
         if original is not None:
             self.visit(original, hf, join(src, "original_module"))
 
-    def _tuner(self, layer: Any, hf: str, src: str) -> None:
-        _check_unmerged(layer, src)
+    def visit_tuner(self, layer: Any, hf: str, src: str) -> None:
+        check_unmerged(layer, src)
         rule = rule_for(layer, src)  # an unknown tuner layer is refused here, as in the merged stream
-        active = _active_adapters(layer)
+        active = active_adapters(layer)
         if not active:
             return
         if rule.family != "lora" or rule.layout != "linear":
@@ -102,7 +110,7 @@ class _AdapterPlanner(_Planner):
                 f"{_USE_MERGED} (it streams the dequantized merge)"
             )
         a = active[0]
-        spec = lora_spec(rule, layer, a, src, base_has_bias="bias" in dict(self.g.module_params(base)))
+        spec = lora_spec(rule, layer, a, src, base_has_bias="bias" in dict(self.gatherer.module_params(base)))
         if spec.dora or spec.bias:
             feature = "DoRA" if spec.dora else "lora_bias"
             raise UnsupportedAdapterError(
@@ -112,26 +120,26 @@ class _AdapterPlanner(_Planner):
         if not math.isfinite(scaling):
             raise UnsupportedAdapterError(f"module {src!r} adapter {a!r} has scaling {scaling}")
         self.adapters.add(a)
-        a_ref = self._param(layer.lora_A[a], "weight")
-        b_ref = self._param(layer.lora_B[a], "weight")
+        a_ref = self.param(layer.lora_A[a], "weight")
+        b_ref = self.param(layer.lora_B[a], "weight")
         prefix = ADAPTER_PREFIX + hf
         unit = Unit(src)
         targets = [
-            self._target(f"{prefix}.lora_A.weight", join(src, f"lora_A.{a}.weight"), a_ref, None),
-            self._target(
+            self.target(f"{prefix}.lora_A.weight", join(src, f"lora_A.{a}.weight"), a_ref, None),
+            self.target(
                 f"{prefix}.lora_B.weight",
                 join(src, f"lora_B.{a}.weight"),
                 b_ref,
                 ScaledFactor(b_ref, scaling) if scaling != 1.0 else None,
             ),
         ]
-        rank = int(self.g.full_shape(a_ref)[0])
+        rank = int(self.gatherer.full_shape(a_ref)[0])
         if any(t.dtype not in (torch.float32, torch.bfloat16, torch.float16) for t in targets):
             raise UnsupportedAdapterError(f"module {src!r} adapter {a!r} has non-float factors")
         unit.targets, unit.params = targets, [a_ref, b_ref]
-        self.ranks.append(rank)
+        self.ranks[hf] = rank
         self.leaves.add(hf.rsplit(".", 1)[-1])
-        self._emit(unit)
+        self.emit(unit)
 
 
 class AdapterStream(ParamStream):
@@ -206,16 +214,23 @@ class AdapterStream(ParamStream):
                 f"request; {_USE_MERGED}"
             )
         self.adapter_name = next(iter(planner.adapters))
-        self._config = _engine_config(model, self.adapter_name, max(planner.ranks), sorted(planner.leaves))
+        self._config = _engine_config(model, self.adapter_name, planner.ranks, sorted(planner.leaves))
         for u in planner.units:
             u.steps = [_plain_step(t) for t in u.targets]
         return planner.units, {}
 
     def adapter_config(self) -> dict[str, Any]:
-        """The ``adapter_config.json`` that goes with the tensors: the adapter's own peft configuration, with
-        ``r == lora_alpha ==`` the largest rank, ``use_rslora`` off and no rank/alpha patterns (the scaling is in
-        ``lora_B``). JSON-serializable. Options the engine must refuse (``use_dora``, ``init_lora_weights``, ...)
-        are kept, so its own validation still sees them."""
+        """The ``adapter_config.json`` that goes with the tensors: the adapter's own peft configuration, with every
+        module's ``lora_alpha`` equal to its rank (scaling 1: the scaling is in ``lora_B``) and ``use_rslora`` off.
+
+        ``r == lora_alpha ==`` the largest rank; a module of a smaller rank (the trainer's ``rank_pattern``) is
+        named in ``rank_pattern`` and ``alpha_pattern`` (both its rank) by its exact path, the checkpoint name
+        without ``base_model.model.``, as peft's and vLLM's pattern matching read it. So loading the tensors with
+        this config into peft (``PeftModel.from_pretrained``) reproduces the trainer's forward, and vLLM (0.32's
+        ``PEFTHelper`` resolves the patterns the same way and checks the largest rank against ``max_lora_rank``)
+        serves it. An engine that ignored the patterns would still apply scaling 1 everywhere (``lora_alpha / r``)
+        and read each module's rank from its tensors. JSON-serializable. Options the engine must refuse
+        (``use_dora``, ``init_lora_weights``, ...) are kept, so its own validation still sees them."""
         return dict(self._config)
 
 
@@ -231,17 +246,30 @@ def _peft_config(model: nn.Module, adapter: str) -> Any:
     raise UnsupportedAdapterError(f"adapter {adapter!r} has no peft_config on the model")
 
 
-def _engine_config(model: nn.Module, adapter: str, rank: int, leaves: list[str]) -> dict[str, Any]:
+def _engine_config(model: nn.Module, adapter: str, ranks: dict[str, int], leaves: list[str]) -> dict[str, Any]:
     config = _peft_config(model, adapter)
     if str(getattr(config, "peft_type", "")).removeprefix("PeftType.") != "LORA":
         raise UnsupportedAdapterError(f"adapter {adapter!r} is {config.peft_type}, not LoRA; {_USE_MERGED}")
+    top = max(ranks.values())
+    # Every module's scaling is in its lora_B, so every module must get lora_alpha == its rank. The modules whose
+    # rank is not the largest say so through rank_pattern / alpha_pattern, one exact key per module: peft
+    # (get_pattern_key) and vLLM (PEFTHelper.get_rank_and_scaling) both match a key K against a module's path as
+    # the regex "(.*\.)?(K)$"; the path is escaped, and anchored where it is also the tail of another module's.
+    patterns: dict[str, int] = {}
+    for module, rank in ranks.items():
+        if rank == top:
+            continue
+        key = re.escape(module)
+        if any(other != module and other.endswith("." + module) for other in ranks):
+            key = "^" + key
+        patterns[key] = rank
     out: dict[str, Any] = _jsonable(config.to_dict())
     out.update(
-        r=rank,
-        lora_alpha=rank,
+        r=top,
+        lora_alpha=top,
         use_rslora=False,
-        rank_pattern={},
-        alpha_pattern={},
+        rank_pattern=patterns,
+        alpha_pattern=dict(patterns),
         target_modules=leaves,
         lora_dropout=0.0,
     )

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from .core import Output, ParamRef, Step, Unit
+from .gatherers.base import GathererBase
 
 __all__ = ["GroupBy", "DEFAULT_BUDGET_BYTES", "Group", "partition", "stack_key"]
 
@@ -54,6 +55,57 @@ def _unique(params: Sequence[ParamRef]) -> list[ParamRef]:
     return out
 
 
+class _Budget:
+    """The gathered bytes of the group being built, for ``group_by="budget"``.
+
+    When ``gather_bytes`` is :class:`~lora_stream.gatherers.base.GathererBase`'s (the sum over the distinct
+    ``gather_key`` of the parameters), the group's bytes are kept incrementally: each unit costs its own parameters'
+    keys, so grouping a model is linear in its parameters. Any other ``gather_bytes`` is asked for the whole group
+    with the unit added, as before (exact, quadratic in a group's size).
+    """
+
+    def __init__(self, gather_bytes: Callable[[Sequence[ParamRef]], int], budget: int) -> None:
+        self.gather_bytes = gather_bytes
+        self.budget = budget
+        owner = getattr(gather_bytes, "__self__", None)
+        self.key_of: Callable[[ParamRef], tuple[Hashable, int]] | None = None
+        if isinstance(owner, GathererBase) and type(owner).gather_bytes is GathererBase.gather_bytes:
+            self.key_of = owner.gather_key
+        self.keys: dict[Hashable, int] = {}
+        self.total = 0
+        self.params: list[ParamRef] = []
+        #: The unit ``admits`` last looked at, with its keys not yet in the group (reused by ``add``).
+        self._last: tuple[Unit, dict[Hashable, int]] | None = None
+
+    def _new_keys(self, unit: Unit) -> dict[Hashable, int]:
+        assert self.key_of is not None
+        new: dict[Hashable, int] = {}
+        for p in unit.params:
+            key, n = self.key_of(p)
+            if key not in self.keys:
+                new.setdefault(key, n)
+        return new
+
+    def admits(self, unit: Unit) -> bool:
+        if self.key_of is None:
+            return self.gather_bytes([*self.params, *unit.params]) <= self.budget
+        self._last = (unit, self._new_keys(unit))
+        return self.total + sum(self._last[1].values()) <= self.budget
+
+    def add(self, unit: Unit) -> None:
+        if self.key_of is None:
+            self.params += unit.params
+            return
+        last = self._last
+        new = last[1] if last is not None and last[0] is unit else self._new_keys(unit)
+        self._last = None
+        self.keys.update(new)
+        self.total += sum(new.values())
+
+    def reset(self) -> None:
+        self.keys, self.total, self.params, self._last = {}, 0, [], None
+
+
 def partition(
     units: list[Unit], group_by: GroupBy, budget_bytes: int, gather_bytes: Callable[[Sequence[ParamRef]], int]
 ) -> list[Group]:
@@ -73,13 +125,17 @@ def partition(
     groups: list[list[Unit]] = []
     current: list[Unit] = []
     current_key: object = object()
+    fits = _Budget(gather_bytes, budget_bytes) if group_by == "budget" else None
     for unit in units:
         if group_by == "module":
             split = bool(current)
-        elif group_by == "budget":
-            # Ask the gatherer what the group would hold with this unit added: units can share what is gathered
-            # (tied weights; FSDP1 units), so sizes do not simply add up.
-            split = bool(current) and gather_bytes([p for u in (*current, unit) for p in u.params]) > budget_bytes
+        elif fits is not None:
+            # What the group would hold with this unit added: units can share what is gathered (tied weights;
+            # FSDP1 units), so sizes do not simply add up.
+            split = bool(current) and not fits.admits(unit)
+            if split:
+                fits.reset()
+            fits.add(unit)
         else:
             key = stack_key(unit.steps[0].outputs[0].name)
             split = bool(current) and key != current_key

@@ -161,12 +161,20 @@ class LoraWeightMerge(Merge):
         return blocks * block + factors
 
     def compute(self, full: FullTensor, out_dtype: torch.dtype, scratch: Scratch) -> torch.Tensor:
-        out = scratch.empty(self.base.shape, out_dtype, full(self.base.param).device)
+        # The base is read once: under FSDP1 every call of ``full`` is a whole copy of the weight, which
+        # peak_temp_bytes does not count.
+        base_param = self.base.param
+        whole = full(base_param)
+
+        def base_full(p: nn.Parameter) -> torch.Tensor:
+            return whole if p is base_param else full(p)
+
+        out = scratch.empty(self.base.shape, out_dtype, whole.device)
         out_m = out.view(self._matrix_shape())
         cd = self.channel_dim
         # Rows of the base (any storage) when blocks run along rows; columns of the dense base otherwise.
-        read_rows = self.base.row_reader(full) if cd == 0 else None
-        dense_m = None if cd == 0 else _matrix(self.base.dense(full))
+        read_rows = self.base.row_reader(base_full) if cd == 0 else None
+        dense_m = None if cd == 0 else _matrix(self.base.dense(base_full))
         # Factors as float32 matrices, oriented so that delta = left @ right in the base's layout. They are rank-r.
         terms = [
             (

@@ -21,14 +21,23 @@ from .base_weights import QUANTIZED_DEFAULT_DTYPE, BaseWeight, DenseWeight, base
 from .checkpoint_format import CheckpointFormat, Layout
 from .core import Output, ParamRef, Step, Target, Unit
 from .errors import NameCollisionError, UnsupportedAdapterError, UnsupportedModelError
-from .merge import BufferRead, ExpertLoraMerge, LoraBiasMerge, LoraTerm, LoraWeightMerge, LycorisMerge, Merge
+from .merge import (
+    DEFAULT_MERGE_BLOCK_BYTES,
+    BufferRead,
+    ExpertLoraMerge,
+    LoraBiasMerge,
+    LoraTerm,
+    LoraWeightMerge,
+    LycorisMerge,
+    Merge,
+)
 from .names import NameNormalizer, join, wrapped_child_attr
 from .rules import LayerRule, lora_spec, lycoris_spec, rule_for
 
 if TYPE_CHECKING:
     from .gatherers.base import Gatherer
 
-__all__ = ["Target", "Unit", "plan_model"]
+__all__ = ["Planner", "Target", "Unit", "active_adapters", "check_unmerged", "plan_model"]
 
 
 def _peft_classes() -> dict[str, tuple[Any, ...]]:
@@ -38,12 +47,46 @@ def _peft_classes() -> dict[str, tuple[Any, ...]]:
     return {"tuner": (BaseTunerLayer,), "aux": (AuxiliaryTrainingWrapper,), "mts": (ModulesToSaveWrapper,)}
 
 
-class _Planner:
-    def __init__(self, gatherer: Gatherer, dtype: torch.dtype | None, block_bytes: int, buffers: bool) -> None:
+class Planner:
+    """The walk over a model that turns it into gather units (what :func:`plan_model` runs).
+
+    ``visit(model, "", "")`` walks the module tree as ``named_parameters()`` does and fills :attr:`units` (and the
+    tied :attr:`aliases`). By default it emits the merged model: every module's own parameters (and, with
+    ``buffers``, its persistent buffers), each peft tuner layer's base weight merged with its active adapters.
+
+    A stream that emits something else from the same walk (:class:`~lora_stream.AdapterStream`: only the LoRA
+    factors) uses the documented seam instead of the walk's internals:
+
+    * ``base_weights=False``: no module's own parameters or buffers are emitted, so the base model is never
+      gathered or read; only what the hooks emit comes out.
+    * :meth:`visit_tuner` (each peft tuner layer) and :meth:`visit_wrapper` (each peft ``AuxiliaryTrainingWrapper``:
+      ``modules_to_save``, trainable tokens) may be overridden; a hook builds its outputs with :meth:`target`
+      (name checks included), :meth:`param` (a parameter as the gatherer refers to it) and :meth:`emit`, and may
+      continue the walk with :meth:`visit`.
+    * :func:`active_adapters` and :func:`check_unmerged` read a tuner layer as the planner does.
+
+    Args:
+        gatherer: the stream's gatherer (shapes, dtypes and parameter refs come from it; nothing is communicated).
+        dtype: output dtype of every target (``None``: each parameter's own).
+        block_bytes: a merge's float32 block size.
+        buffers: emit persistent buffers too (the checkpoint layout).
+        base_weights: emit modules' own parameters and buffers (``False``: only what the hooks emit).
+    """
+
+    def __init__(
+        self,
+        gatherer: Gatherer,
+        dtype: torch.dtype | None,
+        block_bytes: int = DEFAULT_MERGE_BLOCK_BYTES,
+        buffers: bool = False,
+        *,
+        base_weights: bool = True,
+    ) -> None:
         self.g = gatherer
         self.dtype = dtype
         self.block_bytes = block_bytes
         self.buffers = buffers
+        self.base_weights = base_weights
         #: The first module that is not a wrapper: its state_dict() keys are the names the planner gives.
         self.root: nn.Module | None = None
         self.cls = _peft_classes()
@@ -55,7 +98,9 @@ class _Planner:
         self.aliases: dict[str, str] = {}
 
     # -- outputs ---------------------------------------------------------------------------------------------------
-    def _target(self, hf: str, src: str, p: ParamRef, merge: Merge | None) -> Target:
+    def target(self, hf: str, src: str, p: ParamRef, merge: Merge | None) -> Target:
+        """A target named ``hf`` (checked unique), read from ``p`` (whose path in the model is ``src``) through
+        ``merge`` (``None``: as gathered), in the planner's dtype; refuses parameters on the meta device."""
         if isinstance(p, torch.Tensor) and p.is_meta:
             raise UnsupportedModelError(
                 f"parameter {src!r} is on the meta device; materialize the model (e.g. load its weights) before "
@@ -87,9 +132,16 @@ class _Planner:
             )
         return bw
 
+    @property
+    def gatherer(self) -> Gatherer:
+        """The gatherer the plan is made for."""
+        return self.g
+
     def _own_params(
         self, module: nn.Module, hf: str, src: str, unit: Unit, merges: dict[str, Merge] | None = None
     ) -> None:
+        if not self.base_weights:
+            return  # the seam's base_weights=False: module parameters and buffers are someone else's
         merges = dict(merges or {})
         if "weight" not in merges:
             bw = self._base_weight(module, src)
@@ -107,7 +159,7 @@ class _Planner:
                 continue
             self.seen_params[id(p)] = psrc
             merge = merges.get(pname)
-            target = self._target(join(hf, pname), psrc, p, merge)
+            target = self.target(join(hf, pname), psrc, p, merge)
             self.hf_names[id(p)] = target.name
             unit.targets.append(target)
             unit.params.extend(merge.params() if merge is not None else [p])
@@ -124,34 +176,38 @@ class _Planner:
                 read = BufferRead(module, bname)
                 unit.targets.append(Target(name, join(src, bname), None, buf.dtype, buf.shape, read))
 
-    def _emit(self, unit: Unit) -> None:
+    def emit(self, unit: Unit) -> None:
+        """Append ``unit`` to the plan (one gather unit; dropped if it has no targets)."""
         if unit.targets:
             self.units.append(unit)
 
     # -- walk ------------------------------------------------------------------------------------------------------
     def visit(self, module: nn.Module, hf: str, src: str) -> None:
+        """Walk ``module``, whose output name prefix is ``hf`` and path in the trainer's model ``src``."""
         if id(module) in self.seen_modules:
             return
         self.seen_modules.add(id(module))
         if isinstance(module, self.cls["tuner"]):
-            self._tuner(module, hf, src)
+            self.visit_tuner(module, hf, src)
             return
         if isinstance(module, self.cls["aux"]):
-            self._aux(module, hf, src)
+            self.visit_wrapper(module, hf, src)
             return
         _check_peft_model(module, src)
         if self.root is None and wrapped_child_attr(module) is None:
             self.root = module
         unit = Unit(src)
         self._own_params(module, hf, src, unit)
-        self._emit(unit)
+        self.emit(unit)
         wrapped = wrapped_child_attr(module)
         for cname, child in module._modules.items():
             if child is None:
                 continue
             self.visit(child, hf if cname == wrapped else join(hf, cname), join(src, cname))
 
-    def _aux(self, wrapper: Any, hf: str, src: str) -> None:
+    def visit_wrapper(self, wrapper: Any, hf: str, src: str) -> None:
+        """A peft ``AuxiliaryTrainingWrapper``: the merged stream follows the copy forward uses
+        (``modules_to_save``) and refuses any other wrapper (trainable tokens). A hook of the seam."""
         if not isinstance(wrapper, self.cls["mts"]):
             raise UnsupportedAdapterError(
                 f"module {src!r} is a {type(wrapper).__name__}; lora_stream merges LoRA-family adapters and "
@@ -171,15 +227,17 @@ class _Planner:
         else:
             self.visit(wrapper.original_module, hf, join(src, "original_module"))
 
-    def _tuner(self, layer: Any, hf: str, src: str) -> None:
+    def visit_tuner(self, layer: Any, hf: str, src: str) -> None:
+        """A peft tuner layer: its base weights merged with its active adapters, checked against the rule table.
+        A hook of the seam."""
         base = layer.get_base_layer()
-        _check_unmerged(layer, src)
+        check_unmerged(layer, src)
         # The table decides, for every tuner layer, adapters active or not: an unknown layer is refused up front.
         rule = rule_for(layer, src)
         if rule.layout == "param":
             self._param_wrappers(layer, hf, src)
             return
-        active = _active_adapters(layer)
+        active = active_adapters(layer)
         bsrc = join(src, "base_layer")
         unit = Unit(src)
         merges: dict[str, Merge] = {}
@@ -196,12 +254,12 @@ class _Planner:
                 specs = [lycoris_spec(rule, layer, a, src) for a in active]
                 # sorted: every rank must gather the same parameters in the same order, and set order is per process
                 factors = [
-                    (sp.scaling, {k: self._param(getattr(layer, k), sp.adapter) for k in sorted(sp.keys)})
+                    (sp.scaling, {k: self.param(getattr(layer, k), sp.adapter) for k in sorted(sp.keys)})
                     for sp in specs
                 ]
                 merges["weight"] = LycorisMerge(rule.family, bw, factors)
         self._own_params(base, hf, bsrc, unit, merges)
-        self._emit(unit)
+        self.emit(unit)
         for cname, child in base._modules.items():
             if child is not None:
                 self.visit(child, join(hf, cname), join(bsrc, cname))
@@ -213,7 +271,7 @@ class _Planner:
         wrappers: list[tuple[Any, str, LayerRule]] = []
         module, msrc = layer, src
         while isinstance(module, self.cls["tuner"]):
-            _check_unmerged(module, msrc)
+            check_unmerged(module, msrc)
             rule = rule_for(module, msrc)
             if rule.layout != "param":
                 raise UnsupportedAdapterError(
@@ -232,7 +290,7 @@ class _Planner:
                     f"module {wsrc!r} adapts parameter {pname!r}, which its base module does not hold or another "
                     "ParamWrapper adapts too"
                 )
-            active = _active_adapters(wrapper)
+            active = active_adapters(wrapper)
             if not active:
                 continue
             psrc = join(msrc, pname)
@@ -245,7 +303,7 @@ class _Planner:
             terms = []
             for a in active:
                 lora_spec(rule, wrapper, a, wsrc, base_has_bias=False)
-                a_w, b_w = self._param(wrapper.lora_A[a], "weight"), self._param(wrapper.lora_B[a], "weight")
+                a_w, b_w = self.param(wrapper.lora_A[a], "weight"), self.param(wrapper.lora_B[a], "weight")
                 terms.append((a_w, b_w, float(wrapper.scaling[a])))
             if len(shape) == 2:  # peft merges it as nn.Linear's [out, in]
                 lora_terms = [LoraTerm(b, a, s, False, False) for a, b, s in terms]
@@ -267,7 +325,7 @@ class _Planner:
         # reads several of them joins them again, see _join_conversions).
         for target in unit.targets:
             merge = target.merge
-            self._emit(Unit(src, [target], merge.params() if merge is not None else [target.param]))
+            self.emit(Unit(src, [target], merge.params() if merge is not None else [target.param]))
         for cname, child in module._modules.items():
             if child is not None:
                 self.visit(child, join(hf, cname), join(msrc, cname))
@@ -279,7 +337,7 @@ class _Planner:
         has_bias = "bias" in dict(self.g.module_params(base))
         terms: list[LoraTerm] = []
         bias_terms: list[tuple[ParamRef, float]] = []
-        param = self._param
+        param = self.param
         fan_in_fan_out = bool(getattr(layer, "fan_in_fan_out", False))
         for a in active:
             spec = lora_spec(rule, layer, a, src, has_bias)
@@ -315,7 +373,7 @@ class _Planner:
             merges["bias"] = LoraBiasMerge(param(base, "bias"), bias_terms)
         return merges
 
-    def _param(self, module: nn.Module, name: str) -> ParamRef:
+    def param(self, module: nn.Module, name: str) -> ParamRef:
         """A parameter of ``module`` as the gatherer refers to it, looking through wrappers (FSDP1 may wrap each
         LoRA factor in a unit of its own)."""
         while (attr := wrapped_child_attr(module)) is not None:
@@ -323,7 +381,8 @@ class _Planner:
         return self.g.param(module, name)
 
 
-def _check_unmerged(layer: Any, src: str) -> None:
+def check_unmerged(layer: Any, src: str) -> None:
+    """Refuse a tuner layer whose adapters peft merged into its base weight in place."""
     if getattr(layer, "merged", False):
         raise UnsupportedModelError(
             f"module {src!r} has adapters {list(layer.merged_adapters)} merged into its base weight in place; "
@@ -331,7 +390,7 @@ def _check_unmerged(layer: Any, src: str) -> None:
         )
 
 
-def _active_adapters(layer: Any) -> list[str]:
+def active_adapters(layer: Any) -> list[str]:
     """The adapters ``layer``'s forward applies (none while adapters are disabled)."""
     if layer.disable_adapters:
         return []
@@ -370,7 +429,7 @@ def plan_model(
     targets into outputs, and the tied aliases (output name not yielded -> output name of the tensor it shares)."""
     if layout not in ("checkpoint", "memory"):
         raise ValueError(f"layout must be 'checkpoint' or 'memory', got {layout!r}")
-    planner = _Planner(gatherer, dtype, block_bytes, buffers=layout == "checkpoint")
+    planner = Planner(gatherer, dtype, block_bytes, buffers=layout == "checkpoint")
     planner.visit(model, "", "")
     units = planner.units
     fmt = CheckpointFormat(planner.root if layout == "checkpoint" else None)

@@ -69,9 +69,10 @@ class StreamStats:
     rss_peak_bytes: int | None = None
     #: Wall time of the pass so far, seconds.
     seconds: float = 0.0
-    #: What the gatherer gathered by each of its paths during this pass: ``{"direct": n, "fallback": m}`` groups for
-    #: ZeRO-3, parameters for FSDP2; empty for gatherers with a single path. ``fallback_reason``: why the latest
-    #: fallback could not take the direct path.
+    #: What the gatherer gathered by each of its paths during this pass, in parameters: ``{"direct": n,
+    #: "fallback": m}`` parameters made whole by the direct path and by the fallback (ZeRO-3: every parameter of a
+    #: group, persistent ones included, counts on the path its group took; FSDP2: every DTensor parameter); empty
+    #: for gatherers with a single path. ``fallback_reason``: why the latest fallback could not take the direct path.
     gather_paths: dict[str, int] = field(default_factory=dict)
     fallback_reason: str | None = None
     #: True once every group was produced and every rank agreed the pass ended.

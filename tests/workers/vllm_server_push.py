@@ -12,6 +12,10 @@ Usage: vllm_server_push.py SCENARIO BASE_URL CHECKPOINT [API_KEY]
   tied-mts      modules_to_save=["lm_head"] on a tied checkpoint: refused by rank 0's pre-flight, nothing sent.
   drop-shard    k_proj of layer 0 renamed to a name vLLM ignores (pre-flight off): the server's consumption check
                 names it and the incomplete qkv_proj on every rank.
+  faults        after a sync at v1, a failure on rank 1 only at each transaction point: every rank raises, the
+                server serves exactly v1's outputs and reports v1; then v2 syncs and is served.
+  traffic       a client generates continuously while three syncs run (a step between them): every response
+                equals one version's output, never a mix.
 
 Every outcome is printed as one RESULT {json} line: {"rank", "outcome": "ok"|"raised", "error", "message", ...}.
 """
@@ -71,6 +75,12 @@ def main() -> None:
     engine, *_ = deepspeed.initialize(model=pm, optimizer=opt, config=DS)
     sink = VLLMServerSink(url, rank=rank, api_key=api_key, timeout=30)
     start = time.monotonic()
+    if scenario == "faults":
+        faults(rank, url, engine, template, sink)
+        finish()
+    if scenario == "traffic":
+        traffic(rank, url, engine, sink)
+        finish()
     if scenario in ("push", "push-moe"):
         record = sink.sync(ParamStream(engine, group_by="layer"), version="v1")
         expected = reference(engine, template)  # a gather: every rank takes part
@@ -130,6 +140,127 @@ def main() -> None:
         finish(0)
     report(rank=rank, outcome="ok")
     finish(5)
+
+
+def _step(engine) -> None:  # type: ignore[no-untyped-def]
+    ids = torch.tensor([[1, 17, 42, 99, 5, 7, 300]])
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+
+
+def faults(rank: int, url: str, engine, template, sink) -> None:  # type: ignore[no-untyped-def]
+    from lora_stream.transaction import FAULT_POINTS, set_fault_hook
+
+    sink.sync(ParamStream(engine, group_by="layer"), version="v1")
+    before = server_generate(url) if rank == 0 else None
+    _step(engine)
+    for point in FAULT_POINTS:
+        point = point.replace("<k>", "1")
+
+        def hook(p: str, point: str = point) -> None:
+            if rank == 1 and p == point:
+                raise RuntimeError(f"injected failure at {p} on rank 1")
+
+        set_fault_hook(hook)
+        t = time.monotonic()
+        try:
+            sink.sync(ParamStream(engine, group_by="layer"), version="v2")
+            raise AssertionError(f"the sync should have raised at {point}")
+        except (RuntimeError, StreamAbortedError) as exc:
+            error = exc
+        finally:
+            set_fault_hook(None)
+        equal = version = None
+        if rank == 0:
+            equal = server_generate(url) == before
+            version = sink.client.weight_version()
+        report(
+            rank=rank,
+            event="fault",
+            point=point,
+            error=type(error).__name__,
+            message=str(error)[:300],
+            failed_ranks=list(getattr(error, "failed_ranks", ())),
+            equal=equal,
+            version=version,
+            seconds=time.monotonic() - t,
+        )
+    sink.sync(ParamStream(engine, group_by="layer"), version="v2")
+    expected = reference(engine, template)
+    if rank == 0:
+        after = server_generate(url)
+        assert after != before
+        assert_vllm_serves(after, expected)
+    report(rank=rank, outcome="ok", event="recovered")
+
+
+def traffic(rank: int, url: str, engine, sink) -> None:  # type: ignore[no-untyped-def]
+    """Rank 0 runs a client that generates without pause during three syncs; the outputs of each version are taken
+    while nothing else runs. Every response must be one of them."""
+    import threading
+
+    import requests
+    from helpers import PROMPTS
+
+    model = requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"] if rank == 0 else None
+    prompt = PROMPTS[1]
+
+    def once() -> tuple[tuple[int, ...], tuple[float, ...]]:
+        r = requests.post(
+            f"{url}/v1/completions",
+            timeout=120,
+            json={
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": 24,
+                "temperature": 0,
+                "logprobs": 1,
+                "return_tokens_as_token_ids": True,
+                "ignore_eos": True,
+            },
+        )
+        r.raise_for_status()
+        lp = r.json()["choices"][0]["logprobs"]
+        return tuple(int(t.split(":")[1]) for t in lp["tokens"]), tuple(float(x) for x in lp["token_logprobs"])
+
+    seen: list[tuple[tuple[int, ...], tuple[float, ...]]] = []
+    failures: list[str] = []
+    stop = threading.Event()
+
+    def client() -> None:
+        while not stop.is_set():
+            try:
+                seen.append(once())
+            except Exception as exc:  # an aborted request is allowed; a wrong one is not
+                failures.append(repr(exc))
+
+    versions = []
+    sink.sync(ParamStream(engine, group_by="layer"), version="v0")
+    if rank == 0:
+        versions.append(once())
+    thread = threading.Thread(target=client, daemon=True)
+    if rank == 0:
+        thread.start()
+    for v in ("v1", "v2", "v3"):
+        _step(engine)
+        sink.sync(ParamStream(engine, group_by="module"), version=v)
+        if rank == 0:
+            time.sleep(0.5)  # let the client finish requests on this version too
+            stop.set()
+            thread.join()
+            versions.append(once())
+            stop.clear()
+            thread = threading.Thread(target=client, daemon=True)
+            thread.start()
+    if rank == 0:
+        stop.set()
+        thread.join()
+        distinct = len(set(versions))
+        mixed = [s for s in seen if s not in versions]
+        report(
+            rank=rank, event="traffic", responses=len(seen), versions=distinct, mixed=len(mixed), failures=failures[:3]
+        )
+    report(rank=rank, outcome="ok")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from contextlib import AbstractContextManager
 from typing import Protocol, runtime_checkable
 
@@ -69,7 +69,10 @@ class Gatherer(Protocol):
       the current group became whole, at the same point on every rank, so a collective started there always has
       its partners.
     * ``end_pass()``: called when a pass ends, however it ends: wait for anything in flight, free per-pass buffers.
-    * ``path_counts`` / ``fallback_reason``: copied into :class:`~lora_stream.StreamStats` as ``gather_paths``.
+    * ``path_counts`` / ``fallback_reason``: copied into :class:`~lora_stream.StreamStats` as ``gather_paths``;
+      ``path_counts`` counts parameters (``{"direct": n, "fallback": m}``: parameters made whole by each path).
+    * ``gather_key(param)``: see :meth:`GathererBase.gather_key`; with it (and :class:`GathererBase`'s
+      ``gather_bytes``) budget grouping is linear in the number of parameters.
     """
 
     #: Short name used in errors and logs ("plain", "zero3", "fsdp2", "fsdp1").
@@ -156,14 +159,21 @@ class GathererBase:
         dtype: torch.dtype = param.dtype
         return dtype
 
+    def gather_key(self, param: ParamRef) -> tuple[Hashable, int]:
+        """What gathering ``param`` materializes, as ``(key, bytes)``: parameters with the same key are
+        materialized together, once (here each parameter by itself; FSDP1: its whole unit).
+
+        :meth:`gather_bytes` is the sum over the distinct keys of a group, which lets the budget grouping
+        (:func:`lora_stream.grouping.partition`) count a growing group incrementally. A subclass that overrides
+        ``gather_bytes`` instead is grouped by calling it (exact, but quadratic in the group's size)."""
+        return id(param), nbytes(self.full_shape(param), self.full_dtype(param))
+
     def gather_bytes(self, params: Sequence[ParamRef]) -> int:
-        seen: set[int] = set()
-        total = 0
+        held: dict[Hashable, int] = {}
         for p in params:
-            if id(p) not in seen:
-                seen.add(id(p))
-                total += nbytes(self.full_shape(p), self.full_dtype(p))
-        return total
+            key, n = self.gather_key(p)
+            held.setdefault(key, n)
+        return sum(held.values())
 
     @property
     def collective(self) -> bool:

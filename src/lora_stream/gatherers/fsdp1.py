@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -117,9 +117,12 @@ class Fsdp1Gatherer(ShardedGathererBase):
     def _units_of(self, params: Sequence[ParamRef]) -> list[int]:
         return sorted({self._unit_of[id(p)] for p in params if id(p) in self._unit_of})
 
-    def gather_bytes(self, params: Sequence[ParamRef]) -> int:
-        unmanaged = [p for p in params if id(p) not in self._unit_of]
-        return sum(self._unit_bytes[i] for i in self._units_of(params)) + super().gather_bytes(unmanaged)
+    def gather_key(self, param: ParamRef) -> tuple[Hashable, int]:
+        """A managed parameter materializes its whole FSDP unit; an unmanaged one itself."""
+        unit = self._unit_of.get(id(param))
+        if unit is None:
+            return super().gather_key(param)
+        return ("fsdp1-unit", unit), self._unit_bytes[unit]
 
     @contextmanager
     def gather(self, params: Sequence[ParamRef]) -> Iterator[FullTensor]:

@@ -9,11 +9,14 @@ whole parameter is the first ``ds_numel`` elements of the gathered ``P * world``
 ``GatheredParameters`` produces (the same all-gather of the same partitions; tested bit for bit), and the parameter
 itself is never touched: its ``ds_status`` stays ``NOT_AVAILABLE`` and ``param.data`` stays empty.
 
-Configurations the direct path cannot prove equal fall back to ``GatheredParameters``, for the whole group, chosen
-from the parameters alone (so every rank chooses the same): ZeRO++ hierarchical partitions
-(``ds_secondary_tensor``), quantized partitions, parameters offloaded to NVMe or kept on another device than the
-parameter's, partitions of another process group, parameters in flight. ``path_counts`` and ``fallback_reason``
-report what was used.
+Configurations the direct path cannot prove equal fall back to ``GatheredParameters``, for the whole group: ZeRO++
+hierarchical partitions (``ds_secondary_tensor``), quantized partitions, parameters offloaded to NVMe or kept on
+another device than the parameter's, partitions of another process group, parameters in flight. Most of these are
+configuration, which every rank shares, but a parameter's ``ds_status`` (in flight, or already whole) is each
+rank's own state. Both gathers are collectives, so the ranks must agree: one small ``all_reduce`` (MIN over an int
+per parameter plus one) per group decides, on every rank alike, whether the group goes direct (only if it can on
+every rank) and which parameters need no all-gather (only those whole on every rank). ``path_counts`` (parameters
+made whole by each path) and ``fallback_reason`` report what was used.
 
 With ``prefetch`` the stream asks for the next group's gather as soon as the current group is whole; it runs
 asynchronously into a second buffer while the current group is merged and consumed. Memory: two groups instead of one.
@@ -33,12 +36,24 @@ from torch import nn
 from ..core import FullTensor
 from .base import ShardedGathererBase, aligned, detached, reusable_buffer
 
-__all__ = ["ZeroThreeGatherer", "is_zero3_model"]
+__all__ = ["PathDecision", "ZeroThreeGatherer", "is_zero3_model"]
 
 
 def is_zero3_model(model: nn.Module) -> bool:
     """Whether ``model``'s parameters are ZeRO-3 partitioned (engine, its ``.module``, or built under zero.Init)."""
     return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+@dataclass(frozen=True)
+class PathDecision:
+    """Which path one group takes, agreed by every rank (:meth:`ZeroThreeGatherer.decide`)."""
+
+    #: The group's parameter ids, in order (what the decision is for).
+    key: tuple[int, ...]
+    #: Why the group falls back to ``GatheredParameters`` (``None``: the direct path).
+    reason: str | None
+    #: Parameters whole (``AVAILABLE``) on every rank: read where they are, not all-gathered.
+    whole: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -77,13 +92,16 @@ class ZeroThreeGatherer(ShardedGathererBase):
             raise ValueError("ZeroThreeGatherer needs a model whose parameters are ZeRO-3 partitioned")
         self._group = getattr(self._params[0], "ds_process_group", None)
         self.direct = direct
-        #: Groups gathered by each path since this gatherer was built.
+        #: Parameters made whole by each path since this gatherer was built.
         self.path_counts: dict[str, int] = {"direct": 0, "fallback": 0}
         #: Why the latest fallback group could not take the direct path.
         self.fallback_reason: str | None = None
         self._buffers: list[torch.Tensor | None] = [None, None]
         self._current: _Gathered | None = None
         self._pending: _Gathered | None = None
+        #: The decision ``prefetch`` took for the next group (whichever path), so ``gather`` does not take it again.
+        self._decided: PathDecision | None = None
+        self._agree_device: torch.device | None = None
 
     @property
     def reuses_buffers(self) -> bool:
@@ -97,8 +115,9 @@ class ZeroThreeGatherer(ShardedGathererBase):
 
     # -- which path -------------------------------------------------------------------------------------------------
     def direct_refusal(self, params: Sequence[Any]) -> str | None:
-        """Why ``params`` cannot be gathered by the direct path (``None``: they can). Depends only on the
-        parameters' configuration, which every rank shares, so every rank takes the same path."""
+        """Why ``params`` cannot be gathered by the direct path on this rank (``None``: they can). Mostly the
+        parameters' configuration, which every rank shares, but also their ``ds_status``, which is this rank's
+        own: :meth:`decide` turns it into the decision every rank takes."""
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
         if not self.direct:
@@ -119,28 +138,67 @@ class ZeroThreeGatherer(ShardedGathererBase):
                 return f"a parameter in state {p.ds_status.name}"
         return None
 
+    def decide(self, params: Sequence[Any]) -> PathDecision:
+        """The path ``params`` (one group) take, the same on every rank: direct only if every rank can go direct,
+        and a parameter skips the all-gather only if it is whole on every rank.
+
+        A collective over the gatherer's process group (one ``all_reduce`` of ``len(params) + 1`` ints) when the
+        direct path is on and there is more than one rank; every rank must call it for the same group at the same
+        point, as for ``gather``."""
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        unique = list({id(p): p for p in params}.values())
+        key = tuple(id(p) for p in unique)
+        if not self.direct:  # a constructor argument: every rank passes the same
+            return PathDecision(key, "direct=False")
+        reason = self.direct_refusal(unique)
+        available = [int(getattr(p, "ds_status", None) == ZeroParamStatus.AVAILABLE) for p in unique]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self._group) > 1:  # type: ignore[arg-type]
+            flags = torch.tensor([int(reason is None), *available], dtype=torch.int32, device=self._device())
+            dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self._group)  # type: ignore[arg-type]
+            agreed = flags.tolist()
+            if not agreed[0] and reason is None:
+                reason = "another rank cannot take the direct path for this group (a parameter's state differs there)"
+            available = agreed[1:]
+        if reason is not None:
+            return PathDecision(key, reason)
+        return PathDecision(key, None, frozenset(k for k, whole in zip(key, available) if whole))
+
+    def _device(self) -> torch.device:
+        """Where the decision's ints live: the CPU for gloo, DeepSpeed's accelerator otherwise (nccl)."""
+        if self._agree_device is None:
+            backend = str(dist.get_backend(self._group))  # type: ignore[arg-type]
+            if "gloo" in backend:
+                self._agree_device = torch.device("cpu")
+            else:
+                from deepspeed.accelerator import get_accelerator
+
+                self._agree_device = torch.device(get_accelerator().current_device_name())
+        return self._agree_device
+
     # -- gathering --------------------------------------------------------------------------------------------------
     @contextmanager
     def gather(self, params: Sequence[Any]) -> Iterator[FullTensor]:
         unique = list({id(p): p for p in params}.values())
-        reason = self.direct_refusal(unique)
-        if reason is not None:
-            self.path_counts["fallback"] += 1
-            self.fallback_reason = reason
+        key = tuple(id(p) for p in unique)
+        decided, self._decided = self._decided, None
+        decision = decided if decided is not None and decided.key == key else self.decide(unique)
+        if decision.reason is not None:
+            self.path_counts["fallback"] += len(unique)
+            self.fallback_reason = decision.reason
             self._drain()
             import deepspeed
 
             with deepspeed.zero.GatheredParameters(unique, modifier_rank=None):
                 yield detached
             return
-        self.path_counts["direct"] += 1
-        key = tuple(id(p) for p in unique)
+        self.path_counts["direct"] += len(unique)
         pending, self._pending = self._pending, None
         if pending is not None and pending.key != key:  # the stream asked for another group: never reuse it
             pending.wait()
             self._release(pending)
             pending = None
-        gathered = pending if pending is not None else self._start(unique, self._free_slot())
+        gathered = pending if pending is not None else self._start(unique, self._free_slot(), decision.whole)
         self._current = gathered
         try:
             gathered.wait()
@@ -160,13 +218,18 @@ class ZeroThreeGatherer(ShardedGathererBase):
         then only waits for it. A collective: every rank must ask for the same group at the same point (the stream
         does, right after its current group became whole). Ignored where the direct path does not apply."""
         unique = list({id(p): p for p in params}.values())
-        if self._pending is not None or self.direct_refusal(unique) is not None:
+        if self._pending is not None or self._decided is not None:
             return
-        self._pending = self._start(unique, self._free_slot())
+        # Decided now, on every rank alike (the stream prefetches at the same point everywhere); gather() reuses
+        # the decision, so a group costs one agreement whether prefetched or not.
+        self._decided = decision = self.decide(unique)
+        if decision.reason is None:
+            self._pending = self._start(unique, self._free_slot(), decision.whole)
 
     def end_pass(self) -> None:
         """Wait for a gather still in flight (the peers started it too) and free the buffers. The stream calls
         this when a pass ends, however it ends."""
+        self._decided = None
         self._drain()
         self._buffers = [None, None]
 
@@ -182,15 +245,13 @@ class ZeroThreeGatherer(ShardedGathererBase):
         used = {g.slot for g in (self._current, self._pending) if g is not None}
         return next(s for s in (0, 1) if s not in used)
 
-    def _start(self, params: list[Any], slot: int) -> _Gathered:
-        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
+    def _start(self, params: list[Any], slot: int, whole: frozenset[int]) -> _Gathered:
         world = dist.get_world_size(self._group)  # type: ignore[arg-type]
         layout: list[tuple[Any, int, int]] = []
         size = 0
         for p in params:
-            if p.ds_status == ZeroParamStatus.AVAILABLE:
-                continue  # persistent (or gathered by someone else): already whole
+            if id(p) in whole:
+                continue  # persistent (or gathered by someone else) on every rank: already whole
             n = p.ds_tensor.ds_numel * world * p.element_size()
             layout.append((p, size, n))
             size = aligned(size + n)

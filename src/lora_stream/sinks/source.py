@@ -15,6 +15,7 @@ import torch
 
 from ..lockstep import describe_error
 from ..stream import ParamMeta, ParamStream, StreamPass
+from ..transaction import fault_point
 from .record import SyncRecord
 
 __all__ = ["SyncSource"]
@@ -103,7 +104,8 @@ class SyncSource:
                     self.pass_.close()
 
     def _expanded(self, batches: Any) -> Generator[tuple[list[str], list[torch.Tensor]], None, None]:
-        for names, tensors in batches:
+        for k, (names, tensors) in enumerate(batches):
+            fault_point(f"group:{k}")
             out_names, out_tensors = list(names), list(tensors)
             for n, t in zip(names, tensors):
                 for alias in self._by_primary.get(n, ()):

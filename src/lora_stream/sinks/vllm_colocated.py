@@ -183,8 +183,7 @@ class VLLMColocatedSink:
             stages["snapshot_s"] = time.perf_counter() - t
             try:
                 with source.batches() as batches:  # a failure below ends the pass for every rank, with its reason
-                    for k, (names, tensors) in enumerate(batches):
-                        fault_point(f"group:{k}")
+                    for names, tensors in batches:
                         self._load(list(zip(names, tensors)), source.aliases)
             except BaseException as exc:
                 # Always close the bracket: an open one leaves layers on the meta device and the engine's next

@@ -149,8 +149,7 @@ class VLLMLoRASink:
         installed = False
         with tx.attempt():
             with source.batches() as batches:  # a failure here ends the pass for every rank, with its reason
-                for k, (names, group) in enumerate(batches):
-                    fault_point(f"group:{k}")
+                for names, group in batches:
                     for n, t in zip(names, group):
                         # A copy: the stream's tensors may be the trainer's own parameters, which the next optimizer
                         # step changes in place, or a gather buffer about to be freed.

@@ -341,7 +341,7 @@ class VLLMServerSink:
         aliases = tx.prepare(lambda: self._prepare(stream) if self.is_sender else {})
         self._ensure_engine()
         adapter: dict[str, Any] | None = None
-        if is_adapter:
+        if isinstance(stream, AdapterStream):
             path = adapter_path(self.lora_name, uuid.uuid4().hex[:12])
             adapter = {"path": path, "config": stream.adapter_config(), "keep": self._serving_path}
         source = self._source.current = SyncSource(stream, aliases, version, adapter)
@@ -509,7 +509,7 @@ class VLLMServerSink:
                 packed_buffer_size_bytes=self.buffer_bytes,
                 rank=self.rank,
             )
-        engine = WeightTransferTrainerFactory.trainer_init(
+        engine: Any = WeightTransferTrainerFactory.trainer_init(
             info,
             client=self.client,  # type: ignore[arg-type]
             source=self._source,  # type: ignore[arg-type]  # a WeightSource structurally
