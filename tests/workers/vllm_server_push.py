@@ -156,6 +156,8 @@ def faults(rank: int, url: str, engine, template, sink) -> None:  # type: ignore
     _step(engine)
     for point in FAULT_POINTS:
         point = point.replace("<k>", "1")
+        if point == "verify":
+            continue  # the server sink has no verification yet (docs/guarantees.md)
 
         def hook(p: str, point: str = point) -> None:
             if rank == 1 and p == point:
