@@ -14,6 +14,7 @@ from helpers import (
     lora,
     merged_flags,
     oracle,
+    perturb_adapters,
     rel_err,
     require,
     snapshot,
@@ -69,6 +70,10 @@ def test_llama_stream_equals_peft_merge(case: str, tie: bool) -> None:
             )
         )
     pm = lora(model, **kw)
+    if tie and "embed_tokens" in kw.get("target_modules", ()):
+        with pytest.raises(UnsupportedAdapterError, match="the trainer's"):  # see the tied-embedding test below
+            ParamStream(pm)
+        return
     assert_matches(stream_merged_params(pm), oracle(pm))
 
 
@@ -230,9 +235,35 @@ def test_tied_weights_come_once_and_persistent_buffers_as_the_checkpoint_holds_t
     assert "lm_head.weight" not in names and "extra_buffer" not in names
 
 
-def test_lora_on_a_tied_embedding_merges_the_shared_weight_once() -> None:
+def test_lora_on_a_tied_embedding_is_refused_because_the_trainers_lm_head_keeps_the_base_weight() -> None:
+    """peft applies an embedding LoRA to the lookup only: the policy's lm_head is the base weight, so serving the
+    merged embedding as the tied lm_head (what merge_and_unload() does) is not the policy."""
     pm = lora(tiny_llama(tie=True), target_modules=["embed_tokens", "q_proj"])
-    assert_matches(stream_merged_params(pm), oracle(pm))
+    perturb_adapters(pm)
+    ids = torch.tensor([[1, 17, 42, 5]])
+    with torch.no_grad():
+        policy = pm(input_ids=ids).logits
+        merged = copy.deepcopy(pm).merge_and_unload()(input_ids=ids).logits
+    assert (policy - merged).abs().max() > 1e-3  # merge_and_unload() is not the oracle here
+    with pytest.raises(UnsupportedAdapterError, match="tied to .*embed_tokens.*the trainer's"):
+        ParamStream(pm)
+    tied_adapters = lora(tiny_llama(tie=True), target_modules=["embed_tokens"], ensure_weight_tying=True)
+    with pytest.raises(UnsupportedAdapterError, match="ensure_weight_tying"):
+        ParamStream(tied_adapters)
+
+
+def test_lora_on_a_tied_model_without_the_embedding_serves_the_trainers_forward() -> None:
+    from transformers import LlamaForCausalLM
+
+    pm = lora(tiny_llama(tie=True), target_modules=["q_proj", "v_proj"])
+    perturb_adapters(pm)
+    stream = ParamStream(pm)
+    assert stream.tied_aliases() == {"lm_head.weight": "model.embed_tokens.weight"}
+    served = LlamaForCausalLM(pm.get_base_model().config)
+    served.load_state_dict({**dict(stream), "lm_head.weight": dict(stream)["model.embed_tokens.weight"]})
+    ids = torch.tensor([[1, 17, 42, 5]])
+    with torch.no_grad():
+        assert torch.allclose(served(input_ids=ids).logits, pm(input_ids=ids).logits, atol=1e-5)
 
 
 def test_pass_through_parameters_are_not_copied() -> None:

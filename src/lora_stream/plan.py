@@ -96,6 +96,9 @@ class Planner:
         self.hf_names: dict[int, str] = {}
         self.names: dict[str, str] = {}
         self.aliases: dict[str, str] = {}
+        #: Parameters an active adapter changes (id -> source name): a later module tied to one would be served the
+        #: merged weight, which the trainer's forward never applies there.
+        self.adapted_params: dict[int, str] = {}
 
     # -- outputs ---------------------------------------------------------------------------------------------------
     def target(self, hf: str, src: str, p: ParamRef, merge: Merge | None) -> Target:
@@ -142,6 +145,7 @@ class Planner:
     ) -> None:
         if not self.base_weights:
             return  # the seam's base_weights=False: module parameters and buffers are someone else's
+        adapted = set(merges or {})
         merges = dict(merges or {})
         if "weight" not in merges:
             bw = self._base_weight(module, src)
@@ -154,10 +158,20 @@ class Planner:
                 # apart (vLLM on CPU repacks lm_head separately) need the alias, so remember it.
                 alias = join(hf, pname)
                 primary = self.hf_names.get(id(p))
+                if id(p) in self.adapted_params:
+                    raise UnsupportedAdapterError(
+                        f"{psrc!r} is tied to {self.adapted_params[id(p)]!r}, which an adapter changes: peft applies "
+                        "that adapter to its own module only (an embedding LoRA to the lookup), so the trainer's "
+                        f"{src!r} keeps the base weight while an engine that ties them would serve the merged one. "
+                        "Untie the weights (tie_word_embeddings=False and a separate copy saved), or leave the tied "
+                        "module out of target_modules"
+                    )
                 if primary is not None and alias not in self.names:
                     self.aliases[alias] = primary
                 continue
             self.seen_params[id(p)] = psrc
+            if pname in adapted:
+                self.adapted_params[id(p)] = psrc
             merge = merges.get(pname)
             target = self.target(join(hf, pname), psrc, p, merge)
             self.hf_names[id(p)] = target.name
@@ -243,6 +257,12 @@ class Planner:
         merges: dict[str, Merge] = {}
         bw = self._base_weight(base, src)
         if active and bw is not None:
+            if id(bw.param) in self.adapted_params:
+                raise UnsupportedAdapterError(
+                    f"module {src!r} and {self.adapted_params[id(bw.param)]!r} adapt one tied weight with two adapters "
+                    "(peft's ensure_weight_tying): the trainer applies each to its own module, and one served tensor "
+                    "cannot hold both; untie the weights (tie_word_embeddings=False) to stream this model"
+                )
             if id(bw.param) in self.seen_params:
                 raise UnsupportedAdapterError(
                     f"module {src!r} adapts a weight tied to {self.seen_params[id(bw.param)]!r}, which comes earlier "

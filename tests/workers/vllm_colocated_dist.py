@@ -2,7 +2,7 @@
 
 Usage: vllm_colocated_dist.py SCENARIO CHECKPOINT_DIR
   lora   LoRA on all linear layers: sync, check; one optimizer step; sync, check the new weights are served.
-  tied   tied-embedding checkpoint, LoRA on q_proj and embed_tokens.
+  tied   tied-embedding checkpoint, LoRA on q_proj and o_proj (lm_head served as the embedding's alias).
   mts    modules_to_save=["lm_head"] on an untied checkpoint.
   fail   rank 1's consumer fails in the middle of the sync: both ranks raise, nobody hangs.
   faults after a verified sync at v1, a failure on rank 1 only at each transaction point: both ranks raise, rank 0
@@ -59,7 +59,7 @@ def main() -> None:
     llm = vllm_engine(path, tensor_parallel_size=2, distributed_executor_backend="external_launcher")
     kw = {
         "lora": dict(target_modules="all-linear", lora_alpha=32),
-        "tied": dict(target_modules=["q_proj", "embed_tokens"], lora_alpha=4),
+        "tied": dict(target_modules=["q_proj", "o_proj"], lora_alpha=4),
         "mts": dict(target_modules=["q_proj"], modules_to_save=["lm_head"]),
         "fail": dict(target_modules="all-linear"),
         "faults": dict(target_modules="all-linear", lora_alpha=32),
