@@ -245,7 +245,7 @@ def test_lora_on_a_tied_embedding_is_refused_because_the_trainers_lm_head_keeps_
         policy = pm(input_ids=ids).logits
         merged = copy.deepcopy(pm).merge_and_unload()(input_ids=ids).logits
     assert (policy - merged).abs().max() > 1e-3  # merge_and_unload() is not the oracle here
-    with pytest.raises(UnsupportedAdapterError, match="tied to .*embed_tokens.*the trainer's"):
+    with pytest.raises(UnsupportedAdapterError, match=r"tied to .*embed_tokens.*the trainer's"):
         ParamStream(pm)
     tied_adapters = lora(tiny_llama(tie=True), target_modules=["embed_tokens"], ensure_weight_tying=True)
     with pytest.raises(UnsupportedAdapterError, match="ensure_weight_tying"):

@@ -59,7 +59,8 @@ def test_a_failure_on_rank_1_at_any_point_raises_everywhere_and_leaves_every_eng
 
 
 def test_engine_in_a_child_process_through_the_worker_extension(tmp_path: Path) -> None:
-    path = save_for_vllm(vllm_llama(tie=False), str(tmp_path / "m"))
+    path = save_for_vllm(vllm_llama(tie=True), str(tmp_path / "m"))
     stdout = run_child_engine_script("vllm_child_engine.py", path)
     assert event(stdout, "child-engine-match")["tensors"] > 0
+    assert event(stdout, "child-engine-rollback") == {"event": "child-engine-rollback", "equal": True, "version": "v1"}
     assert "worker_extension_cls" in event(stdout, "no-extension-error")["message"]

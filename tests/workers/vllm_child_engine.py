@@ -12,13 +12,30 @@ def main(path: str) -> None:
     from lora_stream import ParamStream, VLLMColocatedSink
     from lora_stream.sinks import WORKER_EXTENSION
 
+    from helpers import perturb_adapters
+
+    from lora_stream.transaction import set_fault_hook
+
     llm = vllm_engine(path, worker_extension_cls=WORKER_EXTENSION)
-    sink = VLLMColocatedSink(llm)
+    sink = VLLMColocatedSink(llm, verify=True)
     assert not sink.in_process
+    # A tied checkpoint: lm_head travels as the embedding's alias, its own copy (safetensors refuses shared memory).
     pm = lora(LlamaForCausalLM.from_pretrained(path), target_modules="all-linear", lora_alpha=16)
-    record = sink.sync(ParamStream(pm, group_by="layer"))
-    assert_vllm_serves(vllm_generate(llm), merged_copy(pm))
+    perturb_adapters(pm)
+    record = sink.sync(ParamStream(pm, group_by="layer"), version="v1")
+    before = vllm_generate(llm)
+    assert_vllm_serves(before, pm)  # tied: checked against the trainer's own forward
     report(event="child-engine-match", tensors=record.tensors, seconds=record.seconds)
+    # A failure after the child loaded everything: the worker puts the previous weights back, bit for bit.
+    perturb_adapters(pm, seed=7)
+    set_fault_hook(lambda p: (_ for _ in ()).throw(RuntimeError("injected")) if p == "commit" else None)
+    try:
+        sink.sync(ParamStream(pm, group_by="layer"), version="v2")
+    except RuntimeError:
+        pass
+    finally:
+        set_fault_hook(None)
+    report(event="child-engine-rollback", equal=vllm_generate(llm) == before, version=sink.version)
     del llm, sink
 
     from lora_stream import LoraStreamError
