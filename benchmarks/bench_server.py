@@ -8,7 +8,9 @@ median sync time and GB/s (merged bytes per second, end to end: merge, pack, bro
 the time goes: the trainer's stages and the server worker's own (from `SyncRecord.stages`). The first sync, which
 also sets up the transfer group, is reported separately. The floor, measured in the same run: a raw gloo broadcast
 of the same bytes in the same chunks between two processes of this machine, with a copy into a destination on the
-receiver (`broadcast_floor.py`). Writes benchmarks/results/server.json.
+receiver (`broadcast_floor.py`). Then what the transaction costs, variants interleaved: no pause and no rollback,
+the pause alone, and the default (pause and rollback), with the server's peak RSS growth (process and children,
+sampled every 5 ms). Writes benchmarks/results/server.json.
 """
 
 from __future__ import annotations
@@ -20,12 +22,48 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import add_model_args, free_port, llama_config  # noqa: E402
+
+#: Variants of the transaction-cost table: name -> (pause, rollback).
+TX_VARIANTS = {"plain": (None, False), "pause": ("wait", False), "pause+rollback": ("wait", True)}
+
+
+class TreeRss(threading.Thread):
+    """Peak growth of the RSS summed over a process and its children (the server and its engine core)."""
+
+    def __init__(self, proc: object) -> None:
+        super().__init__(daemon=True)
+        self.proc = proc
+        self.base = self.peak = self.sample()
+        self.running = True
+
+    def sample(self) -> int:
+        import psutil
+
+        procs = [self.proc, *self.proc.children(recursive=True)]  # type: ignore[attr-defined]
+        total = 0
+        for p in procs:
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:
+                pass
+        return total
+
+    def run(self) -> None:
+        while self.running:
+            self.peak = max(self.peak, self.sample())
+            time.sleep(0.005)
+
+    def stop(self) -> int:
+        self.running = False
+        self.join()
+        return max(self.peak, self.sample()) - self.base
 
 
 def main() -> None:
@@ -90,6 +128,21 @@ def main() -> None:
             )
             sink = VLLMServerSink(url, rank=0, buffer_bytes=int(args.buffer_mib * 2**20), timeout=300)
             records = [sink.sync(ParamStream(model, group_by="layer"), version=f"v{i}") for i in range(args.syncs)]
+            # What the transaction costs, interleaved round after round: no pause and no rollback (the sink before
+            # transactions), the pause alone, and the default (pause and rollback); the server's RSS sampled.
+            import psutil
+
+            tree = psutil.Process(server.pid)
+            costs: dict[str, list[tuple[float, int]]] = {v: [] for v in TX_VARIANTS}
+            for i in range(args.syncs):
+                for v, (pause, rollback) in TX_VARIANTS.items():
+                    sink.pause, sink.rollback = pause, rollback
+                    sampler = TreeRss(tree)
+                    sampler.start()
+                    t = time.perf_counter()
+                    sink.sync(ParamStream(model, group_by="layer"), version=f"{v}-{i}")
+                    seconds = time.perf_counter() - t
+                    costs[v].append((seconds, sampler.stop()))
             stream = ParamStream(model, group_by="layer")
             from lora_stream.transfer.packing import plan_chunks
 
@@ -144,6 +197,14 @@ def main() -> None:
         f"{ours:.3f} s = {ours / floor:.2f}x the broadcast floor; end to end {median / floor:.2f}x the floor, "
         f"{median / vllm_own:.2f}x vLLM's own load"
     )
+    base = statistics.median(t for t, _ in costs["plain"])
+    tx_rows = []
+    print(f"  {'transaction cost':22} {'median s':>9} {'x plain':>8} {'server peak RSS growth MiB':>27}")
+    for v in TX_VARIANTS:
+        m = statistics.median(t for t, _ in costs[v])
+        g = statistics.median(r for _, r in costs[v]) / 2**20
+        tx_rows.append({"variant": v, "median_s": m, "ratio": m / base, "server_rss_growth_mib": g})
+        print(f"  {v:22} {m:9.3f} {m / base:8.2f} {g:27.0f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(
         json.dumps(
@@ -158,6 +219,7 @@ def main() -> None:
                 "worker_stages_s": worker,
                 "vllm_own_load_s": vllm_own,
                 "ours_s": ours,
+                "transaction": tx_rows,
             },
             indent=1,
         )

@@ -39,7 +39,10 @@ from .sinks import (
     VLLMServerSink,
     save_merged,
 )
+from .sinks.verify import Verification, VerificationError, VerifyPolicy
+from .sinks.vllm_colocated import PrefixCacheError
 from .stream import ParamMeta, ParamStream, PassState, StreamPass, StreamStats, stream_merged_params
+from .transaction import FAULT_POINTS, Transaction, set_fault_hook
 
 __version__ = "0.1.0"
 
@@ -72,17 +75,24 @@ __all__ = [
     "ParamStream",
     "PassState",
     "PlainGatherer",
+    "PrefixCacheError",
     "RenameError",
     "Renames",
     "StreamAbortedError",
     "StreamPass",
     "StreamStats",
+    "FAULT_POINTS",
+    "Transaction",
     "TransferError",
     "UnsupportedAdapterError",
     "UnsupportedModelError",
+    "Verification",
+    "VerificationError",
+    "VerifyPolicy",
     "ZeroThreeGatherer",
     "auto_gatherer",
     "register_wrapper",
     "save_merged",
+    "set_fault_hook",
     "stream_merged_params",
 ]

@@ -19,13 +19,19 @@ remain). A subclass of ``GRPOTrainer`` would not reach users' own subclasses or 
 
 from __future__ import annotations
 
+import datetime
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..adapter import AdapterStream
+from ..coordination import Coordinator
 from ..errors import LoraStreamError
+from ..lockstep import describe_error
+from ..sinks.adapter_loader import AdapterLoadError
+from ..sinks.preflight import CheckpointMismatchError
 from ..sinks.record import SyncRecord
 from ..stream import ParamStream
 
@@ -70,8 +76,24 @@ class TrlSyncHook:
     def active(self) -> bool:
         return getattr(self.generation, "_lora_stream_hook", None) is self
 
+    @property
+    def sink(self) -> Any:
+        """The sink every sync goes through, built (and its pre-flight run) by :func:`use_lora_stream`:
+        :class:`~lora_stream.VLLMColocatedSink`, :class:`~lora_stream.VLLMLoRASink` or
+        :class:`~lora_stream.VLLMServerSink`, with ``sink_options``. ``None`` once removed."""
+        return self._sink
+
     def remove(self) -> None:
-        """Restore TRL's own ``sync_weights`` (a no-op once removed)."""
+        """Restore TRL's own ``sync_weights`` (a no-op once removed).
+
+        Warning: in colocate mode TRL 1.16's own sync fails on vLLM 0.32 at the next sync (``AttributeError:
+        'Parameter' object has no attribute 'weight_loader'``), and since TRL unmerges its in-place
+        ``merge_adapter()`` outside a ``finally``, that failure leaves the trainer's peft model **merged in place**
+        (training on it would train the merged weights). :func:`use_lora_stream` then refuses to install until the
+        model is unmerged: call ``trainer.model.unmerge_adapter()`` first. ``remove()`` warns about it (a
+        ``UserWarning``) in colocate mode on vLLM 0.32 or later. Removing and installing again with other options
+        before the next sync is safe.
+        """
         gen = self.generation
         if getattr(gen, "_lora_stream_hook", None) is self:
             del gen.sync_weights  # the instance attribute: the class's method shows through again
@@ -79,8 +101,18 @@ class TrlSyncHook:
             llm = getattr(gen, "llm", None)
             if llm is not None and "generate" in vars(llm):
                 del llm.generate
-            if self._served_model is not None:
-                gen.vllm_client.model = self._served_model
+            client = getattr(gen, "vllm_client", None)
+            if self._served_model is not None and client is not None:
+                client.model = self._served_model
+            if gen.mode == "colocate" and _vllm_at_least("0.32"):
+                warnings.warn(
+                    "lora_stream's TRL hook removed: TRL's own colocate sync is back, and on vLLM 0.32 it fails at "
+                    "the next sync ('Parameter' object has no attribute 'weight_loader') after merging the adapter "
+                    "into the training weights in place, which it then never unmerges. If that happens, call "
+                    "trainer.model.unmerge_adapter() before training on or installing the hook again",
+                    UserWarning,
+                    stacklevel=2,
+                )
         if self._sink is not None and hasattr(self._sink, "close"):
             self._sink.close()
         self._sink = None
@@ -95,18 +127,15 @@ class TrlSyncHook:
             empty_cache()
             gen.llm.wake_up(tags=["weights"])
             gen._llm_weights_sleeping = False
-        if self.adapter:
-            stream: ParamStream = AdapterStream(self._model(), **self.stream_options)
-        else:
-            stream = ParamStream(self._model(), **{"group_by": "layer", **self.stream_options})
         # The sink logs the record as one line; the version names the trainer's step. Every sink resets vLLM's
         # prefix cache after loading, as TRL's own sync does.
-        record = self._get_sink().sync(stream, version=f"step-{self.trainer.state.global_step}")
+        record = self._get_sink().sync(self._stream(), version=f"step-{self.trainer.state.global_step}")
         self.records.append(record)
-        if self.adapter and gen.mode == "server" and self._served_model is None:
+        client = getattr(gen, "vllm_client", None)  # server mode: the main process's only
+        if self.adapter and gen.mode == "server" and client is not None and self._served_model is None:
             # TRL's client names the model in every request; the adapter's name selects it on the server.
-            self._served_model = gen.vllm_client.model
-            gen.vllm_client.model = self.lora_name
+            self._served_model = client.model
+            client.model = self.lora_name
 
     @property
     def lora_request(self) -> Any:
@@ -119,12 +148,24 @@ class TrlSyncHook:
         # model itself): the gatherer is chosen from the wrapper, and the names are found through it.
         return self.trainer.model_wrapped if self.trainer.model_wrapped is not None else self.trainer.model
 
+    def _stream(self) -> ParamStream:
+        if self.adapter:
+            return AdapterStream(self._model(), **self.stream_options)
+        return ParamStream(self._model(), **{"group_by": "layer", **self.stream_options})
+
     def _get_sink(self) -> Any:
         if self._sink is None:
             gen = self.generation
             if gen.mode == "colocate" and self.adapter:
                 from ..sinks.vllm_lora import VLLMLoRASink
 
+                if getattr(gen.llm.llm_engine.vllm_config, "lora_config", None) is None:
+                    raise LoraStreamError(
+                        "adapter=True: TRL's vLLM engine was built without LoRA support. Build the trainer inside "
+                        "lora_stream.integrations.trl.trl_vllm_with_lora(max_lora_rank=<at least the adapter's "
+                        "rank>) (TRL has no option for vLLM's enable_lora; the block adds it to the LLM TRL builds), "
+                        "or sync the merged model (use_lora_stream(trainer) without adapter=True)"
+                    )
                 self._sink = VLLMLoRASink(gen.llm, **{"lora_name": self.lora_name, **self.sink_options})
             elif gen.mode == "colocate":
                 from ..sinks.vllm_colocated import VLLMColocatedSink
@@ -139,6 +180,68 @@ class TrlSyncHook:
                     options.setdefault("lora_name", self.lora_name)
                 self._sink = VLLMServerSink(base_url, rank=gen.accelerator.process_index, **options)
         return self._sink
+
+    def _preflight(self) -> None:
+        """The refusals the first sync would make, made now: merged-in-place layers, no LoRA in the engine, an
+        adapter vLLM would refuse (rank above ``max_lora_rank``, ...), a tied ``lm_head`` the stream yields as a
+        tensor of its own, names or shapes the engine's checkpoint lacks. Builds the sink. Only this rank's view:
+        :func:`use_lora_stream` agrees the outcome across the ranks."""
+        _refuse_merged(self._model())
+        sink = self._get_sink()
+        stream = self._stream()  # plans the pass (no communication, nothing gathered)
+        colocate = self.generation.mode == "colocate"
+        try:
+            if colocate:
+                sink.preflight(stream)  # VLLMLoRASink: vLLM's PEFTHelper validation and the adapter's shapes
+            elif sink.is_sender:
+                # Only the main process talks to the server (and holds TRL's client): what the sink's prepare
+                # phase checks first -- reachable, key accepted, validate_adapter against the server's
+                # max_lora_rank (VLLMServerClient.max_lora_rank), the stream against the served checkpoint.
+                sink._preflight(stream)
+        except AdapterLoadError as exc:
+            if "max_lora_rank" not in str(exc) or "--max-lora-rank" in str(exc) or "trl_vllm_with_lora" in str(exc):
+                raise
+            # vLLM's PEFTHelper: the adapter's rank is above the engine's max_lora_rank.
+            where = (
+                "build the trainer inside trl_vllm_with_lora(max_lora_rank=<at least the adapter's rank>)"
+                if colocate
+                else "start the server with --max-lora-rank <at least the adapter's rank>"
+            )
+            raise AdapterLoadError(f"{exc} For TRL: {where}, or sync the merged model (adapter=False)") from exc
+        except CheckpointMismatchError as exc:
+            if exc.unknown or exc.missing or exc.wrong_shape or "ensure_weight_tying" in str(exc):
+                raise
+            # The one refusal with no name lists: the checkpoint ties lm_head to the embedding, and the stream
+            # yields lm_head as a tensor of its own (modules_to_save=["lm_head"] on a tied model).
+            raise CheckpointMismatchError(
+                f'{exc} Or keep the two tied in training: LoraConfig(..., modules_to_save=["lm_head"], '
+                "ensure_weight_tying=True) trains one matrix for both, which the stream sends once and vLLM "
+                "serves tied.",
+                unknown=[],
+                missing=[],
+                wrong_shape=[],
+            ) from exc
+
+
+def _refuse_merged(model: Any) -> None:
+    merged = [name for name, m in model.named_modules() if getattr(m, "merged_adapters", None)]
+    if merged:
+        raise LoraStreamError(
+            f"the trainer's peft model has its adapter merged into the base weights in place ({len(merged)} "
+            f"layer(s), e.g. {merged[0]!r}). TRL's own sync merges in place and unmerges only when it completes: "
+            "one that failed (after hook.remove(), on vLLM 0.32) leaves the model merged, and training on would "
+            "train the merged weights. Call trainer.model.unmerge_adapter(), then use_lora_stream(trainer) again"
+        )
+
+
+def _vllm_at_least(version: str) -> bool:
+    try:
+        import vllm
+        from packaging.version import Version
+
+        return Version(Version(vllm.__version__).base_version) >= Version(version)
+    except Exception:  # no vLLM, or a version string packaging cannot read
+        return False
 
 
 @contextmanager
@@ -236,7 +339,15 @@ def use_lora_stream(
 ) -> TrlSyncHook:
     """Make ``trainer``'s vLLM weight sync go through lora_stream; returns the hook (``hook.remove()`` undoes it).
 
-    Call it after building the trainer, on every rank. Idempotent: a second call returns the installed hook.
+    Call it after building the trainer, on every rank (it agrees its checks across the ranks). A second call with
+    the same options returns the installed hook; with other options it raises ``ValueError`` (``hook.remove()``
+    first, then install again).
+
+    The refusals the first sync would make inside ``trainer.train()`` are made here, before anything is changed:
+    the sink is built and its pre-flight runs against the engine (colocate) or the server (main process) -- adapter
+    sync on an engine without LoRA, an adapter vLLM refuses (rank above ``max_lora_rank``, ...), a tied
+    ``lm_head`` trained as a tensor of its own (``modules_to_save``), names or shapes the engine's checkpoint lacks,
+    and a peft model left merged in place by a failed TRL sync. Nothing is changed when it raises.
 
     Args:
         trainer: a TRL trainer built with ``use_vllm=True`` (colocate or server mode).
@@ -248,17 +359,32 @@ def use_lora_stream(
         lora_name: the adapter's name in vLLM.
         stream_options: keyword arguments for each :class:`~lora_stream.ParamStream` (default ``group_by="layer"``),
             or :class:`~lora_stream.AdapterStream` with ``adapter=True``.
-        sink_options: keyword arguments for the sink: :class:`~lora_stream.VLLMColocatedSink` in colocate mode,
-            :class:`~lora_stream.VLLMServerSink` in server mode (``backend="gloo"`` on CPU, ``"nccl"`` on GPUs;
-            ``api_key``, ``checkpoint``, ...).
+        sink_options: keyword arguments for the sink the hook builds: :class:`~lora_stream.VLLMColocatedSink` in
+            colocate mode (``verify=True`` checks every sync against the trainer's forward within
+            :func:`~lora_stream.sinks.verify.tolerance`; ``rollback=``, ``checkpoint=``, ...),
+            :class:`~lora_stream.VLLMLoRASink` with ``adapter=True``, :class:`~lora_stream.VLLMServerSink` in server
+            mode (``backend="gloo"`` on CPU, ``"nccl"`` on GPUs; ``api_key``, ``checkpoint``, ``pause``, ...).
 
     Raises:
         UnsupportedTrlError: TRL is missing or outside :data:`TESTED_TRL`, or the trainer does not generate with
-            vLLM. Nothing is changed then.
+            vLLM.
+        ValueError: a hook with other options is installed already.
+        LoraStreamError: a pre-flight refusal (:class:`~lora_stream.sinks.CheckpointMismatchError`,
+            ``AdapterLoadError``, ...), raised on every rank: the refusing rank its own error, the others
+            :class:`~lora_stream.StreamAbortedError` naming it.
     """
+    # These refusals depend only on TRL's version, the trainer's configuration and the options, the same on every
+    # rank: every rank refuses alike without talking to the others.
     gen = _check_trl(trainer)
+    options = {
+        "adapter": adapter,
+        "lora_name": lora_name,
+        "stream_options": dict(stream_options or {}),
+        "sink_options": dict(sink_options or {}),
+    }
     existing = getattr(gen, "_lora_stream_hook", None)
     if existing is not None:
+        _check_same_options(existing, options)
         return existing  # type: ignore[no-any-return]
     if adapter and getattr(gen, "enable_sleep_mode", False):
         raise UnsupportedTrlError(
@@ -266,8 +392,25 @@ def use_lora_stream(
             "adapter sync does not send again; sync the merged model (adapter=False) or turn sleep mode off"
         )
     hook = TrlSyncHook(
-        trainer, dict(stream_options or {}), dict(sink_options or {}), adapter=adapter, lora_name=lora_name
+        trainer, options["stream_options"], options["sink_options"], adapter=adapter, lora_name=lora_name
     )
+    # The pre-flight can differ between ranks (in server mode only the main process asks the server; a rank's
+    # engine or files could differ), so the ranks agree on it: all install, or all raise.
+    error: BaseException | None = None
+    try:
+        hook._preflight()
+    except Exception as exc:
+        error = exc
+    try:
+        _install_agreement(hook.stream_options).agree(
+            error is None, "in use_lora_stream's pre-flight", describe_error(error)
+        )
+    except BaseException:
+        hook.remove()  # closes the sink; the hook was never installed
+        raise
+    if error is not None:
+        hook.remove()
+        raise error
     client = getattr(gen, "vllm_client", None) if gen.mode == "server" else None
     if client is not None and getattr(client, "communicator", None) is not None:
         # TRL already joined vLLM's transfer engine (built outside without_trl_transfer_group): leave
@@ -278,6 +421,31 @@ def use_lora_stream(
     if adapter and gen.mode == "colocate":
         _generate_through_adapter(gen.llm, hook)
     return hook
+
+
+def _check_same_options(hook: TrlSyncHook, options: dict[str, Any]) -> None:
+    installed = {
+        "adapter": hook.adapter,
+        "lora_name": hook.lora_name,
+        "stream_options": hook.stream_options,
+        "sink_options": hook.sink_options,
+    }
+    differ = [k for k in options if options[k] != installed[k]]
+    if differ:
+        asked = ", ".join(f"{k}={options[k]!r}" for k in differ)
+        has = ", ".join(f"{k}={installed[k]!r}" for k in differ)
+        raise ValueError(
+            f"use_lora_stream: this trainer's hook is installed already with {has}; this call asks for {asked}, "
+            "which a second call cannot change. To switch, call hook.remove() first, then "
+            f"use_lora_stream(trainer, {asked})"
+        )
+
+
+def _install_agreement(stream_options: dict[str, Any]) -> Coordinator:
+    """Every trainer rank in ``torch.distributed``'s default group (a no-op in one process): the stream's own
+    coordinator is inactive where its gatherer does not communicate (DDP), but the install must still agree."""
+    seconds = float(stream_options.get("timeout", 300.0))
+    return Coordinator(None, "lora_stream.integrations.trl.use_lora_stream", datetime.timedelta(seconds=seconds))
 
 
 def _generate_through_adapter(llm: Any, hook: TrlSyncHook) -> None:

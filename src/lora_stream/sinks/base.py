@@ -28,18 +28,22 @@ class Sink(Protocol):
 
         Called by **every** rank that iterates ``stream``, with its own stream of the same model and options: the
         stream's gathers are collectives, so a rank that skips the call leaves the others waiting (until the
-        stream's ``timeout``). Each rank gets the same outcome: either every rank returns a :class:`SyncRecord`
-        (``version`` recorded, and given to the engine where it keeps one), or every rank raises -- the rank that
-        found the problem its own error, the others :class:`~lora_stream.StreamAbortedError` naming that rank and
-        its reason.
+        stream's ``timeout``).
 
-        Guarantees, relied on by training loops:
+        Contract, relied on by training loops; every lora_stream sink keeps it by running the sync as one
+        :class:`~lora_stream.Transaction` (prepare, transfer, vote, commit or abort):
 
-        * Nothing reaches the engine before the sink's pre-flight passed (names, shapes, tied weights); a refused
-          stream leaves the engine serving what it served.
-        * A failure half-way leaves the engine serving (layers that received all their weights hold the new ones,
-          the others the old ones) and never in a state where its next request fails; the next successful sync
-          makes it consistent.
+        * **Same outcome on every rank.** Either every rank returns a :class:`SyncRecord` (``version`` recorded,
+          and given to the engine where it keeps one), or every rank raises -- the rank that found the problem its
+          own error, the others :class:`~lora_stream.StreamAbortedError` naming that rank and its reason. A sink
+          that returned on one rank and raised on another would leave the training loop's next collective hanging.
+        * **Nothing before the pre-flight.** Nothing reaches an engine before every rank's pre-flight passed
+          (names, shapes, tied weights, the engine's limits); a refusal leaves every engine untouched.
+        * **All or nothing.** After a failure at any later point (any rank, any group, the reload check, the
+          verification, the prefix-cache reset, the commit vote), every engine serves exactly, bit for bit, what it
+          served before, and keeps serving; its version does not move. (Where a sink is built with
+          ``rollback=False``, or its transport cannot undo -- see ``docs/guarantees.md`` -- the error says so.)
+        * **Versions move only at commit**, on every engine or on none.
         * The trainer's model is never written to.
         """
         ...

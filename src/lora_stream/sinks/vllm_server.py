@@ -340,6 +340,8 @@ class VLLMServerSink:
         #    checkpoint, and joins the transfer group; every rank learns the outcome before any rank gathers.
         aliases = tx.prepare(lambda: self._prepare(stream) if self.is_sender else {})
         self._ensure_engine()
+        if self.backend == "gloo":
+            self._engine.keep_previous = self.rollback  # read per sync: the option may change between syncs
         adapter: dict[str, Any] | None = None
         if isinstance(stream, AdapterStream):
             path = adapter_path(self.lora_name, uuid.uuid4().hex[:12])
