@@ -6,14 +6,11 @@ import sys
 
 
 def main(path: str) -> None:
-    from helpers import assert_vllm_serves, lora, merged_copy, report, vllm_engine, vllm_generate
+    from helpers import assert_vllm_serves, lora, perturb_adapters, report, vllm_engine, vllm_generate
     from transformers import LlamaForCausalLM
 
     from lora_stream import ParamStream, VLLMColocatedSink
     from lora_stream.sinks import WORKER_EXTENSION
-
-    from helpers import perturb_adapters
-
     from lora_stream.transaction import set_fault_hook
 
     llm = vllm_engine(path, worker_extension_cls=WORKER_EXTENSION)

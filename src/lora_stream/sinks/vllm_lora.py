@@ -29,12 +29,25 @@ from typing import Any
 import torch
 
 from ..adapter import ADAPTER_PREFIX, AdapterStream
+from ..coordination import this_rank
 from ..errors import LoraStreamError
 from ..transaction import Transaction, fault_point
 from .adapter_loader import AdapterLoadError, StagedAdapter, adapter_path, stage, unstage
 from .preflight import adapter_preflight
 from .record import AdapterSyncRecord
 from .source import SyncSource
+from .verify import (
+    Verification,
+    VerifyPolicy,
+    check_policy,
+    compare,
+    engine_logprobs,
+    probe_ids,
+    should_verify,
+    timed,
+    tolerance,
+    trainer_logprobs,
+)
 from .vllm_colocated import engine_checkpoint, engine_rpc, local_model_runner, reset_prefix_cache
 
 __all__ = ["VLLMLoRASink", "stable_lora_id"]
@@ -65,6 +78,9 @@ class VLLMLoRASink:
         checkpoint: see above.
         prefix_cache_timeout: seconds to keep retrying vLLM's prefix-cache reset while it refuses; past it the
             sync fails and the previous version is put back.
+        verify: the probe of :mod:`lora_stream.sinks.verify` through the engine with the new adapter and the
+            trainer's forward (``True``, every ``N``-th sync, or a callable of the sync's index); ``verify_tolerance``
+            overrides the derived tolerance.
 
     Raises:
         LoraStreamError: the engine was started without ``enable_lora``.
@@ -80,8 +96,13 @@ class VLLMLoRASink:
         lora_int_id: int | None = None,
         checkpoint: str | bool | None = None,
         prefix_cache_timeout: float = 10.0,
+        verify: VerifyPolicy = False,
+        verify_tolerance: float | None = None,
     ) -> None:
         self.prefix_cache_timeout = prefix_cache_timeout
+        self.verify = check_policy(verify)
+        self.verify_tolerance = verify_tolerance
+        self._syncs = 0
         engine = llm.llm_engine
         self.llm = llm
         self.lora_config = engine.vllm_config.lora_config
@@ -157,23 +178,43 @@ class VLLMLoRASink:
             self._install(StagedAdapter(tensors, stream.adapter_config(), version))
             installed = True
             fault_point("reload-check")
-            # Blocks cached under the previous version carry the same adapter id.
-            reset_prefix_cache(lambda: self.llm.reset_prefix_cache(), self.prefix_cache_timeout, "the engine")
-            fault_point("prefix-cache")
-            fault_point("commit")
+        verification: Verification | None = None
+        if should_verify(self.verify, self._syncs) and tx.vote("after loading", known=source.ended_early):
+            with tx.attempt():
+                verification = self._verify(stream)
+                fault_point("verify")
+        with tx.attempt() as go:
+            if go:
+                # Blocks cached under the previous version carry the same adapter id.
+                reset_prefix_cache(lambda: self.llm.reset_prefix_cache(), self.prefix_cache_timeout, "the engine")
+                fault_point("prefix-cache")
+                fault_point("commit")
         tx.vote("before committing", known=source.ended_early)
         tx.conclude(lambda: self._commit(version), lambda error: self._restore(error) if installed else None)
         seconds = time.perf_counter() - start
         base = source.record(self.name, seconds)
-        record = AdapterSyncRecord(
-            **base.__dict__, lora_request=self._request(load_inplace=False), lora_name=self.lora_name
-        )
+        fields = {**base.__dict__, "verification": verification}
+        record = AdapterSyncRecord(**fields, lora_request=self._request(load_inplace=False), lora_name=self.lora_name)
         record.log()
         return record
 
     def _commit(self, version: str | None) -> None:
         self._synced = True
         self.version = version
+        self._syncs += 1
+
+    def _verify(self, stream: AdapterStream) -> Verification:
+        """The probe through the trainer's forward (adapters active) and through the engine with the new adapter."""
+        clock = timed()
+        config = self.llm.llm_engine.model_config
+        ids = probe_ids(int(config.get_vocab_size()))
+        trainer, scale = trainer_logprobs(stream.model, ids)
+        engine = engine_logprobs(self.llm, ids, self._request(load_inplace=False))
+        limit = self.verify_tolerance
+        if limit is None:
+            layers = int(getattr(config.hf_text_config, "num_hidden_layers", 1) or 1)
+            limit = tolerance(config.dtype, next(stream.model.parameters()).dtype, layers, scale)
+        return compare(engine, trainer, limit, clock(), this_rank(), " (adapter)")
 
     def close(self) -> None:
         """Nothing is held between syncs but the staged adapter, which the engine needs to rebuild it after an
