@@ -80,6 +80,37 @@ def test_three_training_steps_each_served_exactly_through_the_returned_lora_requ
     assert llm.llm_engine.list_loras() == {sink.lora_int_id}, "versions are replaced in place, not accumulated"
 
 
+def test_a_verified_adapter_sync_rolls_back_to_the_previous_version_after_a_failure_at_any_late_point(served) -> None:  # type: ignore[no-untyped-def]
+    from helpers import perturb_adapters
+
+    from lora_stream.transaction import set_fault_hook
+
+    path, llm = served
+    pm = lora(_base(path), target_modules="all-linear", r=8, lora_alpha=16)
+    perturb_adapters(pm)
+    sink = VLLMLoRASink(llm, lora_name="verified", verify=True)
+    record = sink.sync(AdapterStream(pm), version="v1")
+    assert record.verification is not None and record.verification.passed, record.verification
+    before = vllm_generate(llm, sink.lora_request)
+    perturb_adapters(pm, seed=9)
+    for point in ("group:0", "reload-check", "verify", "prefix-cache", "commit"):
+
+        def hook(p: str, point: str = point) -> None:
+            if p == point:
+                raise RuntimeError(f"injected at {p}")
+
+        set_fault_hook(hook)
+        try:
+            with pytest.raises(RuntimeError, match=f"injected at {point}"):
+                sink.sync(AdapterStream(pm), version="v2")
+        finally:
+            set_fault_hook(None)
+        assert vllm_generate(llm, sink.lora_request) == before, point
+        assert sink.version == "v1"
+    assert sink.sync(AdapterStream(pm), version="v2").verification.passed
+    assert vllm_generate(llm, sink.lora_request) != before
+
+
 def test_a_changed_base_pushed_merged_with_adapters_disabled_then_adapter_syncs(tmp_path: Path) -> None:
     """When the base changed, the first sync pushes it (ParamStream with the adapter disabled yields the base) into the
     LoRA engine; adapter syncs on top of it then serve the trainer's merged model. An engine of its own, in a process
@@ -250,34 +281,3 @@ def test_engine_in_a_child_process_through_the_worker_extension(tmp_path: Path) 
     path = save_for_vllm(vllm_llama(tie=False), str(tmp_path / "m"))
     stdout = run_child_engine_script("vllm_lora_child.py", path)
     assert event(stdout, "child-adapter-match")["tensors"] == 28
-
-
-def test_a_verified_adapter_sync_rolls_back_to_the_previous_version_after_a_failure_at_any_late_point(served) -> None:  # type: ignore[no-untyped-def]
-    from helpers import perturb_adapters
-
-    from lora_stream.transaction import set_fault_hook
-
-    path, llm = served
-    pm = lora(_base(path), target_modules="all-linear", r=8, lora_alpha=16)
-    perturb_adapters(pm)
-    sink = VLLMLoRASink(llm, lora_name="verified", verify=True)
-    record = sink.sync(AdapterStream(pm), version="v1")
-    assert record.verification is not None and record.verification.passed, record.verification
-    before = vllm_generate(llm, sink.lora_request)
-    perturb_adapters(pm, seed=9)
-    for point in ("group:0", "reload-check", "verify", "prefix-cache", "commit"):
-
-        def hook(p: str, point: str = point) -> None:
-            if p == point:
-                raise RuntimeError(f"injected at {p}")
-
-        set_fault_hook(hook)
-        try:
-            with pytest.raises(RuntimeError, match=f"injected at {point}"):
-                sink.sync(AdapterStream(pm), version="v2")
-        finally:
-            set_fault_hook(None)
-        assert vllm_generate(llm, sink.lora_request) == before, point
-        assert sink.version == "v1"
-    assert sink.sync(AdapterStream(pm), version="v2").verification.passed
-    assert vllm_generate(llm, sink.lora_request) != before
