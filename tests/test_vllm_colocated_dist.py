@@ -32,14 +32,17 @@ def test_zero3_trainer_syncs_into_tp2_engines(scenario: str, ckpt: str, checkpoi
     assert all(event(r.output, "serves-merged") for r in results), describe(results)
 
 
+@pytest.mark.parametrize("trainer", ["zero3", "ddp"])
 def test_a_failure_on_rank_1_at_any_point_raises_everywhere_and_leaves_every_engine_bit_identical(
-    checkpoints: dict[str, str],
+    checkpoints: dict[str, str], trainer: str
 ) -> None:
-    """ZeRO-3 + one tensor-parallel engine across both ranks, verified syncs: a failure on rank 1 alone at each
-    transaction point (pre-flight, mid-stream, reload check, verification, prefix-cache reset, commit)."""
+    """ZeRO-3 (or replicated, DDP-style) ranks + one tensor-parallel engine across both, verified syncs: a failure on
+    rank 1 alone at each transaction point (pre-flight, mid-stream, reload check, verification, prefix-cache reset,
+    commit)."""
     from lora_stream.transaction import FAULT_POINTS
 
-    results = launch("vllm_colocated_dist", "faults", checkpoints["untied"], timeout=420)
+    scenario = "faults" if trainer == "zero3" else "faults-ddp"
+    results = launch("vllm_colocated_dist", scenario, checkpoints["untied"], timeout=420)
     assert_all_ok(results)
     r0 = results[0]
     points = [e["point"] for e in results_of(r0.output) if e.get("event") == "fault"]

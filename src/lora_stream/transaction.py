@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from .coordination import Coordinator
 from .lockstep import describe_error
@@ -77,10 +77,24 @@ class Transaction:
         what: the sink's name, used in the agreement's messages.
     """
 
-    def __init__(self, coordinator: Coordinator, what: str) -> None:
+    def __init__(self, coordinator: Coordinator, what: str, *, lockstep: bool = True) -> None:
         self.coordinator = coordinator
         self.what = what
+        self.lockstep = lockstep
         self.error: BaseException | None = None
+
+    @classmethod
+    def for_stream(cls, stream: Any, what: str) -> Transaction:
+        """The transaction of one sync of ``stream`` (a :class:`~lora_stream.ParamStream`).
+
+        A sharded stream (ZeRO-3, FSDP) agrees over its gatherer's group, in lockstep with its passes. A stream
+        whose gatherer does not communicate (one process, DDP) still agrees over ``torch.distributed``'s default
+        group when there is one: under DDP the ranks may share one engine (``external_launcher``, a server), so a
+        rank that refused must stop the others too. Every rank of that group must then call ``sync``."""
+        if stream.gatherer.collective:
+            return cls(stream.coordinator, what, lockstep=True)
+        coordinator = Coordinator(None, stream.coordinator.digest, stream.timeout)
+        return cls(coordinator, what, lockstep=False)
 
     @property
     def ok(self) -> bool:
@@ -122,7 +136,7 @@ class Transaction:
         ended early told every rank, and none would join one more exchange); this rank's :attr:`error` is then
         already set. A failed exchange (a peer died, or timed out) counts as a failure.
         """
-        if known:
+        if known and self.lockstep:  # without lockstep, the peers' passes did not learn of this one's end
             return self.ok
         try:
             self.coordinator.agree(self.ok, f"{stage} ({self.what})", describe_error(self.error))

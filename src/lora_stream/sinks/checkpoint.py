@@ -296,7 +296,7 @@ class SafetensorsSink:
         """Write one full pass of ``stream`` as the checkpoint; every rank calls it. ``version`` goes into the
         safetensors metadata."""
         start = time.perf_counter()
-        tx = Transaction(stream.coordinator, self.name)
+        tx = Transaction.for_stream(stream, self.name)
         source = SyncSource(stream, {}, version)
         meta = source.metadata()
         prepared: list[Any] = []  # rank 0's plan, index and temporary directory, once made

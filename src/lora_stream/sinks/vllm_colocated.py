@@ -171,7 +171,7 @@ class VLLMColocatedSink:
         :class:`~lora_stream.sinks.verify.VerificationError`, ...), the others
         :class:`~lora_stream.StreamAbortedError` naming it and its reason."""
         start = time.perf_counter()
-        tx = Transaction(stream.coordinator, self.name)
+        tx = Transaction.for_stream(stream, self.name)
         source = SyncSource(stream, tx.prepare(lambda: self.preflight(stream)), version)
         stages: dict[str, Any] = {}
         verification: Verification | None = None

@@ -163,7 +163,7 @@ class VLLMLoRASink:
                 "merged ParamStream"
             )
         start = time.perf_counter()
-        tx = Transaction(stream.coordinator, self.name)
+        tx = Transaction.for_stream(stream, self.name)
         tx.prepare(lambda: self.preflight(stream))  # every rank refuses together, before any gather
         source = SyncSource(stream, {}, version)
         tensors: dict[str, torch.Tensor] = {}

@@ -177,7 +177,11 @@ def validate_adapter(stream: AdapterStream, max_lora_rank: int | None, where: st
 
 
 def _free_port(address: str) -> int:
-    with socket.socket() as s:
+    """A port that was free on ``address`` a moment ago, for vLLM's ``nccl`` backend only: its trainer engine takes a
+    port number and binds it itself, so another process may take the port in between. The ``gloo`` backend has no
+    such race: its engine binds the store's socket (port 0: ephemeral) and hands that very socket to the store."""
+    family = socket.getaddrinfo(address, 0, type=socket.SOCK_STREAM)[0][0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((address, 0))
         return int(s.getsockname()[1])
 
@@ -335,7 +339,7 @@ class VLLMServerSink:
                 "adapter sync into a vLLM server runs over lora_stream's gloo backend only; vLLM's nccl worker "
                 "engine loads every tensor into the model"
             )
-        tx = Transaction(stream.coordinator, self.name)
+        tx = Transaction.for_stream(stream, self.name)
         # 1. prepare: rank 0 checks the server (reachable, key accepted, LoRA limits) and the stream against its
         #    checkpoint, and joins the transfer group; every rank learns the outcome before any rank gathers.
         aliases = tx.prepare(lambda: self._prepare(stream) if self.is_sender else {})
@@ -488,7 +492,8 @@ class VLLMServerSink:
 
         register()
         # Only the sender hosts the rendezvous and asks the server its size; the other ranks just iterate.
-        port = _free_port(self.master_address) if self.is_sender else 0
+        # gloo: port 0, the engine binds the store's socket itself (no close-and-reuse race); nccl: vLLM binds a number.
+        port = _free_port(self.master_address) if self.is_sender and self.backend == "nccl" else 0
         world = 1 + self.client.world_size() if self.is_sender else 0
         if self.backend == "gloo":
             from ..transfer.gloo_trainer import GlooTrainerInitInfo

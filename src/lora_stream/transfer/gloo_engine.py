@@ -4,11 +4,20 @@ vLLM ships an ``nccl`` backend for its weight-update protocol; on machines witho
 speaks the same protocol (init once; per sync: start, update, finish, with the layerwise reload bracket in start and
 finish) over a ``ProcessGroupGloo`` between the trainer (rank 0) and every vLLM worker (ranks 1..N), built on a
 ``TCPStore`` the trainer hosts. Registered under the name ``gloo`` by :func:`lora_stream.vllm_plugin.register`.
+
+The store listens only on the trainer's ``master_address``, and only a process that holds the group's secret (sent to
+the server over its authenticated ``/init_weight_transfer_engine`` route) can take part in the rendezvous:
+``docs/security.md`` says what this stops and what it does not.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
+import ipaddress
+import os
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +36,7 @@ from .packing import plan_chunks, unpack
 
 __all__ = ["GlooInitInfo", "GlooUpdateInfo", "GlooWeightTransferEngine", "TransferGroup"]
 
+#: Every key the transfer group writes to the trainer's store is ``STORE_PREFIX/<HMAC of its name>`` (``_SealedStore``).
 STORE_PREFIX = "lora_stream_weight_transfer"
 #: Where each server worker leaves the timing of its side of the latest update, in the trainer's store.
 TIMING_KEY = "lora_stream_worker_timing_{rank}"
@@ -42,6 +52,9 @@ class GlooInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
     rank_offset: int = 1
     buffer_bytes: int = 256 * 1024 * 1024
     timeout_s: float = 120.0
+    #: The group's secret (128 random bits, new for every group), sent only over the guarded HTTP route: it names
+    #: and authenticates the rendezvous' keys in the store (:class:`TransferGroup`). Never shown by ``repr``.
+    secret: str = field(default="", repr=False)
 
 
 @dataclass
@@ -70,20 +83,169 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
             raise ValueError("names, dtype_names, shapes and group_sizes describe different numbers of tensors")
 
 
+class _SealedStore(dist.Store):  # type: ignore[misc,name-defined]
+    """The group's view of the trainer's store: every key renamed, and every value authenticated, with the group's
+    secret.
+
+    A key is stored as ``STORE_PREFIX/<HMAC-SHA256(secret, key)>``, so the names a store client can list
+    (``TCPStore.list_keys``) reveal neither the secret nor, before they exist, the names a member will write or
+    wait for; a value is stored with an HMAC-SHA256 tag over its stored name and bytes, and :meth:`get` refuses a
+    value whose tag does not verify. A secret used as a plain key prefix would not do: ``list_keys`` shows it.
+    ``add`` counters are renamed only (the store does the arithmetic); gloo's rendezvous uses ``set``/``get``/
+    ``wait`` only.
+    """
+
+    def __init__(self, store: Any, secret: str) -> None:
+        super().__init__()
+        self._store = store
+        self._key = secret.encode()
+
+    def _name(self, key: str) -> str:
+        return f"{STORE_PREFIX}/{hmac.new(self._key, b'name:' + key.encode(), hashlib.sha256).hexdigest()[:32]}"
+
+    def _tag(self, name: str, value: bytes) -> bytes:
+        return hmac.new(self._key, b"value:" + name.encode() + b"\0" + value, hashlib.sha256).digest()
+
+    def set(self, key: str, value: bytes | str) -> None:
+        name = self._name(key)
+        data = value.encode() if isinstance(value, str) else bytes(value)
+        self._store.set(name, data + self._tag(name, data))
+
+    def get(self, key: str) -> bytes:
+        name = self._name(key)
+        data = bytes(self._store.get(name))
+        value, tag = data[:-32], data[-32:]
+        if len(data) < 32 or not hmac.compare_digest(tag, self._tag(name, value)):
+            raise RuntimeError(
+                "lora_stream: a value in the weight-transfer group's store failed authentication: a process without "
+                "the group's secret wrote to the trainer's store; the group is not formed"
+            )
+        return value
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        names = [self._name(k) for k in keys]
+        if timeout is None:
+            self._store.wait(names)
+        else:
+            self._store.wait(names, timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self._store.check([self._name(k) for k in keys]))
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._store.add(self._name(key), amount))
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self._store.delete_key(self._name(key)))
+
+    def num_keys(self) -> int:
+        return int(self._store.num_keys())
+
+
+def _sockaddr(address: str, port: int) -> tuple[socket.AddressFamily, Any]:
+    family, _, _, _, sockaddr = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
+    return family, sockaddr
+
+
+def _unspecified(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_unspecified
+    except ValueError:
+        return False
+
+
 class TransferGroup:
     """A gloo process group of its own between the trainer (rank 0) and the vLLM workers, with its store.
 
     Not torch.distributed's default group: the trainer has its own, and vLLM's workers theirs.
+
+    Who can take part: rank 0 hosts the ``TCPStore`` on a socket bound to ``address`` only (:meth:`listen`; never
+    every interface), and every member reaches the rendezvous through :class:`_SealedStore` with the group's
+    ``secret``, so a process that reaches the store's port without the secret cannot join: its own group creation
+    times out, and anything it writes over a member's key fails that member's rendezvous with an error instead of
+    being used. Each member's gloo listener binds the address on its route to ``address`` (rank 0: ``address``
+    itself), unless ``GLOO_SOCKET_IFNAME`` names interfaces, as torch does. gloo's own connections carry no
+    authentication (``docs/security.md``).
     """
 
-    def __init__(self, address: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+    def __init__(
+        self,
+        address: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        *,
+        secret: str,
+        listener: socket.socket | None = None,
+    ) -> None:
+        if not secret:
+            raise ValueError(
+                "lora_stream: the weight-transfer group needs the group's secret (the trainer's lora_stream sends it "
+                "with /init_weight_transfer_engine; an older trainer does not): refusing an unauthenticated group"
+            )
         timeout = datetime.timedelta(seconds=timeout_s)
-        # The store must outlive the group; rank 0 (the trainer) hosts it.
-        self.store = dist.TCPStore(  # type: ignore[attr-defined]
-            address, port, world_size, is_master=rank == 0, timeout=timeout, use_libuv=False
-        )
-        prefixed = dist.PrefixStore(STORE_PREFIX, self.store)  # type: ignore[attr-defined]
-        self.pg: Any = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        if rank == 0:
+            # The store must outlive the group; rank 0 (the trainer) hosts it, on a socket bound to `address` only.
+            if listener is None:
+                listener = self.listen(address, port)
+            port = int(listener.getsockname()[1])
+            # torch owns the descriptor from here on, and closes it with the store or when the store fails.
+            fd = listener.detach()
+            raw = dist.TCPStore(  # type: ignore[attr-defined]
+                address, port, world_size, is_master=True, timeout=timeout, use_libuv=False, master_listen_fd=fd
+            )
+        else:
+            raw = dist.TCPStore(  # type: ignore[attr-defined]
+                address, port, world_size, is_master=False, timeout=timeout, use_libuv=False
+            )
+        self.port = port
+        self._tcp_store = raw
+        #: The group's view of the store (keys renamed and values authenticated with the secret).
+        self.store: Any = _SealedStore(raw, secret)
+        self.pg: Any = self._process_group(self.store, address, port, rank, world_size, timeout)
+
+    @staticmethod
+    def listen(address: str, port: int = 0) -> socket.socket:
+        """A listening socket bound to ``(address, port)`` only, IPv4 or IPv6 by the address's family; port 0: an
+        ephemeral port, read from the socket. Rank 0's store takes it over (``listener=``), so the port is never
+        closed and re-bound: no other process can take it in between."""
+        family, sockaddr = _sockaddr(address, port)
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(sockaddr)
+            except OSError as exc:
+                raise OSError(
+                    exc.errno,
+                    f"lora_stream: cannot bind the weight-transfer store to {address!r} port {port}: {exc.strerror} "
+                    "(master_address must be an address of the trainer's machine that the server reaches)",
+                ) from exc
+            sock.listen()
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    @staticmethod
+    def _process_group(store: Any, address: str, port: int, rank: int, world_size: int, timeout: Any) -> Any:
+        if os.environ.get("GLOO_SOCKET_IFNAME"):
+            return dist.ProcessGroupGloo(store, rank, world_size, timeout)  # torch binds the interfaces named
+        family, sockaddr = _sockaddr(address, port)
+        if rank == 0:
+            host = sockaddr[0]  # the store's own address: one of this machine's
+        else:
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.connect(sockaddr)  # sends nothing: picks the local address on the route to the trainer
+                host = probe.getsockname()[0]
+        if _unspecified(host):
+            return dist.ProcessGroupGloo(store, rank, world_size, timeout)  # a wildcard address: torch's default
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        options._threads = 2  # what torch gives one device
+        return dist.ProcessGroupGloo(store, rank, world_size, options)
 
     def broadcast(self, tensor: torch.Tensor) -> Any:
         """Start broadcasting ``tensor`` from rank 0; returns the work to wait on."""
@@ -139,7 +301,12 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.buffer_bytes = init_info.buffer_bytes
         self._rank = rank
         self.group = TransferGroup(
-            init_info.master_address, init_info.master_port, rank, init_info.world_size, init_info.timeout_s
+            init_info.master_address,
+            init_info.master_port,
+            rank,
+            init_info.world_size,
+            init_info.timeout_s,
+            secret=init_info.secret,
         )
 
     def start_weight_update(self) -> None:

@@ -10,6 +10,8 @@ chunks so that a server-side failure ends the sync at once instead of at the bro
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import secrets
 import time
 from contextlib import AbstractContextManager, closing, nullcontext
 from dataclasses import dataclass
@@ -31,8 +33,10 @@ __all__ = ["GlooTrainerInitInfo", "GlooTrainerWeightTransferEngine", "TransferEr
 @dataclass(kw_only=True)
 class GlooTrainerInitInfo(TrainerInitInfo):  # type: ignore[misc]
     backend: ClassVar[str] = "gloo"
+    #: The address the store listens on, and only it: an address of the trainer's machine that the server reaches.
     master_address: str
-    master_port: int
+    #: 0 (the default): an ephemeral port, bound by ``trainer_init`` and handed to the store without closing it.
+    master_port: int = 0
     world_size: int
     buffer_bytes: int = 256 * 1024 * 1024
     timeout_s: float = 120.0
@@ -101,13 +105,22 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         engine.last_stages = {}
         if not engine.is_sender:
             return engine
+        # 128 random bits, new for every group: only a process that holds it can join the group. It travels only in
+        # the body of the guarded /init_weight_transfer_engine call, and is never logged.
+        secret = secrets.token_hex(16)
+        # The store's socket is bound (and its port read) before the server is told the port, and handed to the
+        # store as it is: never closed and re-bound, so no other process can take the port in between.
+        listener = TransferGroup.listen(init_info.master_address, init_info.master_port)
+        port = int(listener.getsockname()[1])
+        engine.init_info = dataclasses.replace(init_info, master_port=port)
         payload = {
             "master_address": init_info.master_address,
-            "master_port": init_info.master_port,
+            "master_port": port,
             "world_size": init_info.world_size,
             "rank_offset": 1,
             "buffer_bytes": init_info.buffer_bytes,
             "timeout_s": init_info.timeout_s,
+            "secret": secret,
         }
         # Both sides block in the rendezvous, so the HTTP call runs on a thread while this one hosts the store.
         pool = concurrent.futures.ThreadPoolExecutor(1)
@@ -115,7 +128,13 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             pending = pool.submit(client.init_weight_transfer_engine, payload)
             try:
                 engine.group = TransferGroup(
-                    init_info.master_address, init_info.master_port, 0, init_info.world_size, init_info.timeout_s
+                    init_info.master_address,
+                    port,
+                    0,
+                    init_info.world_size,
+                    init_info.timeout_s,
+                    secret=secret,
+                    listener=listener,
                 )
             except Exception as exc:
                 if pending.done() and pending.exception() is not None:
@@ -125,6 +144,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 raise
             pending.result(timeout=init_info.timeout_s)
         finally:
+            listener.close()  # a no-op once the store took it over
             pool.shutdown(wait=False)
         return engine
 
