@@ -186,6 +186,18 @@ def compare(
     return result
 
 
-def timed() -> Callable[[], float]:
+def verify_engine(
+    llm: Any, model: torch.nn.Module, *, limit: float | None, rank: int, where: str, lora_request: Any = None
+) -> Verification:
+    """The probe through the trainer's ``model`` (a collective under ZeRO-3/FSDP: every rank calls this) and through
+    the in-process engine ``llm`` (through ``lora_request`` when given), then compared with ``limit`` or, when it
+    is ``None``, the :func:`tolerance` of the dtypes involved. Raises :class:`VerificationError` beyond it."""
     start = time.perf_counter()
-    return lambda: time.perf_counter() - start
+    config = llm.llm_engine.model_config
+    ids = probe_ids(int(config.get_vocab_size()))
+    trainer, scale = trainer_logprobs(model, ids)
+    engine = engine_logprobs(llm, ids, lora_request)
+    if limit is None:
+        layers = int(getattr(config.hf_text_config, "num_hidden_layers", 1) or 1)
+        limit = tolerance(config.dtype, next(model.parameters()).dtype, layers, scale)
+    return compare(engine, trainer, limit, time.perf_counter() - start, rank, where)

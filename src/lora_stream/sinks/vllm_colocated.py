@@ -42,18 +42,7 @@ from .preflight import EngineCheckpoint, preflight
 from .record import SyncRecord
 from .reload import LoadReport, ReloadBracket, VLLMLoadError
 from .source import SyncSource
-from .verify import (
-    Verification,
-    VerifyPolicy,
-    check_policy,
-    compare,
-    engine_logprobs,
-    probe_ids,
-    should_verify,
-    timed,
-    tolerance,
-    trainer_logprobs,
-)
+from .verify import Verification, VerifyPolicy, check_policy, should_verify, verify_engine
 
 __all__ = ["PrefixCacheError", "VLLMColocatedSink", "VLLMLoadError", "WORKER_EXTENSION", "reset_prefix_cache"]
 
@@ -174,7 +163,6 @@ class VLLMColocatedSink:
         tx = Transaction.for_stream(stream, self.name)
         source = SyncSource(stream, tx.prepare(lambda: self.preflight(stream)), version)
         stages: dict[str, Any] = {}
-        verification: Verification | None = None
         opened = False
         with tx.attempt():
             t = time.perf_counter()
@@ -195,16 +183,7 @@ class VLLMColocatedSink:
             error = report.error() if self.check_consumed else None
             if error is not None:
                 raise error
-        if should_verify(self.verify, self._syncs) and tx.vote("after loading", known=source.ended_early):
-            with tx.attempt():
-                verification = self._verify(stream)
-                fault_point("verify")
-        with tx.attempt() as go:
-            if go:
-                reset_prefix_cache(lambda: self.llm.reset_prefix_cache(), self.prefix_cache_timeout, "the engine")
-                fault_point("prefix-cache")
-                fault_point("commit")
-        tx.vote("before committing", known=source.ended_early)
+        verification = verify_reset_and_vote(tx, source, self, stream, " (colocated engine)")
         tx.conclude(lambda: self._commit(version), lambda error: self._abort(error, opened))
         stages["kept_bytes"] = self._kept_bytes
         record = dataclasses.replace(
@@ -236,19 +215,6 @@ class VLLMColocatedSink:
                     "weights serve the new ones; run another sync before relying on it"
                 )
         reset_prefix_cache(lambda: self.llm.reset_prefix_cache(), self.prefix_cache_timeout, "the engine")
-
-    def _verify(self, stream: ParamStream) -> Verification:
-        """The probe through the trainer's forward and through the engine, on every rank, then compared."""
-        clock = timed()
-        ids = probe_ids(int(self.model_config.get_vocab_size()))
-        trainer, scale = trainer_logprobs(stream.model, ids)
-        engine = engine_logprobs(self.llm, ids)
-        limit = self.verify_tolerance
-        if limit is None:
-            trainer_dtype = next(stream.model.parameters()).dtype
-            layers = int(getattr(self.model_config.hf_text_config, "num_hidden_layers", 1) or 1)
-            limit = tolerance(self.model_config.dtype, trainer_dtype, layers, scale)
-        return compare(engine, trainer, limit, clock(), this_rank(), " (colocated engine)")
 
     # -- the bracket, in process or over collective_rpc ------------------------------------------------------------
     _kept_bytes = 0
@@ -299,6 +265,34 @@ class VLLMColocatedSink:
 
     def _rpc(self, method: str, *args: Any) -> list[Any]:
         return engine_rpc(self.llm, method, *args)
+
+
+def verify_reset_and_vote(
+    tx: Transaction, source: SyncSource, sink: Any, stream: ParamStream, where: str, lora_request: Any = None
+) -> Verification | None:
+    """The end of a sync into an in-process engine, before its commit or abort: the verification when ``sink.verify``
+    asks for this sync (after a vote, since its forward is a collective), the prefix-cache reset, and the vote.
+    ``sink`` has ``llm``, ``verify``, ``verify_tolerance``, ``prefix_cache_timeout`` and ``_syncs``."""
+    verification: Verification | None = None
+    if should_verify(sink.verify, sink._syncs) and tx.vote("after loading", known=source.ended_early):
+        with tx.attempt():
+            verification = verify_engine(
+                sink.llm,
+                stream.model,
+                limit=sink.verify_tolerance,
+                rank=this_rank(),
+                where=where,
+                lora_request=lora_request,
+            )
+            fault_point("verify")
+    with tx.attempt() as go:
+        if go:
+            # KV blocks cached under the previous weights (or the previous adapter, whose id is kept) must go.
+            reset_prefix_cache(lambda: sink.llm.reset_prefix_cache(), sink.prefix_cache_timeout, "the engine")
+            fault_point("prefix-cache")
+            fault_point("commit")
+    tx.vote("before committing", known=source.ended_early)
+    return verification
 
 
 def reset_prefix_cache(reset: Callable[[], Any], timeout: float, what: str) -> None:

@@ -29,26 +29,14 @@ from typing import Any
 import torch
 
 from ..adapter import ADAPTER_PREFIX, AdapterStream
-from ..coordination import this_rank
 from ..errors import LoraStreamError
 from ..transaction import Transaction, fault_point
 from .adapter_loader import AdapterLoadError, StagedAdapter, adapter_path, stage, unstage
 from .preflight import adapter_preflight
 from .record import AdapterSyncRecord
 from .source import SyncSource
-from .verify import (
-    Verification,
-    VerifyPolicy,
-    check_policy,
-    compare,
-    engine_logprobs,
-    probe_ids,
-    should_verify,
-    timed,
-    tolerance,
-    trainer_logprobs,
-)
-from .vllm_colocated import engine_checkpoint, engine_rpc, local_model_runner, reset_prefix_cache
+from .verify import VerifyPolicy, check_policy
+from .vllm_colocated import engine_checkpoint, engine_rpc, local_model_runner, reset_prefix_cache, verify_reset_and_vote
 
 __all__ = ["VLLMLoRASink", "stable_lora_id"]
 
@@ -178,18 +166,9 @@ class VLLMLoRASink:
             self._install(StagedAdapter(tensors, stream.adapter_config(), version))
             installed = True
             fault_point("reload-check")
-        verification: Verification | None = None
-        if should_verify(self.verify, self._syncs) and tx.vote("after loading", known=source.ended_early):
-            with tx.attempt():
-                verification = self._verify(stream)
-                fault_point("verify")
-        with tx.attempt() as go:
-            if go:
-                # Blocks cached under the previous version carry the same adapter id.
-                reset_prefix_cache(lambda: self.llm.reset_prefix_cache(), self.prefix_cache_timeout, "the engine")
-                fault_point("prefix-cache")
-                fault_point("commit")
-        tx.vote("before committing", known=source.ended_early)
+        verification = verify_reset_and_vote(
+            tx, source, self, stream, " (adapter)", lora_request=self._request(load_inplace=False)
+        )
         tx.conclude(lambda: self._commit(version), lambda error: self._restore(error) if installed else None)
         seconds = time.perf_counter() - start
         base = source.record(self.name, seconds)
@@ -202,19 +181,6 @@ class VLLMLoRASink:
         self._synced = True
         self.version = version
         self._syncs += 1
-
-    def _verify(self, stream: AdapterStream) -> Verification:
-        """The probe through the trainer's forward (adapters active) and through the engine with the new adapter."""
-        clock = timed()
-        config = self.llm.llm_engine.model_config
-        ids = probe_ids(int(config.get_vocab_size()))
-        trainer, scale = trainer_logprobs(stream.model, ids)
-        engine = engine_logprobs(self.llm, ids, self._request(load_inplace=False))
-        limit = self.verify_tolerance
-        if limit is None:
-            layers = int(getattr(config.hf_text_config, "num_hidden_layers", 1) or 1)
-            limit = tolerance(config.dtype, next(stream.model.parameters()).dtype, layers, scale)
-        return compare(engine, trainer, limit, clock(), this_rank(), " (adapter)")
 
     def close(self) -> None:
         """Nothing is held between syncs but the staged adapter, which the engine needs to rebuild it after an

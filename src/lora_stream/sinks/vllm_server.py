@@ -425,12 +425,12 @@ class VLLMServerSink:
                     self.client.unload_lora_adapter(self.lora_name)
             if state.session and self.backend == "gloo":
                 self._engine.conclude(False, None)
-            elif self.backend != "gloo" and not state.committed:
+            if self.backend != "gloo" and not state.committed:
                 error.add_note(
                     "lora_stream: the nccl backend cannot roll an update back (vLLM's own worker engine keeps "
                     "nothing): layers that received their weights serve the new ones until the next sync"
                 )
-            elif not self.rollback and not state.committed:
+            elif not self.rollback and not state.committed and not state.adapter_loaded:
                 error.add_note("lora_stream: rollback=False: layers that received their weights serve the new ones")
             reset_prefix_cache(self.client.reset_prefix_cache, self.prefix_cache_timeout, "the server")
         finally:
