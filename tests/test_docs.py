@@ -35,6 +35,7 @@ EXECUTED = {
     "recipe_fsdp2.py": "test_docs.py::test_recipe_fsdp2_into_a_server",
     "recipe_checkpoint.py": "test_docs.py::test_recipe_checkpoint",
     "recipe_adapter.py": "test_docs.py::test_recipe_adapter",
+    "recipe_fleet.py": "test_vllm_fleet.py::test_the_fleet_recipe_keeps_both_servers_in_sync",
     "grpo_trl.py": "test_trl.py::test_the_example_runs",
     "tiny_model.py": "every test here (it writes their model)",
 }

@@ -231,16 +231,20 @@ def test_a_group_without_a_secret_is_refused() -> None:
 
 
 def test_the_sink_binds_the_port_it_sends_and_a_new_secret_for_every_group(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The server sink's gloo engine: the port sent to the server is the one the store's socket was bound to (no
-    close-and-reuse: ``_free_port`` is not called), with a fresh 128-bit secret, hidden from ``repr``."""
+    """The server sink's engine: the port sent to the server is the one the store's socket was bound to (no
+    close-and-reuse: no port number is picked before the socket is bound), with a fresh 128-bit secret, hidden from
+    ``repr``."""
     require("vllm")
     from lora_stream.sinks import vllm_server
     from lora_stream.transfer.gloo_engine import GlooInitInfo, TransferGroup
 
-    def no_free_port(address: str) -> int:
-        raise AssertionError("the gloo path closed a port and handed its number on")
+    real_listen = TransferGroup.listen
 
-    monkeypatch.setattr(vllm_server, "_free_port", no_free_port)
+    def listen(address: str, port: int = 0) -> Any:
+        assert port == 0, "a port number was picked before its socket was bound"
+        return real_listen(address, port)
+
+    monkeypatch.setattr(TransferGroup, "listen", staticmethod(listen))
 
     class Server:
         """The server's side of /init_weight_transfer_engine, without a server: its one worker joins."""
@@ -267,9 +271,10 @@ def test_the_sink_binds_the_port_it_sends_and_a_new_secret_for_every_group(monke
     try:
         for _ in range(2):
             sink = vllm_server.VLLMServerSink("http://127.0.0.1:9", rank=0, timeout=30.0)
-            sink.client = server  # type: ignore[assignment]
-            sink._ensure_engine()
-            engines.append(sink._engine)
+            replica = sink.replicas[0]
+            replica.client = server  # type: ignore[assignment]
+            sink._ensure_engine(replica)
+            engines.append(replica.engine)
         for engine, payload, worker in zip(engines, server.payloads, server.workers):
             assert payload["master_port"] == engine.group.port == engine.init_info.master_port != 0
             assert re.fullmatch(r"[0-9a-f]{32}", payload["secret"])

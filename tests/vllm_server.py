@@ -21,8 +21,9 @@ class Server:
         backend: str = "gloo",
         middleware: tuple[str, ...] = (),
         max_lora_rank: int | None = None,
+        port: int | None = None,
     ) -> None:
-        self.port = free_port()
+        self.port = port or free_port()  # a given port: the same server restarted at the same address
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile("w+")
         cmd = [
@@ -60,7 +61,9 @@ class Server:
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "TOKENIZERS_PARALLELISM": "false",
         }
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.cmd, self.env = cmd, env
+        # Its own process group: kill() takes vLLM's engine-core process down with the API server.
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout: float = 240.0) -> Server:
         deadline = time.monotonic() + timeout
@@ -88,6 +91,22 @@ class Server:
     def output(self) -> str:
         self.log.seek(0)
         return self.log.read()
+
+    def kill(self) -> None:
+        """SIGKILL the server and its engine core at once, as a crash would."""
+        import signal
+
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def restart(self) -> Server:
+        """Start the same server again, at the same address, after :meth:`kill` or :meth:`stop`."""
+        self.stop()
+        self.proc = subprocess.Popen(
+            self.cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        return self.wait_ready()
 
     def stop(self) -> None:
         if self.proc.poll() is None:

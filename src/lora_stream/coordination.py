@@ -15,7 +15,7 @@ import datetime
 import torch.distributed as dist
 
 from .errors import StreamAbortedError
-from .lockstep import Lockstep, Status, describe_stops
+from .lockstep import REASON_BYTES, Lockstep, Status, describe_stops
 
 __all__ = ["Coordinator", "this_rank"]
 
@@ -65,3 +65,14 @@ class Coordinator:
             raise StreamAbortedError(
                 f"rank {lock.rank}: stopped {what}: {describe_stops(statuses, reasons, bad)}", failed_ranks=bad
             )
+
+    def share(self, text: str, what: str = "sharing a sink's outcome") -> list[str]:
+        """Every rank contributes ``text`` (at most :data:`~lora_stream.lockstep.REASON_BYTES` of UTF-8) and gets
+        every rank's, by rank. A collective, like :meth:`agree`; inactive (one process): ``[text]``."""
+        if not self.active:
+            return [text]
+        lock = Lockstep(self.group, self.digest, self.timeout)
+        if len(text.encode("utf-8")) > REASON_BYTES:
+            raise ValueError(f"share: {len(text.encode())} bytes, more than the exchange carries ({REASON_BYTES})")
+        _, texts = lock.statuses(Status.OK, what, text)
+        return texts

@@ -54,3 +54,17 @@ class StreamAbortedError(LoraStreamError):
 
 class TransferError(LoraStreamError):
     """The server side of a weight transfer failed or went away mid-transfer; the sync did not complete."""
+
+
+class ReplicaError(LoraStreamError):
+    """Every server of a :class:`~lora_stream.VLLMServerSink` fleet failed the sync (with
+    ``on_replica_failure="exclude"``); ``failures`` maps each server's address to its reason."""
+
+    def __init__(self, message: str, *, failures: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.failures = dict(failures or {})
+
+
+class ReplicaExcludedWarning(UserWarning):
+    """A server of a :class:`~lora_stream.VLLMServerSink` fleet failed a sync and was left out of it
+    (``on_replica_failure="exclude"``); the others committed, and the next sync tries it again."""

@@ -5,9 +5,11 @@ grows a CPU process (glibc keeps freed heap; the FSDP2 benchmark measured 316-41
 ``malloc_trim``). The direct path all-gathers each parameter's local shard into one byte buffer per pass, sized by the
 largest group and reused by every group. A ``Shard(0)`` DTensor is split with ``torch.chunk`` semantics: rank ``r``
 holds rows ``[r * c, r * c + len_r)`` with ``c = ceil(rows / world)``, so after all-gathering every rank's shard
-padded to ``c`` rows, the whole tensor is the first ``rows`` rows. Anything else -- other placements, a mesh of more
-than one dimension or another group, a shard on another device than the mesh's (CPU offload) -- goes through
-``full_tensor()``, per parameter.
+padded to ``c`` rows, the whole tensor is the first ``rows`` rows. A group's small parameters (whole size at most
+``coalesce_bytes``, 1 MiB by default: LoRA factors, norms) share one all-gather of a flat byte buffer, copied out to
+their places afterwards (as ``fully_shard``'s own all-gather does for a unit); a larger one is all-gathered straight
+into its place. Anything else -- other placements, a mesh of more than one dimension or another group, a shard on
+another device than the mesh's (CPU offload) -- goes through ``full_tensor()``, per parameter.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from torch import nn
 
 from ..core import FullTensor
-from .base import ShardedGathererBase, aligned, reusable_buffer
+from .base import COALESCE_BYTES, FlatGather, ShardedGathererBase, aligned, reusable_buffer
 
 __all__ = ["Fsdp2Gatherer", "is_dtensor"]
 
@@ -59,11 +61,16 @@ class Fsdp2Gatherer(ShardedGathererBase):
         model: the ``fully_shard``-ed model.
         direct: all-gather ``Shard(0)`` parameters into buffers the stream owns (default); ``False`` uses
             ``full_tensor()`` for every parameter.
+        coalesce_bytes: on the direct path, a group's parameters of at most this many whole bytes (padded to the
+            shards) share one all-gather of a flat buffer; each larger one gets its own (default
+            :data:`~lora_stream.gatherers.base.COALESCE_BYTES`, 1 MiB; ``0``: one all-gather per parameter).
     """
 
     name = "fsdp2"
 
-    def __init__(self, model: nn.Module, *, direct: bool = True) -> None:
+    def __init__(self, model: nn.Module, *, direct: bool = True, coalesce_bytes: int = COALESCE_BYTES) -> None:
+        if coalesce_bytes < 0:
+            raise ValueError(f"coalesce_bytes must be >= 0, got {coalesce_bytes}")
         dtensors = [p for p in model.parameters() if is_dtensor(p)]
         if not dtensors:
             raise ValueError("Fsdp2Gatherer needs a model with DTensor parameters (torch.distributed.fsdp.fully_shard)")
@@ -71,10 +78,13 @@ class Fsdp2Gatherer(ShardedGathererBase):
         self._group = mesh.get_group() if mesh.ndim == 1 else None
         self._held = 0
         self.direct = direct
+        self.coalesce_bytes = coalesce_bytes
         #: Parameters gathered by each path since this gatherer was built.
         self.path_counts: dict[str, int] = {"direct": 0, "fallback": 0}
         self.fallback_reason: str | None = None
         self._buffer: torch.Tensor | None = None
+        #: The flat all-gather's staging buffers (the small parameters of a group).
+        self._flat = FlatGather()
 
     @property
     def reuses_buffers(self) -> bool:
@@ -139,29 +149,52 @@ class Fsdp2Gatherer(ShardedGathererBase):
             chunk = -(-rows // world)
             row_numel = p.numel() // rows if rows else 0
             n = chunk * row_numel * world * p.element_size()
-            layout.append((p, size, chunk, row_numel))
+            layout.append((p, size, n))
             size = aligned(size + n)
         self._buffer = reusable_buffer(self._buffer, size, params[0].to_local().device)
         device = self._buffer.device
         out: dict[int, torch.Tensor] = {}
         handles = []
-        for p, off, chunk, row_numel in layout:
+        # The small parameters (LoRA factors, norms, biases) share one all-gather of a flat buffer; each large one is
+        # all-gathered straight into its place. Sizes are global, so every rank splits the group alike.
+        small = [(p, off, n) for p, off, n in layout if 0 < n <= self.coalesce_bytes]
+        if len(small) < 2:
+            small = []
+        copy_out = None
+        if small:
+            pieces = [
+                (
+                    p.to_local().detach().contiguous().view(-1).view(torch.uint8),
+                    n // world,
+                    self._buffer.narrow(0, off, n),
+                )
+                for p, off, n in small
+            ]
+            handle, copy_out = self._flat.start(pieces, self._group, world)
+            handles.append(handle)
+        flat = {id(p) for p, _, _ in small}
+        for p, off, n in layout:
+            gathered = self._buffer.narrow(0, off, n).view(p.dtype)
+            out[id(p)] = gathered.narrow(0, 0, p.numel()).view(p.shape)
+            self._held += p.numel() * p.element_size()
+            if id(p) in flat:
+                continue
             local = p.to_local().detach()
-            n_send = chunk * row_numel
+            n_send = n // world // p.element_size()
             if local.numel() == n_send and local.is_contiguous():
                 send = local.reshape(-1)
             else:  # the last ranks' shards are shorter (or empty): pad to the common chunk
                 send = torch.zeros(n_send, dtype=p.dtype, device=device)
                 send[: local.numel()].copy_(local.reshape(-1))
-            gathered = self._buffer.narrow(0, off, n_send * world * p.element_size()).view(p.dtype)
             handles.append(dist.all_gather_into_tensor(gathered, send, group=self._group, async_op=True))
-            out[id(p)] = gathered.narrow(0, 0, p.numel()).view(p.shape)
-            self._held += p.numel() * p.element_size()
         for h in handles:
             h.wait()
+        if copy_out is not None:
+            copy_out()
         self.path_counts["direct"] += len(params)
         return out
 
     def end_pass(self) -> None:
         """Free the pass's gather buffer (the stream calls this when a pass ends)."""
         self._buffer = None
+        self._flat.clear()

@@ -5,9 +5,14 @@ exit. Over a sync of many groups that churn is what grows a CPU process (glibc k
 ``malloc_trim`` had to undo. The direct path here all-gathers each parameter's partition (``ds_tensor``) into one
 byte buffer per pass, sized by the largest group and reused by every group, with DeepSpeed's own layout: rank ``r``
 holds elements ``[r * P, (r + 1) * P)`` of the flattened parameter, ``P = ds_tensor.ds_numel`` (padded), so the
-whole parameter is the first ``ds_numel`` elements of the gathered ``P * world``. The bytes are those
-``GatheredParameters`` produces (the same all-gather of the same partitions; tested bit for bit), and the parameter
-itself is never touched: its ``ds_status`` stays ``NOT_AVAILABLE`` and ``param.data`` stays empty.
+whole parameter is the first ``ds_numel`` elements of the gathered ``P * world``. A group's small parameters
+(whole size at most ``coalesce_bytes``, 1 MiB by default: LoRA factors, norms) share one all-gather: their partitions
+are packed into one flat byte buffer, all-gathered at once and copied out to their places (what DeepSpeed's own
+``allgather_coalesced`` does), so an adapter's group costs one collective, not one per factor; a larger parameter is
+all-gathered straight into its place. The bytes are those ``GatheredParameters`` produces (the same partitions,
+all-gathered; tested bit for bit), and the parameter itself is never touched: its ``ds_status`` stays
+``NOT_AVAILABLE`` and ``param.data`` stays empty. The flat all-gather's staging buffers (this rank's packed
+partitions and the gathered ``world`` times as many bytes) are the gatherer's too, reused by every group of a pass.
 
 Configurations the direct path cannot prove equal fall back to ``GatheredParameters``, for the whole group: ZeRO++
 hierarchical partitions (``ds_secondary_tensor``), quantized partitions, parameters offloaded to NVMe or kept on
@@ -24,7 +29,7 @@ asynchronously into a second buffer while the current group is merged and consum
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core import FullTensor
-from .base import ShardedGathererBase, aligned, detached, reusable_buffer
+from .base import COALESCE_BYTES, FlatGather, ShardedGathererBase, aligned, detached, reusable_buffer
 
 __all__ = ["PathDecision", "ZeroThreeGatherer", "is_zero3_model"]
 
@@ -65,11 +70,16 @@ class _Gathered:
     nbytes: int
     handles: list[Any] = field(default_factory=list)
     full: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: Copies the flat all-gather of the small parameters out to their places, once it completed.
+    copy_out: Callable[[], None] | None = None
 
     def wait(self) -> None:
         handles, self.handles = self.handles, []
         for h in handles:
             h.wait()
+        copy_out, self.copy_out = self.copy_out, None
+        if copy_out is not None:
+            copy_out()
 
 
 class ZeroThreeGatherer(ShardedGathererBase):
@@ -79,6 +89,9 @@ class ZeroThreeGatherer(ShardedGathererBase):
         model: the DeepSpeed engine, its ``.module``, or a model built under ``zero.Init``.
         direct: gather into the stream's own buffers where provably equal to ``GatheredParameters`` (default);
             ``False`` always uses ``GatheredParameters(group, modifier_rank=None)``.
+        coalesce_bytes: on the direct path, a group's parameters of at most this many whole bytes (padded) share
+            one all-gather of a flat buffer; each larger one gets its own (default
+            :data:`~lora_stream.gatherers.base.COALESCE_BYTES`, 1 MiB; ``0``: one all-gather per parameter).
 
     Either way the local partition (``ds_tensor``) is never written, and shapes come from ``ds_shape``, so planning
     and ``metadata()`` communicate nothing.
@@ -86,17 +99,22 @@ class ZeroThreeGatherer(ShardedGathererBase):
 
     name = "zero3"
 
-    def __init__(self, model: nn.Module, *, direct: bool = True) -> None:
+    def __init__(self, model: nn.Module, *, direct: bool = True, coalesce_bytes: int = COALESCE_BYTES) -> None:
+        if coalesce_bytes < 0:
+            raise ValueError(f"coalesce_bytes must be >= 0, got {coalesce_bytes}")
         self._params: list[Any] = [p for p in model.parameters() if hasattr(p, "ds_id")]
         if not self._params:
             raise ValueError("ZeroThreeGatherer needs a model whose parameters are ZeRO-3 partitioned")
         self._group = getattr(self._params[0], "ds_process_group", None)
         self.direct = direct
+        self.coalesce_bytes = coalesce_bytes
         #: Parameters made whole by each path since this gatherer was built.
         self.path_counts: dict[str, int] = {"direct": 0, "fallback": 0}
         #: Why the latest fallback group could not take the direct path.
         self.fallback_reason: str | None = None
         self._buffers: list[torch.Tensor | None] = [None, None]
+        #: The flat all-gather's staging buffers, one per gather buffer (a prefetched group has its own).
+        self._flat = [FlatGather(), FlatGather()]
         self._current: _Gathered | None = None
         self._pending: _Gathered | None = None
         #: The decision ``prefetch`` took for the next group (whichever path), so ``gather`` does not take it again.
@@ -232,6 +250,8 @@ class ZeroThreeGatherer(ShardedGathererBase):
         self._decided = None
         self._drain()
         self._buffers = [None, None]
+        for flat in self._flat:
+            flat.clear()
 
     def _drain(self) -> None:
         pending, self._pending = self._pending, None
@@ -259,13 +279,31 @@ class ZeroThreeGatherer(ShardedGathererBase):
         buf = self._buffers[slot] = reusable_buffer(self._buffers[slot], size, device)
         whole_bytes = sum(int(p.ds_numel) * p.element_size() for p, _, _ in layout)
         gathered = _Gathered(tuple(id(p) for p in params), slot, whole_bytes)
+        # The small parameters (every LoRA factor, norms, biases) share one all-gather of a flat buffer; each large
+        # one is all-gathered straight into its place. Sizes are global, so every rank splits the group alike.
+        small = [(p, off, n) for p, off, n in layout if 0 < n <= self.coalesce_bytes]
+        if len(small) < 2:
+            small = []
+        if small:
+            pieces = [(self._partition(p).view(torch.uint8), n // world, buf.narrow(0, off, n)) for p, off, n in small]
+            handle, copy_out = self._flat[slot].start(pieces, self._group, world)
+            gathered.handles.append(handle)
+            gathered.copy_out = copy_out
+        flat = {id(p) for p, _, _ in small}
         for p, off, n in layout:
             out = buf.narrow(0, off, n).view(p.dtype)
-            part = p.ds_tensor.view(-1).narrow(0, 0, p.ds_tensor.ds_numel)
-            gathered.handles.append(dist.all_gather_into_tensor(out, part, group=self._group, async_op=True))
+            if id(p) not in flat:
+                handle = dist.all_gather_into_tensor(out, self._partition(p), group=self._group, async_op=True)
+                gathered.handles.append(handle)
             gathered.full[id(p)] = out.narrow(0, 0, p.ds_numel).view(p.ds_shape)
         self._held += whole_bytes
         return gathered
+
+    @staticmethod
+    def _partition(p: Any) -> torch.Tensor:
+        """This rank's partition of ``p``, padded as DeepSpeed pads it (every rank's is ``ds_tensor.ds_numel``)."""
+        part: torch.Tensor = p.ds_tensor.view(-1).narrow(0, 0, p.ds_tensor.ds_numel)
+        return part
 
     def _release(self, gathered: _Gathered) -> None:
         self._held -= gathered.nbytes

@@ -34,6 +34,13 @@ class SyncRecord:
     #: The verification of this sync (:class:`~lora_stream.sinks.verify.Verification`: the largest probe
     #: log-probability difference between the engine and the trainer's forward, and the tolerance), when it ran.
     verification: Any = None
+    #: The servers that serve this version (a :class:`~lora_stream.VLLMServerSink`; empty for other sinks).
+    replicas: tuple[str, ...] = ()
+    #: Servers left out of this sync (``on_replica_failure="exclude"``): address -> reason. They keep serving what
+    #: they served, or nothing; the next sync tries them again.
+    excluded: dict[str, str] = field(default_factory=dict)
+    #: Servers excluded from the previous sync that took this one: they serve the full current weights again.
+    readmitted: tuple[str, ...] = ()
 
     @property
     def gbps(self) -> float:

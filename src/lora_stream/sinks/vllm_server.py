@@ -19,14 +19,17 @@ the trainer's address. Keep both on a private network or loopback; see ``docs/vl
 from __future__ import annotations
 
 import dataclasses
-import socket
+import logging
 import time
 import uuid
+import warnings
+from collections.abc import Sequence
 from typing import Any
 
 from ..adapter import ADAPTER_PREFIX, AdapterStream
 from ..coordination import this_rank
-from ..errors import LoraStreamError
+from ..errors import LoraStreamError, ReplicaError, ReplicaExcludedWarning, TransferError
+from ..lockstep import REASON_BYTES, describe_error
 from ..stream import ParamStream
 from ..transaction import Transaction, fault_point
 from .adapter_loader import AdapterLoadError, adapter_path
@@ -34,9 +37,19 @@ from .preflight import EngineCheckpoint, adapter_preflight, preflight
 from .record import AdapterSyncRecord, SyncRecord
 from .reload import LOAD_ERROR_TAG, VLLMLoadError
 from .source import SyncSource
-from .vllm_colocated import reset_prefix_cache
+from .vllm_colocated import PrefixCacheError, reset_prefix_cache
 
-__all__ = ["PAUSE_MODES", "ServerError", "VLLMServerClient", "VLLMServerSink", "validate_adapter"]
+logger = logging.getLogger("lora_stream")
+
+__all__ = [
+    "PAUSE_MODES",
+    "REPLICA_POLICIES",
+    "ServerError",
+    "VLLMServerClient",
+    "VLLMServerSink",
+    "is_replica_failure",
+    "validate_adapter",
+]
 
 
 #: Packing buffer size per backend when the sink is not told one (see ``VLLMServerSink``'s ``buffer_bytes``).
@@ -176,16 +189,6 @@ def validate_adapter(stream: AdapterStream, max_lora_rank: int | None, where: st
         raise AdapterLoadError(f"{where} would refuse the adapter: {exc}") from exc
 
 
-def _free_port(address: str) -> int:
-    """A port that was free on ``address`` a moment ago, for vLLM's ``nccl`` backend only: its trainer engine takes a
-    port number and binds it itself, so another process may take the port in between. The ``gloo`` backend has no
-    such race: its engine binds the store's socket (port 0: ephemeral) and hands that very socket to the store."""
-    family = socket.getaddrinfo(address, 0, type=socket.SOCK_STREAM)[0][0]
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((address, 0))
-        return int(s.getsockname()[1])
-
-
 class _CurrentSource:
     """The ``WeightSource`` the trainer-side transfer engine is built with once: it replays whatever sync is current.
 
@@ -232,48 +235,99 @@ class _CurrentSource:
         return iter(self._source())
 
 
+#: ``on_replica_failure=`` values (see :class:`VLLMServerSink`).
+REPLICA_POLICIES = ("abort", "exclude")
+
+
+class _Replica:
+    """One server of the sink's fleet, as the trainer sees it: its client, the trainer rank that feeds it, its
+    transfer engine (its own group), and where its last update stands."""
+
+    def __init__(self, index: int, client: VLLMServerClient) -> None:
+        self.index = index
+        self.client = client
+        self.url = client.base_url
+        self.sender = 0
+        self.engine: Any = None
+        self.ckpt: EngineCheckpoint | None = None
+        #: Where the adapter this server serves now is staged in its workers (kept while a new version may fail).
+        self.serving_path: str | None = None
+        self.state = _ServerUpdate()
+        #: Why this server left the latest sync (``on_replica_failure="exclude"``), or ``None``.
+        self.failure: BaseException | None = None
+        #: It was excluded from the previous sync: the next one readmits it with the full current weights.
+        self.was_excluded = False
+
+
+def is_replica_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a failure of one server (unreachable, an error answered, its data plane broken, its
+    prefix cache stuck), which ``on_replica_failure="exclude"`` may exclude it for; anything else (a refusal of the
+    stream, a failure of the trainer) fails the sync on every replica."""
+    if isinstance(error, VLLMLoadError):
+        return False  # the stream does not fit the served model: every replica would refuse it
+    return isinstance(error, (ServerError, TransferError, PrefixCacheError, TimeoutError, ConnectionError))
+
+
 class VLLMServerSink:
-    """Streams :class:`~lora_stream.ParamStream` passes into a vLLM server's weights.
+    """Streams :class:`~lora_stream.ParamStream` passes into the weights of one vLLM server or a fleet of them.
 
     >>> sink = VLLMServerSink(  # doctest: +SKIP
     ...     url, rank=rank, backend="nccl" if on_gpu else "gloo", api_key=os.environ.get("VLLM_API_KEY"), timeout=120
     ... )
-    >>> record = sink.sync(ParamStream(model, group_by="layer"), version=f"step-{step}")  # every trainer rank
+    >>> record = sink.sync(ParamStream(model, group_by="layer"), version=f"step-{step}")  # every rank
+
+    A fleet: ``VLLMServerSink([url_a, url_b, ...], on_replica_failure="exclude")`` (``examples/recipe_fleet.py``).
 
     Implements :class:`~lora_stream.sinks.base.Sink`: the pre-flight, the tied aliases and the record are the
     colocated sink's (:func:`~lora_stream.sinks.preflight.preflight`, :class:`~lora_stream.sinks.source.SyncSource`);
-    on the server, lora_stream's ``gloo`` worker engine loads through the same
-    :class:`~lora_stream.sinks.reload.ReloadBracket` and its reload check.
+    on the server, lora_stream's worker engine loads through the same :class:`~lora_stream.sinks.reload.ReloadBracket`
+    and its reload check.
+
+    **Several servers.** Each server (with its tensor-parallel workers) gets a transfer group of its own, fed by one
+    trainer rank: server ``i`` by rank ``i % world_size`` (``spread=True``, the default), or every server by rank 0
+    (``spread=False``). After the stream's gathers every trainer rank holds each tensor, so spreading costs no extra
+    gather: each rank sends the model once per server it feeds, and with as many trainer ranks as servers the bytes
+    leave each rank once per sync, whatever the fleet's size. One sync is one transaction across every trainer rank
+    and every server: all commit, or all keep serving exactly what they served (``on_replica_failure="abort"``), or
+    the servers that failed are excluded and the others commit (``"exclude"``; the record's ``excluded`` and a
+    :class:`~lora_stream.ReplicaExcludedWarning` name them). An excluded server is tried again at the next sync and,
+    once it takes it, serves the full current weights (``record.readmitted``).
 
     Args:
-        base_url: the server's address.
-        rank: this trainer rank (rank 0 sends). Defaults to ``torch.distributed``'s rank, or 0.
-        api_key: sent as a bearer token (the server's ``--api-key``; with lora_stream's route guard it also opens
-            the weight-update routes).
-        backend: ``"gloo"`` (CPU, shipped by lora_stream) or ``"nccl"`` (vLLM's, GPUs).
-        master_address: the address the data plane's store listens on (rank 0's host, reachable by the server).
+        base_url: the server's address, or a list of them (one sink keeps them all in sync).
+        rank: this trainer rank. Defaults to ``torch.distributed``'s rank, or 0.
+        api_key: sent as a bearer token to every server (its ``--api-key``; with lora_stream's route guard it also
+            opens the weight-update routes).
+        backend: the data plane's transport: ``"gloo"`` (CPU or GPU hosts) or ``"nccl"`` (GPUs). Both run through
+            lora_stream's worker engine (the server's ``--weight-transfer-config '{"backend": "gloo"}'``, or
+            ``"lora_stream"``: the same engine) and the same transaction; only the collective differs.
+        master_address: the address each feeding rank's store listens on (its host, reachable by the servers).
         buffer_bytes: packing buffer size; chunks follow the stream's groups and a larger tensor travels alone, as
             its own bytes, without a copy. Default: 1 MiB for ``gloo`` (small tensors are packed, every large one
             travels uncopied: 0.93 s per sync against 1.23 s with 256 MiB buffers on the server benchmark,
-            ``docs/benchmarks.md``), 256 MiB for ``nccl`` (vLLM's packed buffer).
+            ``docs/benchmarks.md``), 256 MiB for ``nccl``.
         timeout: seconds for every HTTP call, the group rendezvous and each chunk's broadcast.
         checkpoint: where to read the served model's safetensors headers for the pre-flight check; defaults to
-            the path the server reports in ``/v1/models`` (when it exists on this machine). ``False`` skips it.
+            the path each server reports in ``/v1/models`` (when it exists on this machine). ``False`` skips it.
         lora_name: the name an :class:`~lora_stream.AdapterStream` sync serves its adapter under (what
             ``/v1/completions`` takes as ``model``); the server needs ``--enable-lora`` and
-            ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``. Adapter sync runs over the ``gloo`` backend only.
+            ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``.
         rollback: the server's workers keep a host copy of what an update replaces until the trainer ranks have
             voted, so that a failed sync leaves the server serving exactly what it served (default). ``False``
-            saves that memory and copy; a failed sync then leaves updated layers new. The ``nccl`` backend (vLLM's
-            own worker engine) cannot roll back.
+            saves that memory and copy; a failed sync then leaves updated layers new.
         pause: how generation is paused for the update (:data:`PAUSE_MODES`; default ``"wait"``).
-        prefix_cache_timeout: seconds to keep retrying the server's prefix-cache reset while it answers
+        prefix_cache_timeout: seconds to keep retrying a server's prefix-cache reset while it answers
             ``success: false``; past it the sync fails and is rolled back.
+        on_replica_failure: ``"abort"`` (default): a failure of any server fails the sync everywhere and every
+            server keeps its previous version. ``"exclude"``: a server that fails (:func:`is_replica_failure`:
+            unreachable, an error answered, its data plane broken) is rolled back and left out, and the others
+            commit; if every server fails, the sync fails.
+        spread: feed server ``i`` from trainer rank ``i % world_size`` (default) instead of all from rank 0.
     """
 
     def __init__(
         self,
-        base_url: str,
+        base_url: str | Sequence[str],
         *,
         rank: int | None = None,
         api_key: str | None = None,
@@ -286,6 +340,8 @@ class VLLMServerSink:
         rollback: bool = True,
         pause: str | None = "wait",
         prefix_cache_timeout: float = 30.0,
+        on_replica_failure: str = "abort",
+        spread: bool = True,
     ) -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
@@ -299,248 +355,375 @@ class VLLMServerSink:
                     else ""
                 )
             )
+        if on_replica_failure not in REPLICA_POLICIES:
+            raise ValueError(f"on_replica_failure must be one of {REPLICA_POLICIES}, got {on_replica_failure!r}")
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        if not urls:
+            raise ValueError("base_url: at least one server address is needed")
+        clients = [VLLMServerClient(u, api_key=api_key, timeout=timeout) for u in urls]
+        seen = [c.base_url for c in clients]
+        if len(set(seen)) != len(seen):
+            raise ValueError(f"base_url lists a server twice: {seen}")
         self.rollback = rollback
         self.pause = pause
         self.prefix_cache_timeout = prefix_cache_timeout
+        self.on_replica_failure = on_replica_failure
+        self.spread = spread
         self.rank = this_rank() if rank is None else rank
-        self.client = VLLMServerClient(base_url, api_key=api_key, timeout=timeout)
+        self.replicas = [_Replica(i, c) for i, c in enumerate(clients)]
         self.backend = backend
         self.name = f"vllm-server/{backend}"
         self.master_address = master_address
         self.buffer_bytes = buffer_bytes if buffer_bytes is not None else DEFAULT_BUFFER_BYTES[backend]
         self.timeout = timeout
         self.checkpoint = checkpoint
-        self._engine: Any = None
         self._source = _CurrentSource()
-        self._ckpt: EngineCheckpoint | None = None
         self.lora_name = lora_name
-        #: Where the adapter the server serves now is staged in its worker (kept while a new version may fail).
-        self._serving_path: str | None = None
+
+    @property
+    def client(self) -> VLLMServerClient:
+        """The first server's client (the only one when the sink has one server)."""
+        return self.replicas[0].client
+
+    @property
+    def urls(self) -> list[str]:
+        return [r.url for r in self.replicas]
 
     @property
     def is_sender(self) -> bool:
-        return self.rank == 0
+        """Whether this trainer rank feeds at least one server."""
+        return any(r.sender == self.rank for r in self._assign())
+
+    def _assign(self) -> list[_Replica]:
+        """Which trainer rank feeds which server: the same on every rank (it depends on the list and the world)."""
+        import torch.distributed as dist
+
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        for r in self.replicas:
+            r.sender = r.index % world if self.spread else 0
+        return self.replicas
 
     def sync(self, stream: ParamStream, *, version: str | None = None) -> SyncRecord:
-        """Send one full pass of ``stream`` as one transaction; on success the server serves it and reports
-        ``version``, on every rank's return. On failure every rank raises and the server serves exactly what it
-        served before (``/weight_info`` unchanged).
+        """Send one full pass of ``stream`` to every server as one transaction; on success every server (but those
+        excluded, with ``on_replica_failure="exclude"``) serves it and reports ``version``, on every rank's return.
+        On failure every rank raises and every server serves exactly what it served before (``/weight_info``
+        unchanged).
 
-        Rank 0 pauses generation (``pause=``), opens vLLM's update session, sends; the server's worker loads,
-        checks and keeps what it replaced; rank 0 resets the prefix cache (reading vLLM's answer). The ranks vote;
-        rank 0 tells the workers to commit (the version moves) or roll back, and resumes generation. An
-        :class:`~lora_stream.AdapterStream` is staged in the server's worker and swapped in by vLLM's own
-        ``/v1/load_lora_adapter`` as the adapter ``lora_name`` (base weights untouched); the record is an
-        :class:`~lora_stream.sinks.record.AdapterSyncRecord`; a rollback swaps the previous version back in."""
+        Each feeding rank pauses generation on its servers (``pause=``), opens vLLM's update session, sends; each
+        server's workers load, check and keep what they replaced; the rank resets each prefix cache (reading vLLM's
+        answer). The ranks vote; each feeding rank tells its servers' workers to commit (the version moves) or roll
+        back, and resumes generation. An :class:`~lora_stream.AdapterStream` is staged in each server's workers and
+        swapped in by vLLM's own ``/v1/load_lora_adapter`` as the adapter ``lora_name`` (base weights untouched);
+        the record is an :class:`~lora_stream.sinks.record.AdapterSyncRecord`; a rollback swaps the previous
+        version back in."""
         start = time.perf_counter()
         is_adapter = isinstance(stream, AdapterStream)
-        if is_adapter and self.backend != "gloo":
-            raise LoraStreamError(
-                "adapter sync into a vLLM server runs over lora_stream's gloo backend only; vLLM's nccl worker "
-                "engine loads every tensor into the model"
-            )
+        mine = [r for r in self._assign() if r.sender == self.rank]
+        for r in mine:  # a server excluded last time is tried again, from scratch
+            r.was_excluded, r.failure, r.state = r.failure is not None, None, _ServerUpdate()
         tx = Transaction.for_stream(stream, self.name)
-        # 1. prepare: rank 0 checks the server (reachable, key accepted, LoRA limits) and the stream against its
-        #    checkpoint, and joins the transfer group; every rank learns the outcome before any rank gathers.
-        aliases = tx.prepare(lambda: self._prepare(stream) if self.is_sender else {})
-        self._ensure_engine()
-        if self.backend == "gloo":
-            self._engine.keep_previous = self.rollback  # read per sync: the option may change between syncs
+        # 1. prepare: each feeding rank checks its servers (reachable, key accepted, LoRA limits) and the stream
+        #    against their checkpoints, and joins their transfer groups; every rank learns the outcome before any
+        #    rank gathers.
+        aliases = tx.prepare(lambda: self._prepare(stream, mine))
+        live = self._live(mine)
         adapter: dict[str, Any] | None = None
         if isinstance(stream, AdapterStream):
-            path = adapter_path(self.lora_name, uuid.uuid4().hex[:12])
-            adapter = {"path": path, "config": stream.adapter_config(), "keep": self._serving_path}
+            adapter = {"path": adapter_path(self.lora_name, uuid.uuid4().hex[:12]), "config": stream.adapter_config()}
+        for r in live:
+            r.engine.keep_previous = self.rollback  # read per sync: the option may change between syncs
+            r.engine.adapter_keep = r.serving_path
         source = self._source.current = SyncSource(stream, aliases, version, adapter)
-        state = _ServerUpdate()
         # 2. transfer, under a pause of generation: no request is computed partly with each version.
         with tx.attempt():
-            if self.is_sender and self.pause is not None:
-                self.client.pause(self.pause)
-                state.paused = True
+            for r in live:
+                self._on(r, lambda r=r: self._pause(r))
             try:
-                state.session = self.is_sender
-                self._engine.send_weights()
+                for r in self._live(mine):
+                    r.state.session = True
+                from ..transfer.gloo_trainer import send_to_engines
+
+                on_failure = self._drop_in_transfer if self.on_replica_failure == "exclude" else None
+                send_to_engines([r.engine for r in self._live(mine)], source, on_failure=on_failure)
             except BaseException as exc:
-                # Closing the data plane makes a worker still waiting for chunks fail at once; a worker that fails
+                # Closing the data planes makes a worker still waiting for chunks fail at once; a worker that fails
                 # its update rolls it back itself, and vLLM ends the update session.
-                state.session = False
-                self.close()
+                for r in mine:
+                    r.state.session = False
+                    self._close(r)
                 error = _load_error(exc)
                 if error is exc:
                     raise
                 raise error from exc
             finally:
                 self._source.current = None
-            if adapter is not None and self.is_sender:
-                self.client.load_lora_adapter(self.lora_name, adapter["path"])
-                state.adapter_loaded = True
+            if adapter is not None:
+                for r in self._live(mine):
+                    self._on(r, lambda r=r: self._load_adapter(r, adapter["path"]))
             fault_point("reload-check")
-            if self.is_sender:
-                reset_prefix_cache(self.client.reset_prefix_cache, self.prefix_cache_timeout, "the server")
+            for r in self._live(mine):
+                self._on(r, lambda r=r: self._reset_prefix_cache(r))
             fault_point("prefix-cache")
             fault_point("commit")
-        # 3. vote; rank 0 commits on the server; a second vote carries the outcome of that call to every rank.
+        # 3. vote; each feeding rank commits on its servers; a second vote carries the outcome of those calls.
         if tx.vote("before committing", known=source.ended_early):
             with tx.attempt():
-                if self.is_sender:
-                    self._commit(state, version, adapter)
+                for r in self._live(mine):
+                    self._on(r, lambda r=r: self._commit(r, version, adapter))
             tx.vote("after committing")
+        excluded, readmitted = self._agree_on_fleet(tx, mine)
         try:
-            tx.conclude(lambda: None, lambda error: self._abort(state, error))
+            tx.conclude(lambda: None, lambda error: self._abort(mine, error))
         finally:
-            if state.paused:
-                self._resume(tx.error)
+            self._resume(mine, tx.error)
         record = source.record(self.name, time.perf_counter() - start)
-        stages = dict(getattr(self._engine, "last_stages", None) or {}) if self.is_sender else {}
-        if stages:
-            record = dataclasses.replace(record, stages=stages)
+        fed = [r for r in mine if r.engine is not None and r.state.committed]
+        stages = dict(getattr(fed[0].engine, "last_stages", None) or {}) if fed else {}
+        if len(fed) > 1:
+            stages["replicas"] = {r.url: dict(r.engine.last_stages or {}) for r in fed}
+        record = dataclasses.replace(
+            record,
+            stages=stages,
+            replicas=tuple(u for u in self.urls if u not in excluded),
+            excluded=excluded,
+            readmitted=readmitted,
+        )
+        for url, reason in excluded.items():
+            warnings.warn(
+                f"lora_stream: the vLLM server at {url} was excluded from sync {version!r} ({reason}); the other "
+                "servers committed it, and the next sync tries this one again with the full weights",
+                ReplicaExcludedWarning,
+                stacklevel=2,
+            )
         if is_adapter:
             record = AdapterSyncRecord(**record.__dict__, lora_name=self.lora_name)
         record.log()
         return record
 
-    # -- commit and abort (sender only) -----------------------------------------------------------------------------
-    def _commit(self, state: _ServerUpdate, version: str | None, adapter: dict[str, Any] | None) -> None:
-        if self.backend == "gloo":
-            self._engine.conclude(True, version)
-        elif version is not None:
-            self.client.update_weight_version(version)  # vLLM's nccl trainer engine finishes without a version
-        state.session = False
-        state.committed = True
-        if adapter is not None:
-            self._serving_path = adapter["path"]
+    # -- per-server steps (on the rank that feeds the server) -------------------------------------------------------
+    def _live(self, replicas: list[_Replica]) -> list[_Replica]:
+        return [r for r in replicas if r.failure is None]
 
-    def _abort(self, state: _ServerUpdate, error: BaseException) -> None:
-        """Every rank failed the sync: rank 0 puts the server back, and the data plane starts over next time."""
-        if not self.is_sender:
-            self.close()
+    def _on(self, replica: _Replica, step: Any) -> None:
+        """Run one server's ``step``: under ``"exclude"`` a failure of that server excludes it (rolled back, left
+        out); otherwise, or for a failure that is not the server's, it fails the sync."""
+        if replica.failure is not None:
             return
         try:
-            if state.committed:
-                error.add_note("lora_stream: the server had already committed this update before the failure")
-            elif state.adapter_loaded:
-                if self._serving_path is not None:
-                    self.client.load_lora_adapter(self.lora_name, self._serving_path)
-                else:
-                    self.client.unload_lora_adapter(self.lora_name)
-            if state.session and self.backend == "gloo":
-                self._engine.conclude(False, None)
-            if self.backend != "gloo" and not state.committed:
-                error.add_note(
-                    "lora_stream: the nccl backend cannot roll an update back (vLLM's own worker engine keeps "
-                    "nothing): layers that received their weights serve the new ones until the next sync"
-                )
-            elif not self.rollback and not state.committed and not state.adapter_loaded:
-                error.add_note("lora_stream: rollback=False: layers that received their weights serve the new ones")
-            reset_prefix_cache(self.client.reset_prefix_cache, self.prefix_cache_timeout, "the server")
-        finally:
-            self.close()  # the data plane may be half-used: start over with a new group next time
-
-    def _resume(self, error: BaseException | None) -> None:
-        try:
-            self.client.resume()
+            step()
         except BaseException as exc:
-            if error is None:
+            if self.on_replica_failure != "exclude" or not is_replica_failure(_load_error(exc)):
                 raise
-            error.add_note(f"lora_stream: resuming the server's generation also failed: {exc!r}")
+            self._drop(replica.index, exc)
 
-    def close(self) -> None:
-        engine, self._engine = self._engine, None
+    def _drop(self, index: int, error: BaseException) -> None:
+        """Exclude server ``index`` from this sync: put it back as it was, as far as it still answers."""
+        replica = self.replicas[index]
+        replica.failure = _load_error(error)
+        logger.warning("lora_stream: excluding the vLLM server at %s from this sync: %s", replica.url, error)
+        try:
+            self._abort_replica(replica, replica.failure)
+        except BaseException as exc:  # it may be gone: what matters is that the others go on
+            logger.warning("lora_stream: rolling back the excluded server at %s failed: %r", replica.url, exc)
+        replica.serving_path = None  # restarted or not, it is sent the whole adapter at its readmission
+
+    def _drop_in_transfer(self, index: int, error: BaseException) -> None:
+        """A server failed during the transfer: tear its data plane down first (its workers, if alive, stop
+        waiting for chunks, roll the update back themselves and vLLM ends the session), then exclude it."""
+        replica = self.replicas[index]
+        replica.state.session = False
+        self._close(replica)
+        self._drop(index, error)
+
+    def _pause(self, replica: _Replica) -> None:
+        if self.pause is not None:
+            replica.client.pause(self.pause)
+            replica.state.paused = True
+
+    def _reset_prefix_cache(self, replica: _Replica) -> None:
+        reset_prefix_cache(replica.client.reset_prefix_cache, self.prefix_cache_timeout, replica.url)
+
+    def _load_adapter(self, replica: _Replica, path: str) -> None:
+        replica.client.load_lora_adapter(self.lora_name, path)
+        replica.state.adapter_loaded = True
+        replica.state.adapter_path = path
+
+    def _commit(self, replica: _Replica, version: str | None, adapter: dict[str, Any] | None) -> None:
+        replica.engine.conclude(True, version)
+        replica.state.session = False
+        replica.state.committed = True
+        if adapter is not None:
+            replica.serving_path = adapter["path"]
+
+    def _abort(self, mine: list[_Replica], error: BaseException) -> None:
+        """Every rank failed the sync: each feeding rank puts its servers back, and the data planes start over."""
+        committed = [r.url for r in mine if r.state.committed]
+        if committed:
+            error.add_note(f"lora_stream: {', '.join(committed)} had already committed this update before the failure")
+        failures = []
+        for r in self._live(mine):
+            try:
+                self._abort_replica(r, error)
+            except BaseException as exc:
+                failures.append(f"{r.url}: {describe_error(exc)}")
+        if failures:
+            raise ServerError("; ".join(failures))
+
+    def _abort_replica(self, replica: _Replica, error: BaseException) -> None:
+        state = replica.state
+        try:
+            if state.committed:
+                return
+            if state.adapter_loaded:
+                if replica.serving_path is not None:
+                    replica.client.load_lora_adapter(self.lora_name, replica.serving_path)
+                else:
+                    replica.client.unload_lora_adapter(self.lora_name)
+            if state.session and replica.engine is not None:
+                replica.engine.conclude(False, None)
+                state.session = False
+            if not self.rollback and not state.adapter_loaded:
+                error.add_note(
+                    f"lora_stream: rollback=False: layers of {replica.url} that received their weights serve the "
+                    "new ones"
+                )
+            self._reset_prefix_cache(replica)
+        finally:
+            self._close(replica)  # the data plane may be half-used: start over with a new group next time
+
+    def _resume(self, mine: list[_Replica], error: BaseException | None) -> None:
+        failures: list[str] = []
+        for r in mine:
+            if not r.state.paused:
+                continue
+            try:
+                r.client.resume()
+                r.state.paused = False
+            except BaseException as exc:
+                if r.failure is not None:
+                    continue  # excluded: it may be gone, and the others are served
+                failures.append(f"resuming {r.url}'s generation failed: {describe_error(exc)}")
+        if not failures:
+            return
+        if error is None:
+            raise ServerError("; ".join(failures))
+        for f in failures:
+            error.add_note(f"lora_stream: {f}")
+
+    def _agree_on_fleet(self, tx: Transaction, mine: list[_Replica]) -> tuple[dict[str, str], tuple[str, ...]]:
+        """Under ``"exclude"``: every rank learns which servers were excluded (and readmitted) on any rank; if none
+        is left, the sync fails on every rank. One exchange, after the votes, on every rank alike."""
+        excluded = {r.url: describe_error(r.failure) for r in mine if r.failure is not None}
+        readmitted = [r.url for r in mine if r.was_excluded and r.failure is None]
+        if self.on_replica_failure != "exclude" or not tx.ok:
+            return {}, ()
+        import json
+
+        text = ""
+        for width in (240, 60, 0):  # the exchange carries 1 KiB per rank: shorten the reasons until it fits
+            text = json.dumps({"excluded": {u: w[:width] for u, w in excluded.items()}, "readmitted": readmitted})
+            if len(text.encode()) <= REASON_BYTES:
+                break
+        shared = tx.coordinator.share(text)
+        for text in shared:
+            data = json.loads(text) if text else {}
+            excluded.update(data.get("excluded", {}))
+            readmitted += [u for u in data.get("readmitted", []) if u not in readmitted]
+        excluded = {u: excluded[u] for u in self.urls if u in excluded}
+        if len(excluded) == len(self.replicas):
+            tx.error = ReplicaError(
+                "every vLLM server failed the sync: " + "; ".join(f"{u}: {why}" for u, why in excluded.items()),
+                failures=excluded,
+            )
+            return {}, ()
+        return excluded, tuple(u for u in self.urls if u in readmitted)
+
+    def _close(self, replica: _Replica) -> None:
+        engine, replica.engine = replica.engine, None
         if engine is not None:
             engine.shutdown()
 
+    def close(self) -> None:
+        """Tear down every server's data plane (the next sync builds new groups)."""
+        for r in self.replicas:
+            self._close(r)
+
     # -- steps of sync -----------------------------------------------------------------------------------------------
-    def _prepare(self, stream: ParamStream) -> dict[str, str]:
-        """Sender only: reachability, credentials, the pre-flight, the transfer group. Raises before anything is
-        sent."""
-        aliases = self._preflight(stream)
-        self._ensure_engine()
+    def _prepare(self, stream: ParamStream, mine: list[_Replica]) -> dict[str, str]:
+        """This rank's servers: reachability, credentials, the pre-flight, the transfer groups. Raises (or, under
+        ``"exclude"``, excludes the server) before anything is sent."""
+        aliases: dict[str, str] = {}
+        for r in mine:
+
+            def check(r: _Replica = r) -> None:
+                aliases.update(self._preflight(stream, r))
+                self._ensure_engine(r)
+
+            self._on(r, check)
         return aliases
 
-    def _preflight(self, stream: ParamStream) -> dict[str, str]:
-        models = self.client.check_access()
+    def _preflight(self, stream: ParamStream, replica: _Replica) -> dict[str, str]:
+        models = replica.client.check_access()
         if isinstance(stream, AdapterStream):
-            validate_adapter(stream, self.client.max_lora_rank(), f"the server at {self.client.base_url}")
+            validate_adapter(stream, replica.client.max_lora_rank(), f"the server at {replica.url}")
             if self.checkpoint is not False:
-                adapter_preflight(stream.metadata(), self._checkpoint(models), ADAPTER_PREFIX)
+                adapter_preflight(stream.metadata(), self._checkpoint(replica, models), ADAPTER_PREFIX)
             return {}
         if self.checkpoint is False:
             return stream.tied_aliases()  # offered; the worker loads each only if its model holds it
-        return preflight(stream.metadata(), stream.tied_aliases(), self._checkpoint(models))
+        return preflight(stream.metadata(), stream.tied_aliases(), self._checkpoint(replica, models))
 
-    def _checkpoint(self, models: dict[str, Any]) -> EngineCheckpoint:
-        if self._ckpt is None:
+    def _checkpoint(self, replica: _Replica, models: dict[str, Any]) -> EngineCheckpoint:
+        if replica.ckpt is None:
             path = self.checkpoint
             if path is None or path is True:
                 data = models.get("data") or [{}]
                 path = data[0].get("root")
             try:
-                self._ckpt = EngineCheckpoint.read(str(path))
+                replica.ckpt = EngineCheckpoint.read(str(path))
             except (FileNotFoundError, OSError) as exc:
                 raise ServerError(
-                    f"cannot read the served checkpoint {path!r} for the pre-flight check ({exc}); pass "
-                    "checkpoint= (a copy of the model directory), or checkpoint=False to skip the check"
+                    f"cannot read the checkpoint {path!r} served at {replica.url} for the pre-flight check ({exc}); "
+                    "pass checkpoint= (a copy of the model directory), or checkpoint=False to skip the check"
                 ) from exc
-        return self._ckpt
+        return replica.ckpt
 
-    def _ensure_engine(self) -> None:
-        if self._engine is not None:
+    def _ensure_engine(self, replica: _Replica) -> None:
+        if replica.engine is not None:
             return
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+        from ..transfer.gloo_trainer import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
 
-        from ..vllm_plugin import register
-
-        register()
-        # Only the sender hosts the rendezvous and asks the server its size; the other ranks just iterate.
-        # gloo: port 0, the engine binds the store's socket itself (no close-and-reuse race); nccl: vLLM binds a number.
-        port = _free_port(self.master_address) if self.is_sender and self.backend == "nccl" else 0
-        world = 1 + self.client.world_size() if self.is_sender else 0
-        if self.backend == "gloo":
-            from ..transfer.gloo_trainer import GlooTrainerInitInfo
-
-            info: Any = GlooTrainerInitInfo(
-                master_address=self.master_address,
-                master_port=port,
-                world_size=world,
-                buffer_bytes=self.buffer_bytes,
-                timeout_s=self.timeout,
-                rank=self.rank,
-            )
-        else:
-            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
-
-            info = NCCLTrainerInitInfo(
-                master_address=self.master_address,
-                master_port=port,
-                world_size=world,
-                packed_buffer_size_bytes=self.buffer_bytes,
-                rank=self.rank,
-            )
-        engine: Any = WeightTransferTrainerFactory.trainer_init(
-            info,
-            client=self.client,  # type: ignore[arg-type]
-            source=self._source,  # type: ignore[arg-type]  # a WeightSource structurally
+        # The feeding rank hosts the rendezvous (on a socket it binds and hands to the store: no close-and-reuse
+        # race) and is rank 0 of the server's group; the server's workers follow.
+        info = GlooTrainerInitInfo(
+            master_address=self.master_address,
+            world_size=1 + replica.client.world_size(),
+            buffer_bytes=self.buffer_bytes,
+            timeout_s=self.timeout,
+            transport=self.backend,
+            rank=0,
         )
-        if self.backend == "gloo":
-            engine.deferred = True  # the sink concludes vLLM's update session after the ranks voted
-            engine.keep_previous = self.rollback
-        self._engine = engine
+        engine = GlooTrainerWeightTransferEngine.trainer_init(info, client=replica.client, source=self._source)
+        engine.deferred = True  # the sink concludes vLLM's update session after the ranks voted
+        engine.keep_previous = self.rollback
+        replica.engine = engine
 
 
 class _ServerUpdate:
-    """Where one sync's update stands on the server (sender's view)."""
+    """Where one sync's update stands on one server (its feeding rank's view)."""
 
     def __init__(self) -> None:
         self.paused = False
         self.session = False  # vLLM's update session is open and undecided
         self.adapter_loaded = False
+        self.adapter_path: str | None = None
         self.committed = False
 
 
 def _load_error(exc: BaseException) -> BaseException:
     """The server's worker found that vLLM did not reload every module: raise the colocated sink's error for it."""
     text = str(exc)
-    if isinstance(exc, LoraStreamError) and LOAD_ERROR_TAG in text:
+    if isinstance(exc, LoraStreamError) and LOAD_ERROR_TAG in text and not isinstance(exc, VLLMLoadError):
         error = VLLMLoadError(text[text.index(LOAD_ERROR_TAG) :])
         error.__cause__ = exc
         return error

