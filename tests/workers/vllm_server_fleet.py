@@ -2,9 +2,9 @@
 
 Usage: vllm_server_fleet.py URL_A URL_B CHECKPOINT MARKER_DIR
 One run, in order (the test drives the servers through marker files in MARKER_DIR):
-  1. merged sync v1 into both (server A fed by rank 0, B by rank 1): both serve the merged reference; each rank
-     sent the model once (``sent_bytes``), as a one-server sink does.
-  2. an adapter sync into both: both serve it under the adapter's name.
+  1. an adapter sync into both (server A fed by rank 0, B by rank 1): both serve it under the adapter's name.
+  2. merged sync v1 into both: both serve the merged reference; each rank sent the model once (``sent_bytes``:
+     its bytes, chunk padding aside), as a one-server sink's rank 0 does.
   3. a step; rank 1 writes ``kill1`` in the middle of the transfer and waits for ``killed1`` (the test kills B):
      every rank raises, A serves exactly v1's outputs and reports v1. Then ``restart1`` / ``restarted1``.
   4. ``on_replica_failure="exclude"``: B is killed in the middle of v2's transfer (``kill2``) : A commits and
@@ -97,11 +97,15 @@ def main() -> None:
         engine.backward(engine(input_ids=IDS, labels=IDS).loss)
         engine.step()
 
-    # 1. merged, both servers; the bytes each rank sent, against a one-server sink's.
-    one = VLLMServerSink(url_a, rank=rank, timeout=60, lora_name="policy")
-    alone = one.sync(ParamStream(engine, group_by="layer"), version="v0")
-    one.close()
+    # 1. the adapter, into both (first: the servers' base is still the trainer's base).
     sink = VLLMServerSink([url_a, url_b], rank=rank, timeout=60, lora_name="policy")
+    record = sink.sync(AdapterStream(engine), version="a1")
+    merged = reference()
+    for url in (url_a, url_b):
+        assert_vllm_serves(server_generate(url, model="policy"), merged)
+    report(rank=rank, event="adapter", replicas=list(record.replicas), sent_bytes=record.stages["sent_bytes"])
+
+    # 2. merged, both servers; the bytes each rank sent, against the model's (what a one-server sink sends).
     record = sink.sync(ParamStream(engine, group_by="layer"), version="v1")
     expected = reference()
     outputs = {}
@@ -113,17 +117,9 @@ def main() -> None:
         rank=rank,
         event="merged",
         sent_bytes=record.stages["sent_bytes"],
-        alone_sent_bytes=alone.stages.get("sent_bytes", 0),
+        model_bytes=record.bytes,
         seconds=record.seconds,
-        alone_seconds=alone.seconds,
     )
-
-    # 2. the adapter, into both.
-    record = sink.sync(AdapterStream(engine), version="a1")
-    merged = reference()
-    for url in (url_a, url_b):
-        assert_vllm_serves(server_generate(url, model="policy"), merged)
-    report(rank=rank, event="adapter", replicas=list(record.replicas), sent_bytes=record.stages["sent_bytes"])
 
     # 3. B dies mid-transfer: with the default policy every rank raises and A serves v1 exactly.
     step()
