@@ -337,13 +337,16 @@ def save_tokenizer(path: str, vocab: int = 1000) -> None:
 
 
 def server_generate(
-    base_url: str, api_key: str | None = None, model: str | None = None
+    base_url: str, api_key: str | None = None, model: str | None = None, dp_rank: int | None = None
 ) -> list[tuple[list[int], list[float]]]:
     """Greedy continuation of PROMPTS from a vLLM server's /v1/completions, with the chosen tokens' logprobs
-    (``model``: a LoRA adapter's name; default the served base model)."""
+    (``model``: a LoRA adapter's name; default the served base model; ``dp_rank``: the data-parallel replica that
+    must answer, through vLLM's ``X-data-parallel-rank`` header)."""
     import requests
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    if dp_rank is not None:
+        headers["X-data-parallel-rank"] = str(dp_rank)
     if model is None:
         model = requests.get(f"{base_url}/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
     out = []

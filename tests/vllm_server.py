@@ -22,6 +22,7 @@ class Server:
         middleware: tuple[str, ...] = (),
         max_lora_rank: int | None = None,
         port: int | None = None,
+        extra: tuple[str, ...] = (),
     ) -> None:
         self.port = port or free_port()  # a given port: the same server restarted at the same address
         self.url = f"http://127.0.0.1:{self.port}"
@@ -46,6 +47,7 @@ class Server:
             "--gpu-memory-utilization",
             "0.5",
         ]
+        cmd += list(extra)
         if api_key:
             cmd += ["--api-key", api_key]
         for m in middleware:
