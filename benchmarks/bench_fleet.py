@@ -5,8 +5,9 @@
 Starts three vLLM OpenAI servers (dev mode, lora_stream's weight transfer) on 127.0.0.1 with one random Llama-shaped
 model, then 2 trainer ranks (torch.distributed over gloo; the same model with a non-zero LoRA on each) push it into
 the first 1, 2 and 3 servers with one ``VLLMServerSink``: spread over the trainer ranks (server ``i`` fed by rank
-``i % 2``, the default) and all from rank 0 (``spread=False``). Configurations are interleaved round after round;
-the first round, which forms the transfer groups, is not counted. Reports per configuration the median sync time
+``i % 2``, the default) and all from rank 0 (``spread=False``), one configuration after the other (a server's
+workers belong to one trainer group at a time); each configuration's first sync, which forms the transfer groups,
+is not counted. Reports per configuration the median sync time
 (the slowest rank's) and the bytes the busiest rank sent, as ratios to one server. All processes share this
 machine's cores, so the servers' loads compete with each other here as they would not across machines: read the
 sent-bytes column as the property, and the time column as this machine's. Writes benchmarks/results/fleet.json.
@@ -104,7 +105,7 @@ def main() -> None:
     one = next(r for r in rows if r["servers"] == 1)
     print(
         f"\nmodel: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}: {model_bytes / 2**20:.0f} MiB "
-        f"float32; 2 trainer ranks -> 1..{args.servers} vLLM servers (gloo), median of {args.syncs} interleaved rounds"
+        f"float32; 2 trainer ranks -> 1..{args.servers} vLLM servers (gloo), median of {args.syncs} syncs"
     )
     print(f"  {'servers':>7} {'mode':>7} {'median s':>9} {'x 1 server':>10} {'busiest rank sent MiB':>22} {'x 1':>5}")
     for r in rows:

@@ -1,5 +1,6 @@
 """Rank worker of bench_fleet.py: 2 trainer ranks (torch.distributed over gloo, the same model on each, as DDP keeps
-it) push one model into 1, 2 and 3 vLLM servers, spread over the ranks or all from rank 0, rounds interleaved.
+it) push one model into 1, 2 and 3 vLLM servers, spread over the ranks or all from rank 0, one configuration after
+the other.
 
 Usage: fleet_worker.py OUT_JSON SYNCS URL [URL ...]   (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set)
 """
@@ -28,10 +29,12 @@ def main() -> None:
     base = AutoModelForCausalLM.from_pretrained(os.environ["FLEET_MODEL"])
     model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", init_lora_weights=False))
     configs = [(n, spread) for n in range(1, len(urls) + 1) for spread in (True, False) if n > 1 or spread]
-    sinks = {c: VLLMServerSink(urls[: c[0]], rank=rank, timeout=300, spread=c[1], checkpoint=False) for c in configs}
     rows: dict[str, list[dict]] = {}
-    for i in range(syncs + 1):  # round 0 sets the groups up: not counted
-        for (n, spread), sink in sinks.items():
+    # One configuration at a time: a server's workers belong to one trainer's group at a time, so sinks sharing
+    # servers cannot be interleaved without forming their groups again on every sync.
+    for n, spread in configs:
+        sink = VLLMServerSink(urls[:n], rank=rank, timeout=300, spread=spread, checkpoint=False)
+        for i in range(syncs + 1):  # round 0 forms the groups: not counted
             dist.barrier()
             t = time.perf_counter()
             record = sink.sync(ParamStream(model, group_by="layer"), version=f"r{i}")
@@ -44,7 +47,6 @@ def main() -> None:
                 rows.setdefault(key, []).append(
                     {"seconds": float(slowest), "sent_bytes": int(record.stages.get("sent_bytes", 0))}
                 )
-    for sink in sinks.values():
         sink.close()
     with open(f"{out}.{rank}", "w") as f:
         json.dump({"rank": rank, "bytes": record.bytes, "rows": rows}, f)

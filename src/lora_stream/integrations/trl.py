@@ -193,11 +193,11 @@ class TrlSyncHook:
         try:
             if colocate:
                 sink.preflight(stream)  # VLLMLoRASink: vLLM's PEFTHelper validation and the adapter's shapes
-            elif sink.is_sender:
-                # Only the main process talks to the server (and holds TRL's client): what the sink's prepare
+            else:
+                # Only the rank that feeds the server talks to it (TRL's main process): what the sink's prepare
                 # phase checks first -- reachable, key accepted, validate_adapter against the server's
                 # max_lora_rank (VLLMServerClient.max_lora_rank), the stream against the served checkpoint.
-                sink._preflight(stream)
+                sink.preflight(stream)
         except AdapterLoadError as exc:
             if "max_lora_rank" not in str(exc) or "--max-lora-rank" in str(exc) or "trl_vllm_with_lora" in str(exc):
                 raise

@@ -649,6 +649,14 @@ class VLLMServerSink:
             self._close(r)
 
     # -- steps of sync -----------------------------------------------------------------------------------------------
+    def preflight(self, stream: ParamStream) -> None:
+        """The checks the next sync's prepare phase makes on the servers this rank feeds (reachable, key accepted,
+        an adapter's LoRA limits, the stream against each served checkpoint), without joining any transfer group.
+        This rank's view only: :meth:`sync` agrees the outcome across the ranks."""
+        for r in self._assign():
+            if r.sender == self.rank:
+                self._preflight(stream, r)
+
     def _prepare(self, stream: ParamStream, mine: list[_Replica]) -> dict[str, str]:
         """This rank's servers: reachability, credentials, the pre-flight, the transfer groups. Raises (or, under
         ``"exclude"``, excludes the server) before anything is sent."""
