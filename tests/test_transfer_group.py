@@ -354,3 +354,17 @@ def test_a_forged_rendezvous_value_fails_the_worker_and_the_trainer_with_an_erro
     assert "failed authentication" in str(worker[1]), worker
     assert "failed authentication" in str(raised.value), raised.value
     assert time.monotonic() - start < 20
+
+
+def test_the_nccl_transport_is_refused_where_a_member_has_no_gpu_before_the_group_forms() -> None:
+    """nccl and gloo share the rendezvous and everything above it; a member without CUDA refuses nccl at once, with
+    the alternative, instead of failing inside NCCL (or waiting for peers). An unknown transport is refused too."""
+    require("vllm")
+    from lora_stream.transfer.gloo_engine import TransferGroup
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the refusal is for members without one")
+    with pytest.raises(RuntimeError, match="nccl transport needs a CUDA device.*rank 1.*backend='gloo'"):
+        TransferGroup("127.0.0.1", 1, 1, 2, 1.0, secret=SECRET, transport="nccl")
+    with pytest.raises(ValueError, match="transport must be one of"):
+        TransferGroup("127.0.0.1", 1, 1, 2, 1.0, secret=SECRET, transport="tcp")
