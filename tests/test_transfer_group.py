@@ -364,7 +364,7 @@ def test_the_nccl_transport_is_refused_where_a_member_has_no_gpu_before_the_grou
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the refusal is for members without one")
-    with pytest.raises(RuntimeError, match="nccl transport needs a CUDA device.*rank 1.*backend='gloo'"):
+    with pytest.raises(RuntimeError, match=r"nccl transport needs a CUDA device.*rank 1.*backend='gloo'"):
         TransferGroup("127.0.0.1", 1, 1, 2, 1.0, secret=SECRET, transport="nccl")
     with pytest.raises(ValueError, match="transport must be one of"):
         TransferGroup("127.0.0.1", 1, 1, 2, 1.0, secret=SECRET, transport="tcp")

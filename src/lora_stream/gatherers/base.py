@@ -14,13 +14,14 @@ from ..core import FullTensor, ParamRef
 __all__ = [
     "BUFFER_ALIGN",
     "COALESCE_BYTES",
-    "FlatGather",
     "Gatherer",
     "GathererBase",
     "ParamRef",
     "ShardedGathererBase",
     "aligned",
     "detached",
+    "flat_all_gather",
+    "flat_staging_bytes",
     "nbytes",
     "reusable_buffer",
 ]
@@ -41,73 +42,67 @@ def aligned(nbytes: int) -> int:
     return (nbytes + BUFFER_ALIGN - 1) // BUFFER_ALIGN * BUFFER_ALIGN
 
 
-def reusable_buffer(buf: torch.Tensor | None, nbytes: int, device: torch.device, zero: bool = False) -> torch.Tensor:
-    """``buf`` if it holds at least ``nbytes`` on ``device``, else a fresh byte buffer of that size (zeroed with
-    ``zero``): the gather buffer a direct path owns and reuses for every group of a pass."""
+def reusable_buffer(buf: torch.Tensor | None, nbytes: int, device: torch.device) -> torch.Tensor:
+    """``buf`` if it holds at least ``nbytes`` on ``device``, else a fresh byte buffer of that size: the gather
+    buffer a direct path owns and reuses for every group of a pass."""
     if buf is None or buf.numel() < nbytes or buf.device != device:
-        alloc = torch.zeros if zero else torch.empty
-        buf = alloc(max(nbytes, 1), dtype=torch.uint8, device=device)
+        buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
     return buf
 
 
 #: A direct path gathers every parameter of a group whose whole size (padded to the shards) is at most this many
-#: bytes in one all-gather of a flat buffer (:class:`FlatGather`); a larger parameter gets an all-gather of its own,
-#: straight into place. A collective costs a fixed latency (about 0.1-1 ms over gloo, tens of microseconds over
-#: NCCL) whatever its size, and the flat buffer costs a copy of the parameter in and out and a staging buffer: below
+#: bytes in one all-gather of a flat buffer (:func:`flat_all_gather`); a larger parameter gets an all-gather of its
+#: own, straight into place. A collective costs a fixed latency (about 0.1-1 ms over gloo, tens of microseconds over
+#: NCCL) whatever its size, and the flat buffer costs a copy of the parameter in and out and staging bytes: below
 #: this size the latency dominates (LoRA factors, norms, biases), above it the copy would. ``coalesce_bytes=0`` on a
 #: gatherer gives every parameter its own all-gather.
 COALESCE_BYTES = 1 << 20
 
 
-class FlatGather:
-    """One all-gather for many parameters: each rank's pieces packed into one byte buffer, all-gathered into another,
-    then copied out to each parameter's place. The staging buffers belong to the gatherer and are reused by every
-    group of a pass (grown on demand, freed by :meth:`clear`), like its gather buffers.
+def flat_staging_bytes(sizes: Sequence[int], world: int) -> int:
+    """Staging bytes :func:`flat_all_gather` needs for pieces of ``sizes`` bytes a rank: the packed pieces and
+    ``world`` times as many gathered."""
+    return sum(sizes) * (world + 1)
+
+
+def flat_all_gather(
+    pieces: Sequence[tuple[torch.Tensor, int, torch.Tensor]], staging: torch.Tensor, group: object | None, world: int
+) -> tuple[Any, Callable[[], None]]:
+    """One all-gather for many parameters: this rank's pieces packed into one byte buffer, all-gathered at once,
+    then copied out to each parameter's place.
+
+    Each piece is ``(local, n, out)``: this rank's bytes ``local`` (1-D ``uint8``, at most ``n`` of them; the rest of
+    its ``n`` is padding, zeroed) and ``out``, ``world * n`` contiguous bytes that receive every rank's ``n`` in rank
+    order. ``staging`` (at least :func:`flat_staging_bytes` bytes) holds the packed and the gathered bytes; it is
+    part of the gatherer's own buffer, reused by every group of a pass. Returns the collective's work handle and the
+    function that copies the result out once the handle was waited for.
 
     What every gatherer's direct path does for its small parameters: DeepSpeed's ``allgather_coalesced`` and FSDP2's
     ``foreach_all_gather`` do the same for their units. The copies are byte copies, so the result equals a separate
     all-gather per parameter bit for bit, whatever the dtypes; every rank must pass pieces of the same sizes in the
     same order (they follow from global shapes, which every rank shares).
     """
+    import torch.distributed as dist
 
-    def __init__(self) -> None:
-        self._send: torch.Tensor | None = None
-        self._recv: torch.Tensor | None = None
-        self._zeros: torch.Tensor | None = None
+    sizes = [n for _, n, _ in pieces]
+    total = sum(sizes)
+    recv = staging.narrow(0, 0, total * world)
+    send = staging.narrow(0, total * world, total)
+    pad = max(n - local.numel() for local, n, _ in pieces)
+    zeros = torch.zeros(pad, dtype=torch.uint8, device=staging.device) if pad else None
+    chunks = []
+    for local, n, _ in pieces:
+        chunks.append(local)
+        if zeros is not None and local.numel() < n:  # a short shard (FSDP2's last ranks): padding, never read
+            chunks.append(zeros.narrow(0, 0, n - local.numel()))
+    torch.cat(chunks, out=send)
+    handle = dist.all_gather_into_tensor(recv, send, group=group, async_op=True)  # type: ignore[arg-type]
 
-    def start(
-        self, pieces: Sequence[tuple[torch.Tensor, int, torch.Tensor]], group: object | None, world: int
-    ) -> tuple[Any, Callable[[], None]]:
-        """Start the all-gather of ``pieces``, each ``(local, n, out)``: this rank's bytes ``local`` (1-D
-        ``uint8``, at most ``n`` of them; the rest of its ``n`` is padding), and ``out``, ``world * n`` contiguous
-        bytes that receive every rank's ``n`` in rank order. Returns the collective's work handle and the function
-        that copies the result out once the handle was waited for."""
-        import torch.distributed as dist
+    def copy_out() -> None:
+        outs = [out.view(world, n) for _, n, out in pieces]
+        torch.split_with_sizes_copy(recv.view(world, total), sizes, dim=1, out=outs)
 
-        sizes = [n for _, n, _ in pieces]
-        total = sum(sizes)
-        device = pieces[0][2].device
-        self._send = send = reusable_buffer(self._send, total, device)
-        self._recv = recv = reusable_buffer(self._recv, total * world, device)
-        send, recv = send.narrow(0, 0, total), recv.narrow(0, 0, total * world)
-        chunks = []
-        for local, n, _ in pieces:
-            chunks.append(local)
-            if local.numel() < n:  # a short shard (FSDP2's last ranks): its padding is never read, zero it anyway
-                self._zeros = zeros = reusable_buffer(self._zeros, n, device, zero=True)
-                chunks.append(zeros.narrow(0, 0, n - local.numel()))
-        torch.cat(chunks, out=send)
-        handle = dist.all_gather_into_tensor(recv, send, group=group, async_op=True)  # type: ignore[arg-type]
-
-        def copy_out() -> None:
-            outs = [out.view(world, n) for _, n, out in pieces]
-            torch.split_with_sizes_copy(recv.view(world, total), sizes, dim=1, out=outs)
-
-        return handle, copy_out
-
-    def clear(self) -> None:
-        """Free the staging buffers (a gatherer's ``end_pass``)."""
-        self._send = self._recv = self._zeros = None
+    return handle, copy_out
 
 
 def nbytes(shape: torch.Size, dtype: torch.dtype) -> int:

@@ -22,7 +22,14 @@ import torch
 from torch import nn
 
 from ..core import FullTensor
-from .base import COALESCE_BYTES, FlatGather, ShardedGathererBase, aligned, reusable_buffer
+from .base import (
+    COALESCE_BYTES,
+    ShardedGathererBase,
+    aligned,
+    flat_all_gather,
+    flat_staging_bytes,
+    reusable_buffer,
+)
 
 __all__ = ["Fsdp2Gatherer", "is_dtensor"]
 
@@ -83,8 +90,6 @@ class Fsdp2Gatherer(ShardedGathererBase):
         self.path_counts: dict[str, int] = {"direct": 0, "fallback": 0}
         self.fallback_reason: str | None = None
         self._buffer: torch.Tensor | None = None
-        #: The flat all-gather's staging buffers (the small parameters of a group).
-        self._flat = FlatGather()
 
     @property
     def reuses_buffers(self) -> bool:
@@ -151,15 +156,17 @@ class Fsdp2Gatherer(ShardedGathererBase):
             n = chunk * row_numel * world * p.element_size()
             layout.append((p, size, n))
             size = aligned(size + n)
-        self._buffer = reusable_buffer(self._buffer, size, params[0].to_local().device)
-        device = self._buffer.device
-        out: dict[int, torch.Tensor] = {}
-        handles = []
         # The small parameters (LoRA factors, norms, biases) share one all-gather of a flat buffer; each large one is
-        # all-gathered straight into its place. Sizes are global, so every rank splits the group alike.
+        # all-gathered straight into its place. Sizes are global, so every rank splits the group alike. The flat
+        # all-gather's staging follows the group's tensors in the same buffer.
         small = [(p, off, n) for p, off, n in layout if 0 < n <= self.coalesce_bytes]
         if len(small) < 2:
             small = []
+        staging = flat_staging_bytes([n // world for _, _, n in small], world) if small else 0
+        self._buffer = reusable_buffer(self._buffer, size + staging, params[0].to_local().device)
+        device = self._buffer.device
+        out: dict[int, torch.Tensor] = {}
+        handles = []
         copy_out = None
         if small:
             pieces = [
@@ -170,7 +177,7 @@ class Fsdp2Gatherer(ShardedGathererBase):
                 )
                 for p, off, n in small
             ]
-            handle, copy_out = self._flat.start(pieces, self._group, world)
+            handle, copy_out = flat_all_gather(pieces, self._buffer.narrow(0, size, staging), self._group, world)
             handles.append(handle)
         flat = {id(p) for p, _, _ in small}
         for p, off, n in layout:
@@ -197,4 +204,3 @@ class Fsdp2Gatherer(ShardedGathererBase):
     def end_pass(self) -> None:
         """Free the pass's gather buffer (the stream calls this when a pass ends)."""
         self._buffer = None
-        self._flat.clear()

@@ -11,8 +11,8 @@ are packed into one flat byte buffer, all-gathered at once and copied out to the
 ``allgather_coalesced`` does), so an adapter's group costs one collective, not one per factor; a larger parameter is
 all-gathered straight into its place. The bytes are those ``GatheredParameters`` produces (the same partitions,
 all-gathered; tested bit for bit), and the parameter itself is never touched: its ``ds_status`` stays
-``NOT_AVAILABLE`` and ``param.data`` stays empty. The flat all-gather's staging buffers (this rank's packed
-partitions and the gathered ``world`` times as many bytes) are the gatherer's too, reused by every group of a pass.
+``NOT_AVAILABLE`` and ``param.data`` stays empty. The flat all-gather's staging (this rank's packed partitions and
+the gathered ``world`` times as many bytes) lies in the same owned buffer, after the group's tensors.
 
 Configurations the direct path cannot prove equal fall back to ``GatheredParameters``, for the whole group: ZeRO++
 hierarchical partitions (``ds_secondary_tensor``), quantized partitions, parameters offloaded to NVMe or kept on
@@ -39,7 +39,15 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core import FullTensor
-from .base import COALESCE_BYTES, FlatGather, ShardedGathererBase, aligned, detached, reusable_buffer
+from .base import (
+    COALESCE_BYTES,
+    ShardedGathererBase,
+    aligned,
+    detached,
+    flat_all_gather,
+    flat_staging_bytes,
+    reusable_buffer,
+)
 
 __all__ = ["PathDecision", "ZeroThreeGatherer", "is_zero3_model"]
 
@@ -113,8 +121,6 @@ class ZeroThreeGatherer(ShardedGathererBase):
         #: Why the latest fallback group could not take the direct path.
         self.fallback_reason: str | None = None
         self._buffers: list[torch.Tensor | None] = [None, None]
-        #: The flat all-gather's staging buffers, one per gather buffer (a prefetched group has its own).
-        self._flat = [FlatGather(), FlatGather()]
         self._current: _Gathered | None = None
         self._pending: _Gathered | None = None
         #: The decision ``prefetch`` took for the next group (whichever path), so ``gather`` does not take it again.
@@ -250,8 +256,6 @@ class ZeroThreeGatherer(ShardedGathererBase):
         self._decided = None
         self._drain()
         self._buffers = [None, None]
-        for flat in self._flat:
-            flat.clear()
 
     def _drain(self) -> None:
         pending, self._pending = self._pending, None
@@ -275,18 +279,20 @@ class ZeroThreeGatherer(ShardedGathererBase):
             n = p.ds_tensor.ds_numel * world * p.element_size()
             layout.append((p, size, n))
             size = aligned(size + n)
-        device = params[0].ds_tensor.device if params else torch.device("cpu")
-        buf = self._buffers[slot] = reusable_buffer(self._buffers[slot], size, device)
-        whole_bytes = sum(int(p.ds_numel) * p.element_size() for p, _, _ in layout)
-        gathered = _Gathered(tuple(id(p) for p in params), slot, whole_bytes)
         # The small parameters (every LoRA factor, norms, biases) share one all-gather of a flat buffer; each large
-        # one is all-gathered straight into its place. Sizes are global, so every rank splits the group alike.
+        # one is all-gathered straight into its place. Sizes are global, so every rank splits the group alike. The
+        # flat all-gather's staging follows the group's tensors in the same buffer.
         small = [(p, off, n) for p, off, n in layout if 0 < n <= self.coalesce_bytes]
         if len(small) < 2:
             small = []
+        staging = flat_staging_bytes([n // world for _, _, n in small], world) if small else 0
+        device = params[0].ds_tensor.device if params else torch.device("cpu")
+        buf = self._buffers[slot] = reusable_buffer(self._buffers[slot], size + staging, device)
+        whole_bytes = sum(int(p.ds_numel) * p.element_size() for p, _, _ in layout)
+        gathered = _Gathered(tuple(id(p) for p in params), slot, whole_bytes)
         if small:
             pieces = [(self._partition(p).view(torch.uint8), n // world, buf.narrow(0, off, n)) for p, off, n in small]
-            handle, copy_out = self._flat[slot].start(pieces, self._group, world)
+            handle, copy_out = flat_all_gather(pieces, buf.narrow(0, size, staging), self._group, world)
             gathered.handles.append(handle)
             gathered.copy_out = copy_out
         flat = {id(p) for p, _, _ in small}
