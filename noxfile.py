@@ -43,7 +43,8 @@ def tests_entry(session: nox.Session) -> None:
     """Run the test suite in the real stack (creates .nox/stack on first use)."""
     _in_stack(
         session,
-        ["python", "-m", "pytest", *(session.posargs or ["tests"])],
+        # --durations: the slowest tests in every CI log, to keep the suite inside its time budget.
+        ["python", "-m", "pytest", *(session.posargs or ["tests", "--durations=30"])],
         env={"LORA_STREAM_REQUIRE_ALL": "1"},
     )
 
