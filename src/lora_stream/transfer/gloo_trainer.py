@@ -1,10 +1,13 @@
-"""The trainer side of the ``gloo`` backend: a ``TrainerWeightTransferEngine`` vLLM's factory can build.
+"""The trainer side of lora_stream's weight-transfer backend: a ``TrainerWeightTransferEngine`` vLLM's factory can
+build, and :func:`send_to_engines`, one pass of a stream into several servers' groups.
 
-Rank 0 of the trainer sends; every rank iterates the source (a :class:`~lora_stream.ParamStream`), because its gathers
-are collectives. Per sync the sender: sends the metadata once (``/update_weights``, on a helper thread, since the
-server answers only once every byte arrived), packs the stream's tensors into chunks as they are produced (so at
-most one chunk buffer is held beyond the stream's own group), broadcasts each chunk, and polls the HTTP call between
-chunks so that a server-side failure ends the sync at once instead of at the broadcast timeout.
+Each engine is the sending end of one server's group (its workers, gloo or nccl). Every trainer rank iterates the
+source (a :class:`~lora_stream.ParamStream`), because its gathers are collectives; a rank that feeds servers: sends
+each server the metadata once (``/update_weights``, on a helper thread, since the server answers only once every
+byte arrived), packs the stream's tensors into chunks as they are produced (so at most two chunk buffers are held
+beyond the stream's own group, whatever the number of servers), broadcasts each chunk to each of its groups, and
+looks at each server's HTTP call between chunks so that a server-side failure ends that server's update at once
+instead of at the broadcast timeout.
 """
 
 from __future__ import annotations
