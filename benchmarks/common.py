@@ -103,6 +103,19 @@ def model_cli(
     return args, worker_args
 
 
+def rank_env(rank: int, port: int, world: int = 2) -> dict[str, str]:
+    """The environment of one torch.distributed rank on this machine (one intra-op thread: the ranks share cores)."""
+    return {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(world),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "OMP_NUM_THREADS": "1",
+    }
+
+
 def run_variant(
     worker: Path, variant: str, extra: list[str], common: list[str], tmp: str, timeout: float
 ) -> list[dict]:
@@ -111,15 +124,7 @@ def run_variant(
     port = free_port()
     procs = []
     for rank in range(2):
-        env = {
-            **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "WORLD_SIZE": "2",
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "OMP_NUM_THREADS": "1",
-        }
+        env = rank_env(rank, port)
         procs.append(
             subprocess.Popen(
                 [sys.executable, str(worker), variant, *extra, *common, "--out", out],
