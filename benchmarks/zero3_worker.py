@@ -134,6 +134,8 @@ def main() -> None:
     p.add_argument("--fallback", action="store_true", help="ZeroThreeGatherer(direct=False): GatheredParameters")
     p.add_argument("--coalesce-bytes", type=int, default=None, help="ZeroThreeGatherer(coalesce_bytes=...)")
     p.add_argument("--prefetch", action="store_true", help="prefetch=True")
+    p.add_argument("--keep-bytes", type=int, default=None, help="ZeroThreeGatherer(keep_bytes=...)")
+    p.add_argument("--ab", default="", help="adapter A/B: labels of adapter_floors.AB, run interleaved (no RSS)")
     p.add_argument("--trace", action="store_true", help="keep the RSS samples of the last sync (for the plot)")
     add_model_args(p)
     p.add_argument("--rank", type=int, default=16)
@@ -145,7 +147,21 @@ def main() -> None:
     from lora_stream import AdapterStream, ParamStream, ZeroThreeGatherer
 
     budget = {"budget_bytes": args.budget} if args.budget else {}
+    if args.ab:
+        from adapter_floors import ab_run, zero3_pieces
+
+        def make(**kw: object) -> ParamStream:
+            return AdapterStream(engine, group_by=args.group_by, gatherer=ZeroThreeGatherer(engine, **kw), **budget)
+
+        ab_run(args, make, zero3_pieces)
+        return
     coalesce = {} if args.coalesce_bytes is None else {"coalesce_bytes": args.coalesce_bytes}
+    if args.keep_bytes is not None:
+        coalesce["keep_bytes"] = args.keep_bytes
+    elif args.adapter:  # what AdapterStream(engine) does with the gatherer it builds
+        from lora_stream.gatherers.base import KEEP_BYTES
+
+        coalesce["keep_bytes"] = KEEP_BYTES
     gatherer = ZeroThreeGatherer(engine, direct=not args.fallback, **coalesce)
     if args.adapter:
         stream: ParamStream = AdapterStream(engine, group_by=args.group_by, gatherer=gatherer, **budget)

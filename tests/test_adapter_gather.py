@@ -22,6 +22,7 @@ def test_a_groups_lora_factors_are_one_all_gather_and_equal_the_per_parameter_ga
         for e in records:
             assert e["all_gathers"] == [1] and set(e["all_gathers_budget"]) == {1}, e
             assert e["all_gathers_per_parameter"] == [e["factors"]], e
+            assert e["kept_passes"] == 5, e  # buffers kept between passes: every pass bit-equal
         assert 2 in records[-1]["piece_bytes_mod_4"], records[-1]  # bf16 pieces not a multiple of 4 bytes
         merged = event(r.output, "merged-gather")
         assert sum(merged["all_gathers"]) < sum(merged["per_parameter"]), merged

@@ -36,6 +36,7 @@ from .base_weights import is_quantized
 from .core import Output, Step, Target, Unit
 from .errors import UnsupportedAdapterError
 from .gatherers import Gatherer
+from .gatherers.base import KEEP_BYTES
 from .grouping import DEFAULT_BUDGET_BYTES, GroupBy
 from .merge import DEFAULT_MERGE_BLOCK_BYTES, ScaledFactor
 from .names import join
@@ -163,7 +164,9 @@ class AdapterStream(ParamStream):
         model: a ``PeftModel`` (or one wrapped by DDP, DeepSpeed, FSDP, ``torch.compile``) with exactly one active
             LoRA adapter.
         dtype: output dtype of both factors (default: each factor's own).
-        gatherer: as for :class:`~lora_stream.ParamStream`.
+        gatherer: as for :class:`~lora_stream.ParamStream`. The ZeRO-3 or FSDP2 gatherer this stream builds
+            itself (``None``) keeps its gather buffers between syncs when they hold at most
+            :data:`~lora_stream.gatherers.base.KEEP_BYTES` (64 MiB; ``keep_bytes``); ``close()`` frees them.
         group_by: as for :class:`~lora_stream.ParamStream`.
         budget_bytes: as for :class:`~lora_stream.ParamStream`, counting the factors only.
         timeout: as for :class:`~lora_stream.ParamStream`.
@@ -197,6 +200,11 @@ class AdapterStream(ParamStream):
             measure_rss=measure_rss,
             layout="memory",
         )
+        if gatherer is None and getattr(self.gatherer, "keep_bytes", None) == 0:
+            # An adapter's buffers are small (its factors gathered, plus staging): keeping them between syncs spares
+            # faulting their pages in again every sync. Counted by held_bytes() and last_stats.kept_bytes between
+            # passes; freed by close().
+            self.gatherer.keep_bytes = KEEP_BYTES  # type: ignore[attr-defined]
 
     def _plan(
         self, model: nn.Module, dtype: torch.dtype | None, renames: Any, block_bytes: int, layout: Any

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import zlib
+from collections.abc import Sequence
 from enum import IntEnum
 
 import torch
@@ -24,7 +25,7 @@ import torch.distributed as dist
 
 from .errors import StreamAbortedError
 
-__all__ = ["REASON_BYTES", "Lockstep", "Status", "describe_error", "describe_stops"]
+__all__ = ["FLAG_CAPACITY", "REASON_BYTES", "Lockstep", "Status", "describe_error", "describe_stops"]
 
 
 class Status(IntEnum):
@@ -38,6 +39,12 @@ class Status(IntEnum):
 #: Bytes of the reason a stopping rank sends along (UTF-8, truncated): enough to name the error and the tensors.
 REASON_BYTES = 1024
 _REASON_WORDS = REASON_BYTES // 8
+_FLAG_BITS = 62
+#: Flags a rank in a pass's exchange can send along its OK status (in its reason's words, which an OK status does
+#: not use): what a gatherer needs every rank to agree on before a group (ZeRO-3's path agreement), so that it needs
+#: no collective of its own. The buffer's size never changes, so a rank in a pass's exchange still pairs with a rank
+#: in a sink's agreement.
+FLAG_CAPACITY = _REASON_WORDS * _FLAG_BITS
 
 _WHY = {
     Status.STOPPED: "stopped iterating early (break, close(), or an exception in its consumer)",
@@ -62,22 +69,39 @@ class Lockstep:
         self.digest = zlib.crc32(plan_digest.encode()) & 0x7FFFFFFF
         self.timeout = timeout
         self.closed = False
+        self._words = torch.zeros(self.world, _REASON_WORDS, dtype=torch.int64)
         backend = dist.get_backend(group)  # type: ignore[arg-type]
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
-    def exchange(self, status: Status, where: str, reason: str = "") -> None:
+    def exchange(
+        self, status: Status, where: str, reason: str = "", flags: Sequence[bool] | None = None
+    ) -> list[bool] | None:
         """Contribute ``status`` (and, when stopping, ``reason``); raise :class:`StreamAbortedError` if another rank
-        reported a stop, with that rank's reason."""
+        reported a stop, with that rank's reason.
+
+        ``flags`` (with ``Status.OK`` only, at most :data:`FLAG_CAPACITY`; every rank passes as many) ride along in
+        the same ``all_reduce``: returns each flag ANDed over every rank (``None`` without ``flags``)."""
         if self.closed:
-            return
-        statuses, reasons = self.statuses(status, where, reason)
+            return None
+        if flags is not None and (status != Status.OK or reason or len(flags) > FLAG_CAPACITY):
+            raise ValueError(f"flags go with an OK status and no reason, at most {FLAG_CAPACITY} of them")
+        statuses, reasons = self.statuses(status, where, reason, flags)
         bad = tuple(r for r, s in enumerate(statuses) if s != Status.OK and r != self.rank)
         if bad and status == Status.OK:
             raise StreamAbortedError(
                 f"rank {self.rank}: stream aborted {where}: {describe_stops(statuses, reasons, bad)}", failed_ranks=bad
             )
+        if flags is None:
+            return None
+        words = self._words[0].clone()
+        for r in range(1, self.world):
+            words &= self._words[r]
+        agreed = words.tolist()
+        return [bool(agreed[i // _FLAG_BITS] >> (i % _FLAG_BITS) & 1) for i in range(len(flags))]
 
-    def statuses(self, status: Status, where: str, reason: str = "") -> tuple[list[int], list[str]]:
+    def statuses(
+        self, status: Status, where: str, reason: str = "", flags: Sequence[bool] | None = None
+    ) -> tuple[list[int], list[str]]:
         """One exchange: every rank's status and reason. Raises :class:`StreamAbortedError` only if the exchange
         itself fails (a peer died, the wait timed out, or the ranks planned different streams).
 
@@ -96,6 +120,13 @@ class Lockstep:
             words = torch.frombuffer(bytearray(raw), dtype=torch.int64)
             start = 2 * w + self.rank * _REASON_WORDS
             buf[start : start + _REASON_WORDS] = words.to(self.device)
+        elif flags:  # packed into the reason's words, which an OK status leaves unused (see exchange)
+            packed = [0] * _REASON_WORDS
+            for i, flag in enumerate(flags):
+                if flag:
+                    packed[i // _FLAG_BITS] |= 1 << (i % _FLAG_BITS)
+            start = 2 * w + self.rank * _REASON_WORDS
+            buf[start : start + _REASON_WORDS] = torch.tensor(packed, dtype=torch.int64, device=self.device)
         try:
             work = dist.all_reduce(buf, group=self.group, async_op=True)  # type: ignore[arg-type]
             ok = work.wait(timeout=self.timeout)
@@ -119,6 +150,7 @@ class Lockstep:
             )
         if any(s != Status.OK for s in statuses):
             self.closed = True
+        self._words = host[2 * w :].view(w, _REASON_WORDS)
         raw_reasons = host[2 * w :].numpy().tobytes()
         reasons = [
             raw_reasons[r * REASON_BYTES : (r + 1) * REASON_BYTES].rstrip(b"\0").decode("utf-8", "replace")

@@ -23,7 +23,7 @@ from .core import Step, Unit
 from .errors import LoraStreamError, StreamAbortedError
 from .gatherers import Gatherer, auto_gatherer
 from .grouping import DEFAULT_BUDGET_BYTES, GroupBy, partition
-from .lockstep import Lockstep, Status, describe_error
+from .lockstep import FLAG_CAPACITY, Lockstep, Status, describe_error
 from .merge import DEFAULT_MERGE_BLOCK_BYTES, FullTensor
 from .names import NameNormalizer, Renames
 from .plan import Target, plan_model
@@ -64,6 +64,9 @@ class StreamStats:
     peak_temp_bytes: int = 0
     #: Float32 workspace the pass held at its end (reused by every merge; bounded by a few merge blocks).
     workspace_bytes: int = 0
+    #: Bytes the gatherer kept allocated when the pass ended, for the next pass (its gather buffers, when they hold
+    #: at most its ``keep_bytes``; freed by ``close()``); 0 when it frees them.
+    kept_bytes: int = 0
     #: Process resident set at the start of the pass and its peak during the pass (``measure_rss=True``, Linux).
     rss_start_bytes: int | None = None
     rss_peak_bytes: int | None = None
@@ -382,6 +385,9 @@ class ParamStream:
         ``with ParamStream(...) as stream:`` calls this when the block exits, exception or not."""
         for p in list(self._passes):
             p.close()
+        release = getattr(self.gatherer, "release", None)
+        if release is not None:
+            release()  # buffers a gatherer keeps between passes (keep_bytes)
 
     def __enter__(self) -> ParamStream:
         return self
@@ -459,10 +465,19 @@ class ParamStream:
         g = self.gatherer
         prefetch = getattr(g, "prefetch", None) if self.prefetch else None
         paths_before = dict(getattr(g, "path_counts", {}))
+        # A gatherer that must agree with its peers before each gather (ZeRO-3's path) sends its flags along the
+        # status exchange before the group instead of a collective of its own. With prefetch it agrees on the next
+        # group when it starts gathering it, inside the current group: then it keeps its own collective.
+        agreement = getattr(g, "agreement", None) if lock is not None and prefetch is None else None
         try:
             for gi, group in enumerate(self._groups):
                 if lock is not None:
-                    lock.exchange(Status.OK, f"before group {gi} of {n}")
+                    flags = agreement(group.params) if agreement is not None else None
+                    if flags is not None and len(flags) > FLAG_CAPACITY:
+                        flags = None  # every rank has as many: every rank leaves it to the gatherer's own
+                    agreed = lock.exchange(Status.OK, f"before group {gi} of {n}", flags=flags)
+                    if agreed is not None:
+                        g.agreed(group.params, agreed)  # type: ignore[attr-defined]
                 with g.gather(group.params) as full:
                     stats.groups += 1
                     held = group.gathered_bytes
@@ -513,6 +528,7 @@ class ParamStream:
                     if status == Status.OK and handle.state == PassState.COMPLETE:
                         raise
                     handle.stop_reason = handle.stop_reason or describe_error(exc)
+            stats.kept_bytes = int(getattr(g, "kept_bytes", 0))
             paths = getattr(g, "path_counts", {})
             stats.gather_paths = {k: v - paths_before.get(k, 0) for k, v in paths.items()}
             stats.fallback_reason = getattr(g, "fallback_reason", None) if stats.gather_paths.get("fallback") else None

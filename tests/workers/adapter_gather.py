@@ -138,6 +138,9 @@ def check_adapter(how: str, label: str, model: torch.nn.Module) -> None:
     assert_equal(got, want, f"{label} per-parameter")
     got, _ = one_pass(AdapterStream(sharded, gatherer=gatherer(how, sharded, direct=False)))
     assert_equal(got, want, f"{label} fallback")
+    kept_passes = check_kept(how, label, sharded, want)
+    if how == "zero3":
+        check_agreement_in_lockstep(label, sharded, want)
     world = dist.get_world_size()
     if how == "zero3":
         piece_bytes = [p.ds_tensor.ds_numel * p.element_size() for p in stream._groups[0].params]
@@ -154,8 +157,85 @@ def check_adapter(how: str, label: str, model: torch.nn.Module) -> None:
         all_gathers=per_group,
         all_gathers_budget=per_group_small,
         all_gathers_per_parameter=per_group_param,
+        kept_passes=kept_passes,
         seconds=time.perf_counter() - start,
     )
+
+
+def shards(how: str, model: torch.nn.Module) -> list[torch.Tensor]:
+    """This rank's shards of the LoRA factors (ZeRO-3 partitions or FSDP2 local shards), to change in place."""
+    lora_params = [p for n, p in model.named_parameters() if "lora_" in n]
+    return [p.ds_tensor if how == "zero3" else p.to_local() for p in lora_params]
+
+
+def check_kept(how: str, label: str, sharded: torch.nn.Module, want: list[tuple[str, torch.Tensor]]) -> int:
+    """The stream's own gatherer keeps its buffers (and their layout) between passes, from its second pass on:
+    every pass still equals the unsharded stream, a change of the trainer's shards in place is seen by the next
+    pass, what is kept is counted by ``held_bytes()`` and the record between passes and stays under
+    ``KEEP_BYTES``, and ``close()`` frees it."""
+    from lora_stream.gatherers.base import KEEP_BYTES
+
+    kept = AdapterStream(sharded)  # builds its own gatherer: keep_bytes=KEEP_BYTES
+    g = kept.gatherer
+    assert g.keep_bytes == KEEP_BYTES and g.held_bytes() == 0
+    passes = 0
+    for i in range(3):
+        got, per_group = one_pass(kept)
+        passes += 1
+        assert per_group == [1], per_group
+        assert_equal(got, want, f"{label} kept pass {i}")
+        if i == 0:  # a stream used once (built per sync) frees its buffers as before
+            assert g.held_bytes() == kept.last_stats.kept_bytes == 0, (g.held_bytes(), kept.last_stats)
+        else:
+            assert 0 < g.held_bytes() == kept.last_stats.kept_bytes <= KEEP_BYTES, (g.held_bytes(), kept.last_stats)
+    # The trainer's shards change in place (an optimizer step): the kept layout reads the new bytes.
+    with torch.no_grad():
+        for t in shards(how, sharded):
+            t.mul_(2)
+    try:
+        fresh, _ = one_pass(AdapterStream(sharded, gatherer=gatherer(how, sharded)))
+        got, _ = one_pass(kept)
+        passes += 1
+        assert_equal(got, fresh, f"{label} kept after a step")
+        assert any(not torch.equal(a, b) for (_, a), (_, b) in zip(got, want)), "the step changed nothing"
+    finally:
+        with torch.no_grad():
+            for t in shards(how, sharded):
+                t.div_(2)
+    kept.close()
+    assert g.held_bytes() == 0 and kept.last_stats.kept_bytes > 0
+    assert (g._buffers == [None, None]) if how == "zero3" else (g._buffer is None)
+    got, _ = one_pass(kept)  # usable again after close(): the buffer is allocated anew
+    passes += 1
+    assert_equal(got, want, f"{label} kept after close")
+    kept.close()
+    return passes
+
+
+def check_agreement_in_lockstep(label: str, sharded: torch.nn.Module, want: list[tuple[str, torch.Tensor]]) -> None:
+    """ZeRO-3's path agreement rides along the stream's status exchange: a pass issues one ``all_reduce`` per group
+    plus one at the end (no agreement of its own), and still agrees where the ranks differ: a factor whole
+    (``AVAILABLE``) on rank 0 only is all-gathered on both ranks, and the values stay bit-equal."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    stream = AdapterStream(sharded, gatherer=gatherer("zero3", sharded), budget_bytes=1)  # one module a group
+    n = len(stream.groups())
+    assert n > 2, n
+    with counting() as calls:
+        got = [(name, t.clone()) for name, t in stream]
+    assert calls["all_reduce"] == n + 1 and calls["all_gather_into_tensor"] == n, (calls, n)
+    assert_equal(got, want, f"{label} agreement in lockstep")
+    target = stream._groups[1].params[0]
+    if dist.get_rank() == 0:
+        target.ds_status = ZeroParamStatus.AVAILABLE  # rank 0 alone would skip its all-gather
+    try:
+        with counting() as calls:
+            got = [(name, t.clone()) for name, t in stream]
+    finally:
+        target.ds_status = ZeroParamStatus.NOT_AVAILABLE
+    assert calls["all_reduce"] == n + 1, (calls, n)
+    assert_equal(got, want, f"{label} whole on rank 0 only")
+    assert stream.last_stats.gather_paths == {"direct": len(want), "fallback": 0}, stream.last_stats.gather_paths
 
 
 def check_merged(how: str) -> None:

@@ -14,6 +14,8 @@ from ..core import FullTensor, ParamRef
 __all__ = [
     "BUFFER_ALIGN",
     "COALESCE_BYTES",
+    "FlatGather",
+    "KEEP_BYTES",
     "Gatherer",
     "GathererBase",
     "ParamRef",
@@ -59,10 +61,58 @@ def reusable_buffer(buf: torch.Tensor | None, nbytes: int, device: torch.device)
 COALESCE_BYTES = 1 << 20
 
 
+#: What :class:`~lora_stream.AdapterStream` passes as ``keep_bytes`` to the ZeRO-3 or FSDP2 gatherer it builds:
+#: a direct path's buffers of at most this many bytes in all (an adapter's factors, gathered, plus the flat
+#: all-gather's staging) stay allocated between passes, so each sync does not fault their pages in again (measured:
+#: see ``docs/adapter_sync.md``). A merged stream's gatherer frees them at the end of every pass unless asked.
+KEEP_BYTES = 64 << 20
+
+
 def flat_staging_bytes(sizes: Sequence[int], world: int) -> int:
     """Staging bytes :func:`flat_all_gather` needs for pieces of ``sizes`` bytes a rank: the packed pieces and
     ``world`` times as many gathered."""
     return sum(sizes) * (world + 1)
+
+
+class FlatGather:
+    """The buffer side of :func:`flat_all_gather`, laid out once: where each piece's ``world * n`` bytes go, the
+    packed and gathered staging, and the views the copy out writes through. A direct path that keeps its buffer
+    between passes keeps this too, so a sync does not rebuild hundreds of views of the same bytes.
+
+    ``outs[i]`` receives ``world * sizes[i]`` bytes (every rank's ``sizes[i]``, in rank order); ``staging`` holds
+    :func:`flat_staging_bytes` of ``sizes``.
+    """
+
+    def __init__(self, sizes: Sequence[int], outs: Sequence[torch.Tensor], staging: torch.Tensor, world: int) -> None:
+        self.sizes = list(sizes)
+        self.world = world
+        total = sum(self.sizes)
+        self.recv = staging.narrow(0, 0, total * world)
+        self.send = staging.narrow(0, total * world, total)
+        self._recv_rows = self.recv.view(world, total)
+        self._outs = [out.view(world, n) for out, n in zip(outs, self.sizes, strict=True)]
+        self._zeros: torch.Tensor | None = None
+
+    def start(self, locals_: Sequence[torch.Tensor], group: object | None) -> Any:
+        """Pack this rank's bytes (``locals_[i]``: 1-D ``uint8``, at most ``sizes[i]``; the rest is padding,
+        zeroed) and start the all-gather; returns its work handle."""
+        import torch.distributed as dist
+
+        pad = max(n - local.numel() for local, n in zip(locals_, self.sizes, strict=True))
+        if pad and (self._zeros is None or self._zeros.numel() < pad):
+            self._zeros = torch.zeros(pad, dtype=torch.uint8, device=self.send.device)
+        chunks = []
+        for local, n in zip(locals_, self.sizes):
+            chunks.append(local)
+            if local.numel() < n:  # a short shard (FSDP2's last ranks): padding, never read
+                assert self._zeros is not None
+                chunks.append(self._zeros.narrow(0, 0, n - local.numel()))
+        torch.cat(chunks, out=self.send)
+        return dist.all_gather_into_tensor(self.recv, self.send, group=group, async_op=True)  # type: ignore[arg-type]
+
+    def copy_out(self) -> None:
+        """Copy every rank's bytes to each piece's place; once the handle was waited for."""
+        torch.split_with_sizes_copy(self._recv_rows, self.sizes, dim=1, out=self._outs)
 
 
 def flat_all_gather(
@@ -75,34 +125,17 @@ def flat_all_gather(
     its ``n`` is padding, zeroed) and ``out``, ``world * n`` contiguous bytes that receive every rank's ``n`` in rank
     order. ``staging`` (at least :func:`flat_staging_bytes` bytes) holds the packed and the gathered bytes; it is
     part of the gatherer's own buffer, reused by every group of a pass. Returns the collective's work handle and the
-    function that copies the result out once the handle was waited for.
+    function that copies the result out once the handle was waited for (:class:`FlatGather` keeps the layout for
+    the next time).
 
     What every gatherer's direct path does for its small parameters: DeepSpeed's ``allgather_coalesced`` and FSDP2's
     ``foreach_all_gather`` do the same for their units. The copies are byte copies, so the result equals a separate
     all-gather per parameter bit for bit, whatever the dtypes; every rank must pass pieces of the same sizes in the
     same order (they follow from global shapes, which every rank shares).
     """
-    import torch.distributed as dist
-
-    sizes = [n for _, n, _ in pieces]
-    total = sum(sizes)
-    recv = staging.narrow(0, 0, total * world)
-    send = staging.narrow(0, total * world, total)
-    pad = max(n - local.numel() for local, n, _ in pieces)
-    zeros = torch.zeros(pad, dtype=torch.uint8, device=staging.device) if pad else None
-    chunks = []
-    for local, n, _ in pieces:
-        chunks.append(local)
-        if zeros is not None and local.numel() < n:  # a short shard (FSDP2's last ranks): padding, never read
-            chunks.append(zeros.narrow(0, 0, n - local.numel()))
-    torch.cat(chunks, out=send)
-    handle = dist.all_gather_into_tensor(recv, send, group=group, async_op=True)  # type: ignore[arg-type]
-
-    def copy_out() -> None:
-        outs = [out.view(world, n) for _, n, out in pieces]
-        torch.split_with_sizes_copy(recv.view(world, total), sizes, dim=1, out=outs)
-
-    return handle, copy_out
+    flat = FlatGather([n for _, n, _ in pieces], [out for _, _, out in pieces], staging, world)
+    handle = flat.start([local for local, _, _ in pieces], group)
+    return handle, flat.copy_out
 
 
 def nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
@@ -126,7 +159,11 @@ class Gatherer(Protocol):
     * ``prefetch(params)``: start gathering the next group; called (with ``ParamStream(prefetch=True)``) right after
       the current group became whole, at the same point on every rank, so a collective started there always has
       its partners.
-    * ``end_pass()``: called when a pass ends, however it ends: wait for anything in flight, free per-pass buffers.
+    * ``end_pass()``: called when a pass ends, however it ends: wait for anything in flight, free per-pass buffers
+      (or keep them for the next pass when they hold at most the gatherer's ``keep_bytes``).
+    * ``kept_bytes`` / ``release()``: bytes kept for the next pass (copied into
+      :attr:`~lora_stream.StreamStats.kept_bytes`, counted by ``held_bytes()`` between passes), and the call that
+      frees them (:meth:`~lora_stream.ParamStream.close` makes it).
     * ``path_counts`` / ``fallback_reason``: copied into :class:`~lora_stream.StreamStats` as ``gather_paths``;
       ``path_counts`` counts parameters (``{"direct": n, "fallback": m}``: parameters made whole by each path).
     * ``gather_key(param)``: see :meth:`GathererBase.gather_key`; with it (and :class:`GathererBase`'s

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,9 +25,9 @@ from torch import nn
 from ..core import FullTensor
 from .base import (
     COALESCE_BYTES,
+    FlatGather,
     ShardedGathererBase,
     aligned,
-    flat_all_gather,
     flat_staging_bytes,
     reusable_buffer,
 )
@@ -56,6 +57,20 @@ def _whole(p: Any) -> torch.Tensor:
     return full
 
 
+@dataclass
+class _Layout:
+    """One group's place in the buffer, kept with the buffer (``keep_bytes``) so that a sync does not rebuild the
+    views: the flat all-gather of its small parameters, the large ones' places, every whole tensor."""
+
+    buf: torch.Tensor
+    whole_bytes: int
+    small: list[Any] = field(default_factory=list)
+    flat: FlatGather | None = None
+    #: ``(param, its place, elements every rank sends)``
+    large: list[tuple[Any, torch.Tensor, int]] = field(default_factory=list)
+    full: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
 class Fsdp2Gatherer(ShardedGathererBase):
     """One group of DTensor parameters made whole at a time, never the whole model; read-only.
 
@@ -71,13 +86,29 @@ class Fsdp2Gatherer(ShardedGathererBase):
         coalesce_bytes: on the direct path, a group's parameters of at most this many whole bytes (padded to the
             shards) share one all-gather of a flat buffer; each larger one gets its own (default
             :data:`~lora_stream.gatherers.base.COALESCE_BYTES`, 1 MiB; ``0``: one all-gather per parameter).
+        keep_bytes: when a pass ends, keep the direct path's buffer for the next pass if it holds at most this many
+            bytes (default ``0``: freed at the end of every pass), from the gatherer's second pass on (a stream built
+            for a single sync frees it as before). A kept buffer's pages stay resident, so the next
+            sync does not fault them in again; it holds the last group's gathered bytes until then, and
+            :meth:`held_bytes` counts it. :meth:`release` (and the stream's ``close()``) frees it.
+            :class:`~lora_stream.AdapterStream` sets :data:`~lora_stream.gatherers.base.KEEP_BYTES` on the gatherer
+            it builds itself.
     """
 
     name = "fsdp2"
 
-    def __init__(self, model: nn.Module, *, direct: bool = True, coalesce_bytes: int = COALESCE_BYTES) -> None:
+    def __init__(
+        self, model: nn.Module, *, direct: bool = True, coalesce_bytes: int = COALESCE_BYTES, keep_bytes: int = 0
+    ) -> None:
         if coalesce_bytes < 0:
             raise ValueError(f"coalesce_bytes must be >= 0, got {coalesce_bytes}")
+        if keep_bytes < 0:
+            raise ValueError(f"keep_bytes must be >= 0, got {keep_bytes}")
+        self.keep_bytes = keep_bytes
+        self._passes_ended = 0
+        self._cache_layouts = True  # off only to measure what keeping the layouts saves (benchmarks)
+        #: Bytes of the buffer kept since the last pass ended (counted by ``held_bytes`` until the next gather).
+        self.kept_bytes = 0
         dtensors = [p for p in model.parameters() if is_dtensor(p)]
         if not dtensors:
             raise ValueError("Fsdp2Gatherer needs a model with DTensor parameters (torch.distributed.fsdp.fully_shard)")
@@ -90,6 +121,8 @@ class Fsdp2Gatherer(ShardedGathererBase):
         self.path_counts: dict[str, int] = {"direct": 0, "fallback": 0}
         self.fallback_reason: str | None = None
         self._buffer: torch.Tensor | None = None
+        #: The layouts of the groups gathered into the buffer (kept only with ``keep_bytes``).
+        self._layouts: dict[tuple[int, ...], _Layout] = {}
 
     @property
     def reuses_buffers(self) -> bool:
@@ -116,6 +149,7 @@ class Fsdp2Gatherer(ShardedGathererBase):
 
     @contextmanager
     def gather(self, params: Sequence[nn.Parameter]) -> Iterator[FullTensor]:
+        self.kept_bytes = 0  # a pass is running: its buffer is in use again, counted as its groups' bytes
         whole: dict[int, torch.Tensor] = {}
         try:
             with torch.no_grad():
@@ -146,52 +180,26 @@ class Fsdp2Gatherer(ShardedGathererBase):
 
         if not params:
             return {}
-        world = dist.get_world_size(self._group)  # type: ignore[arg-type]
-        layout = []
-        size = 0
-        for p in params:
-            rows = p.shape[0]
-            chunk = -(-rows // world)
-            row_numel = p.numel() // rows if rows else 0
-            n = chunk * row_numel * world * p.element_size()
-            layout.append((p, size, n))
-            size = aligned(size + n)
-        # The small parameters (LoRA factors, norms, biases) share one all-gather of a flat buffer; each large one is
-        # all-gathered straight into its place. Sizes are global, so every rank splits the group alike. The flat
-        # all-gather's staging follows the group's tensors in the same buffer.
-        small = [(p, off, n) for p, off, n in layout if 0 < n <= self.coalesce_bytes]
-        if len(small) < 2:
-            small = []
-        staging = flat_staging_bytes([n // world for _, _, n in small], world) if small else 0
-        self._buffer = reusable_buffer(self._buffer, size + staging, params[0].to_local().device)
-        device = self._buffer.device
-        out: dict[int, torch.Tensor] = {}
+        key = tuple(id(p) for p in params)
+        layout = self._layouts.get(key)
+        if layout is None or layout.buf is not self._buffer:
+            layout = self._lay_out(params)
+            if self.keep_bytes and self._cache_layouts:  # the buffer may outlive the pass: so may its views
+                self._layouts[key] = layout
+        out = dict(layout.full)
+        self._held += layout.whole_bytes
         handles = []
         copy_out = None
-        if small:
-            pieces = [
-                (
-                    p.to_local().detach().contiguous().view(-1).view(torch.uint8),
-                    n // world,
-                    self._buffer.narrow(0, off, n),
-                )
-                for p, off, n in small
-            ]
-            handle, copy_out = flat_all_gather(pieces, self._buffer.narrow(0, size, staging), self._group, world)
-            handles.append(handle)
-        flat = {id(p) for p, _, _ in small}
-        for p, off, n in layout:
-            gathered = self._buffer.narrow(0, off, n).view(p.dtype)
-            out[id(p)] = gathered.narrow(0, 0, p.numel()).view(p.shape)
-            self._held += p.numel() * p.element_size()
-            if id(p) in flat:
-                continue
+        if layout.flat is not None:
+            locals_ = [p.to_local().detach().contiguous().view(-1).view(torch.uint8) for p in layout.small]
+            handles.append(layout.flat.start(locals_, self._group))
+            copy_out = layout.flat.copy_out
+        for p, gathered, n_send in layout.large:
             local = p.to_local().detach()
-            n_send = n // world // p.element_size()
             if local.numel() == n_send and local.is_contiguous():
                 send = local.reshape(-1)
             else:  # the last ranks' shards are shorter (or empty): pad to the common chunk
-                send = torch.zeros(n_send, dtype=p.dtype, device=device)
+                send = torch.zeros(n_send, dtype=p.dtype, device=gathered.device)
                 send[: local.numel()].copy_(local.reshape(-1))
             handles.append(dist.all_gather_into_tensor(gathered, send, group=self._group, async_op=True))
         for h in handles:
@@ -201,6 +209,63 @@ class Fsdp2Gatherer(ShardedGathererBase):
         self.path_counts["direct"] += len(params)
         return out
 
+    def _lay_out(self, params: list[Any]) -> _Layout:
+        """Where ``params`` go in the buffer (grown if needed): what :meth:`_gather_direct` all-gathers into."""
+        import torch.distributed as dist
+
+        world = dist.get_world_size(self._group)  # type: ignore[arg-type]
+        placed = []
+        size = 0
+        for p in params:
+            rows = p.shape[0]
+            chunk = -(-rows // world)
+            row_numel = p.numel() // rows if rows else 0
+            n = chunk * row_numel * world * p.element_size()
+            placed.append((p, size, n))
+            size = aligned(size + n)
+        # The small parameters (LoRA factors, norms, biases) share one all-gather of a flat buffer; each large one is
+        # all-gathered straight into its place. Sizes are global, so every rank splits the group alike. The flat
+        # all-gather's staging follows the group's tensors in the same buffer.
+        small = [(p, off, n) for p, off, n in placed if 0 < n <= self.coalesce_bytes]
+        if len(small) < 2:
+            small = []
+        staging = flat_staging_bytes([n // world for _, _, n in small], world) if small else 0
+        old = self._buffer
+        buf = self._buffer = reusable_buffer(old, size + staging, params[0].to_local().device)
+        if buf is not old:
+            self._layouts.clear()  # views into the old buffer: let it go
+        layout = _Layout(buf, sum(p.numel() * p.element_size() for p in params))
+        if small:
+            layout.small = [p for p, _, _ in small]
+            outs = [buf.narrow(0, off, n) for _, off, n in small]
+            layout.flat = FlatGather([n // world for _, _, n in small], outs, buf.narrow(0, size, staging), world)
+        flat = {id(p) for p, _, _ in small}
+        for p, off, n in placed:
+            gathered = buf.narrow(0, off, n).view(p.dtype)
+            layout.full[id(p)] = gathered.narrow(0, 0, p.numel()).view(p.shape)
+            if id(p) not in flat:
+                layout.large.append((p, gathered, n // world // p.element_size()))
+        return layout
+
     def end_pass(self) -> None:
-        """Free the pass's gather buffer (the stream calls this when a pass ends)."""
+        """Free the pass's gather buffer, or keep it when it holds at most ``keep_bytes`` (the stream calls this
+        when a pass ends)."""
+        kept = self._buffer.numel() if self._buffer is not None else 0
+        self._passes_ended += 1
+        # From the second pass on: a stream built for one sync (and dropped, or kept by a sink until the next one)
+        # frees its buffer as before; only a stream that is used again keeps it.
+        if 0 < kept <= self.keep_bytes and self._passes_ended > 1:
+            self.kept_bytes = kept
+        else:
+            self.release()
+
+    def release(self) -> None:
+        """Free the buffer kept between passes (``keep_bytes``). Between passes only."""
         self._buffer = None
+        self._layouts = {}
+        self.kept_bytes = 0
+
+    def held_bytes(self) -> int:
+        """Whole bytes of the group's parameters held gathered because of the stream; between passes, the buffer
+        kept for the next one (``keep_bytes``)."""
+        return self._held + self.kept_bytes

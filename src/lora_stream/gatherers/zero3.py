@@ -18,9 +18,12 @@ Configurations the direct path cannot prove equal fall back to ``GatheredParamet
 hierarchical partitions (``ds_secondary_tensor``), quantized partitions, parameters offloaded to NVMe or kept on
 another device than the parameter's, partitions of another process group, parameters in flight. Most of these are
 configuration, which every rank shares, but a parameter's ``ds_status`` (in flight, or already whole) is each
-rank's own state. Both gathers are collectives, so the ranks must agree: one small ``all_reduce`` (MIN over an int
-per parameter plus one) per group decides, on every rank alike, whether the group goes direct (only if it can on
-every rank) and which parameters need no all-gather (only those whole on every rank). ``path_counts`` (parameters
+rank's own state. Both gathers are collectives, so the ranks must agree: a flag per parameter plus one, ANDed over
+the ranks, decides, on every rank alike, whether the group goes direct (only if it can on every rank) and which
+parameters need no all-gather (only those whole on every rank). The stream sends the flags along its own status
+exchange before the group (:meth:`ZeroThreeGatherer.agreement`, :meth:`ZeroThreeGatherer.agreed`), so the agreement
+costs no collective of its own; with prefetch (the next group decided inside the current one) or called directly,
+:meth:`ZeroThreeGatherer.decide` agrees in one small ``all_reduce`` (MIN) of its own. ``path_counts`` (parameters
 made whole by each path) and ``fallback_reason`` report what was used.
 
 With ``prefetch`` the stream asks for the next group's gather as soon as the current group is whole; it runs
@@ -41,10 +44,10 @@ from torch import nn
 from ..core import FullTensor
 from .base import (
     COALESCE_BYTES,
+    FlatGather,
     ShardedGathererBase,
     aligned,
     detached,
-    flat_all_gather,
     flat_staging_bytes,
     reusable_buffer,
 )
@@ -67,6 +70,19 @@ class PathDecision:
     reason: str | None
     #: Parameters whole (``AVAILABLE``) on every rank: read where they are, not all-gathered.
     whole: frozenset[int] = frozenset()
+
+
+@dataclass
+class _Layout:
+    """One group's place in a slot's buffer, kept with the buffer (``keep_bytes``) so that a sync does not rebuild
+    the views: the flat all-gather of its small parameters, the large ones' places, every whole tensor."""
+
+    buf: torch.Tensor
+    whole_bytes: int
+    small: list[Any] = field(default_factory=list)
+    flat: FlatGather | None = None
+    large: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
+    full: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -100,6 +116,13 @@ class ZeroThreeGatherer(ShardedGathererBase):
         coalesce_bytes: on the direct path, a group's parameters of at most this many whole bytes (padded) share
             one all-gather of a flat buffer; each larger one gets its own (default
             :data:`~lora_stream.gatherers.base.COALESCE_BYTES`, 1 MiB; ``0``: one all-gather per parameter).
+        keep_bytes: when a pass ends, keep the direct path's buffers for the next pass if together they hold at most
+            this many bytes (default ``0``: freed at the end of every pass), from the gatherer's second pass on (a
+            stream built for a single sync frees them as before). A kept buffer's pages stay resident, so
+            the next sync does not fault them in again; it holds the last group's gathered bytes until then, and
+            :meth:`held_bytes` counts it. :meth:`release` (and the stream's ``close()``) frees it.
+            :class:`~lora_stream.AdapterStream` sets :data:`~lora_stream.gatherers.base.KEEP_BYTES` on the gatherer
+            it builds itself.
 
     Either way the local partition (``ds_tensor``) is never written, and shapes come from ``ds_shape``, so planning
     and ``metadata()`` communicate nothing.
@@ -107,9 +130,20 @@ class ZeroThreeGatherer(ShardedGathererBase):
 
     name = "zero3"
 
-    def __init__(self, model: nn.Module, *, direct: bool = True, coalesce_bytes: int = COALESCE_BYTES) -> None:
+    def __init__(
+        self, model: nn.Module, *, direct: bool = True, coalesce_bytes: int = COALESCE_BYTES, keep_bytes: int = 0
+    ) -> None:
         if coalesce_bytes < 0:
             raise ValueError(f"coalesce_bytes must be >= 0, got {coalesce_bytes}")
+        if keep_bytes < 0:
+            raise ValueError(f"keep_bytes must be >= 0, got {keep_bytes}")
+        self.keep_bytes = keep_bytes
+        self._passes_ended = 0
+        self._cache_layouts = True  # off only to measure what keeping the layouts saves (benchmarks)
+        self._agree_in_lockstep = True  # off only to measure what agreeing in the status exchange saves
+        self._refusal: tuple[tuple[int, ...], str | None] | None = None
+        #: Bytes of buffers kept since the last pass ended (counted by ``held_bytes`` until the next gather).
+        self.kept_bytes = 0
         self._params: list[Any] = [p for p in model.parameters() if hasattr(p, "ds_id")]
         if not self._params:
             raise ValueError("ZeroThreeGatherer needs a model whose parameters are ZeRO-3 partitioned")
@@ -121,6 +155,8 @@ class ZeroThreeGatherer(ShardedGathererBase):
         #: Why the latest fallback group could not take the direct path.
         self.fallback_reason: str | None = None
         self._buffers: list[torch.Tensor | None] = [None, None]
+        #: Per slot, the layouts of the groups gathered into its buffer (kept only with ``keep_bytes``).
+        self._layouts: list[dict[Any, _Layout]] = [{}, {}]
         self._current: _Gathered | None = None
         self._pending: _Gathered | None = None
         #: The decision ``prefetch`` took for the next group (whichever path), so ``gather`` does not take it again.
@@ -168,25 +204,56 @@ class ZeroThreeGatherer(ShardedGathererBase):
 
         A collective over the gatherer's process group (one ``all_reduce`` of ``len(params) + 1`` ints) when the
         direct path is on and there is more than one rank; every rank must call it for the same group at the same
-        point, as for ``gather``."""
-        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
+        point, as for ``gather``. The stream avoids it where it can: it sends :meth:`agreement` along its own status
+        exchange before the group and hands the result to :meth:`agreed`."""
         unique = list({id(p): p for p in params}.values())
         key = tuple(id(p) for p in unique)
         if not self.direct:  # a constructor argument: every rank passes the same
             return PathDecision(key, "direct=False")
-        reason = self.direct_refusal(unique)
-        available = [int(getattr(p, "ds_status", None) == ZeroParamStatus.AVAILABLE) for p in unique]
+        reason, flags = self._local_flags(unique)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self._group) > 1:  # type: ignore[arg-type]
-            flags = torch.tensor([int(reason is None), *available], dtype=torch.int32, device=self._device())
-            dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self._group)  # type: ignore[arg-type]
-            agreed = flags.tolist()
-            if not agreed[0] and reason is None:
-                reason = "another rank cannot take the direct path for this group (a parameter's state differs there)"
-            available = agreed[1:]
+            t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=self._device())
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._group)  # type: ignore[arg-type]
+            flags = [bool(f) for f in t.tolist()]
+        return self._decision(key, reason, flags)
+
+    def agreement(self, params: Sequence[Any]) -> list[bool] | None:
+        """This rank's side of :meth:`decide` for ``params``, for the stream to send along its status exchange
+        before the group (every flag ANDed over the ranks is what ``decide``'s MIN ``all_reduce`` computes):
+        ``[can go direct, *whole]``, one flag per distinct parameter. ``None`` where ``decide`` needs no
+        agreement (``direct=False``)."""
+        if not self.direct or not self._agree_in_lockstep:
+            return None
+        unique = list({id(p): p for p in params}.values())
+        reason, flags = self._local_flags(unique)
+        self._refusal = (tuple(id(p) for p in unique), reason)
+        return flags
+
+    def agreed(self, params: Sequence[Any], flags: Sequence[bool]) -> None:
+        """Take the decision for ``params`` from :meth:`agreement`'s flags ANDed over every rank; the next
+        ``gather(params)`` uses it instead of calling :meth:`decide`. Called on every rank alike by the stream."""
+        key = tuple(id(p) for p in {id(p): p for p in params}.values())
+        refusal, self._refusal = self._refusal, None
+        if refusal is None or refusal[0] != key:
+            raise RuntimeError("agreed() without agreement() for the same group")
+        self._decided = self._decision(key, refusal[1], list(flags))
+
+    def _local_flags(self, unique: list[Any]) -> tuple[str | None, list[bool]]:
+        """Why this rank cannot go direct (or ``None``), and its flags: ``[can go direct, *whole]``."""
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        reason = self.direct_refusal(unique)
+        whole = [getattr(p, "ds_status", None) == ZeroParamStatus.AVAILABLE for p in unique]
+        return reason, [reason is None, *whole]
+
+    @staticmethod
+    def _decision(key: tuple[int, ...], reason: str | None, agreed: list[bool]) -> PathDecision:
+        """The decision from this rank's ``reason`` and the flags agreed by every rank."""
+        if not agreed[0] and reason is None:
+            reason = "another rank cannot take the direct path for this group (a parameter's state differs there)"
         if reason is not None:
             return PathDecision(key, reason)
-        return PathDecision(key, None, frozenset(k for k, whole in zip(key, available) if whole))
+        return PathDecision(key, None, frozenset(k for k, whole in zip(key, agreed[1:]) if whole))
 
     def _device(self) -> torch.device:
         """Where the decision's ints live: the CPU for gloo, DeepSpeed's accelerator otherwise (nccl)."""
@@ -203,6 +270,7 @@ class ZeroThreeGatherer(ShardedGathererBase):
     # -- gathering --------------------------------------------------------------------------------------------------
     @contextmanager
     def gather(self, params: Sequence[Any]) -> Iterator[FullTensor]:
+        self.kept_bytes = 0  # a pass is running: its buffers are in use again, counted as its groups' bytes
         unique = list({id(p): p for p in params}.values())
         key = tuple(id(p) for p in unique)
         decided, self._decided = self._decided, None
@@ -251,11 +319,24 @@ class ZeroThreeGatherer(ShardedGathererBase):
             self._pending = self._start(unique, self._free_slot(), decision.whole)
 
     def end_pass(self) -> None:
-        """Wait for a gather still in flight (the peers started it too) and free the buffers. The stream calls
-        this when a pass ends, however it ends."""
+        """Wait for a gather still in flight (the peers started it too) and free the buffers, or keep them when
+        together they hold at most ``keep_bytes``. The stream calls this when a pass ends, however it ends."""
         self._decided = None
         self._drain()
+        kept = sum(b.numel() for b in self._buffers if b is not None)
+        self._passes_ended += 1
+        # From the second pass on: a stream built for one sync (and dropped, or kept by a sink until the next one)
+        # frees its buffers as before; only a stream that is used again keeps them.
+        if 0 < kept <= self.keep_bytes and self._passes_ended > 1:
+            self.kept_bytes = kept
+        else:
+            self.release()
+
+    def release(self) -> None:
+        """Free the buffers kept between passes (``keep_bytes``). Between passes only."""
         self._buffers = [None, None]
+        self._layouts = [{}, {}]
+        self.kept_bytes = 0
 
     def _drain(self) -> None:
         pending, self._pending = self._pending, None
@@ -270,40 +351,59 @@ class ZeroThreeGatherer(ShardedGathererBase):
         return next(s for s in (0, 1) if s not in used)
 
     def _start(self, params: list[Any], slot: int, whole: frozenset[int]) -> _Gathered:
+        key = (tuple(id(p) for p in params), whole)
+        layout = self._layouts[slot].get(key)
+        if layout is None or layout.buf is not self._buffers[slot]:
+            layout = self._lay_out(params, slot, whole)
+            if self.keep_bytes and self._cache_layouts:  # the buffer may outlive the pass: so may its views
+                self._layouts[slot][key] = layout
+        gathered = _Gathered(key[0], slot, layout.whole_bytes)
+        if layout.flat is not None:
+            locals_ = [self._partition(p).view(torch.uint8) for p in layout.small]
+            gathered.handles.append(layout.flat.start(locals_, self._group))
+            gathered.copy_out = layout.flat.copy_out
+        for p, out in layout.large:
+            handle = dist.all_gather_into_tensor(out, self._partition(p), group=self._group, async_op=True)
+            gathered.handles.append(handle)
+        gathered.full.update(layout.full)
+        self._held += layout.whole_bytes
+        return gathered
+
+    def _lay_out(self, params: list[Any], slot: int, whole: frozenset[int]) -> _Layout:
+        """Where ``params`` go in the slot's buffer (grown if needed): what :meth:`_start` all-gathers into."""
         world = dist.get_world_size(self._group)  # type: ignore[arg-type]
-        layout: list[tuple[Any, int, int]] = []
+        placed: list[tuple[Any, int, int]] = []
         size = 0
         for p in params:
             if id(p) in whole:
                 continue  # persistent (or gathered by someone else) on every rank: already whole
             n = p.ds_tensor.ds_numel * world * p.element_size()
-            layout.append((p, size, n))
+            placed.append((p, size, n))
             size = aligned(size + n)
         # The small parameters (every LoRA factor, norms, biases) share one all-gather of a flat buffer; each large
         # one is all-gathered straight into its place. Sizes are global, so every rank splits the group alike. The
         # flat all-gather's staging follows the group's tensors in the same buffer.
-        small = [(p, off, n) for p, off, n in layout if 0 < n <= self.coalesce_bytes]
+        small = [(p, off, n) for p, off, n in placed if 0 < n <= self.coalesce_bytes]
         if len(small) < 2:
             small = []
         staging = flat_staging_bytes([n // world for _, _, n in small], world) if small else 0
         device = params[0].ds_tensor.device if params else torch.device("cpu")
-        buf = self._buffers[slot] = reusable_buffer(self._buffers[slot], size + staging, device)
-        whole_bytes = sum(int(p.ds_numel) * p.element_size() for p, _, _ in layout)
-        gathered = _Gathered(tuple(id(p) for p in params), slot, whole_bytes)
+        old = self._buffers[slot]
+        buf = self._buffers[slot] = reusable_buffer(old, size + staging, device)
+        if buf is not old:
+            self._layouts[slot].clear()  # views into the old buffer: let it go
+        layout = _Layout(buf, sum(int(p.ds_numel) * p.element_size() for p, _, _ in placed))
         if small:
-            pieces = [(self._partition(p).view(torch.uint8), n // world, buf.narrow(0, off, n)) for p, off, n in small]
-            handle, copy_out = flat_all_gather(pieces, buf.narrow(0, size, staging), self._group, world)
-            gathered.handles.append(handle)
-            gathered.copy_out = copy_out
+            layout.small = [p for p, _, _ in small]
+            outs = [buf.narrow(0, off, n) for _, off, n in small]
+            layout.flat = FlatGather([n // world for _, _, n in small], outs, buf.narrow(0, size, staging), world)
         flat = {id(p) for p, _, _ in small}
-        for p, off, n in layout:
+        for p, off, n in placed:
             out = buf.narrow(0, off, n).view(p.dtype)
             if id(p) not in flat:
-                handle = dist.all_gather_into_tensor(out, self._partition(p), group=self._group, async_op=True)
-                gathered.handles.append(handle)
-            gathered.full[id(p)] = out.narrow(0, 0, p.ds_numel).view(p.ds_shape)
-        self._held += whole_bytes
-        return gathered
+                layout.large.append((p, out))
+            layout.full[id(p)] = out.narrow(0, 0, p.ds_numel).view(p.ds_shape)
+        return layout
 
     @staticmethod
     def _partition(p: Any) -> torch.Tensor:
@@ -317,7 +417,8 @@ class ZeroThreeGatherer(ShardedGathererBase):
 
     def held_bytes(self) -> int:
         """Whole bytes of parameters held gathered because of the stream: the direct path's current and prefetched
-        groups, and whatever ``GatheredParameters`` holds (persistent parameters not counted)."""
+        groups, and whatever ``GatheredParameters`` holds (persistent parameters not counted); between passes, the
+        buffers kept for the next one (``keep_bytes``)."""
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
         fallback = sum(
@@ -325,4 +426,4 @@ class ZeroThreeGatherer(ShardedGathererBase):
             for p in self._params
             if p.ds_status == ZeroParamStatus.AVAILABLE and not getattr(p, "ds_persist", False)
         )
-        return int(self._held + fallback)
+        return int(self._held + fallback + self.kept_bytes)
