@@ -1,19 +1,20 @@
-"""Push a stream into a running vLLM OpenAI server through vLLM's own weight-transfer protocol.
+"""Push a stream into one running vLLM OpenAI server, or a fleet of them, through vLLM's weight-transfer protocol.
 
-The server must run with ``VLLM_SERVER_DEV_MODE=1`` and ``--weight-transfer-config '{"backend": "gloo"}'`` (CPU; the
-backend ships with lora_stream as a vLLM plugin) or ``'{"backend": "nccl"}'`` (GPUs). The sink builds vLLM's
-trainer-side engine for that backend through ``WeightTransferTrainerFactory`` with the :class:`~lora_stream.ParamStream`
-as its ``WeightSource``, and per sync runs vLLM's bracket: start, update (one metadata message, then the data plane),
-finish with a weight version.
+Each server must run with ``VLLM_SERVER_DEV_MODE=1`` and ``--weight-transfer-config '{"backend": "gloo"}'`` (or
+``"lora_stream"``: the same engine, shipped with lora_stream as a vLLM plugin). The sink builds lora_stream's
+trainer-side engine per server (its data plane over gloo or nccl) with the :class:`~lora_stream.ParamStream` as its
+``WeightSource``, and per sync runs vLLM's bracket: start, update (one metadata message, then the data plane),
+finish with a weight version -- inside one transaction across the trainer ranks and the servers.
 
-Every trainer rank calls :meth:`VLLMServerSink.sync` (the stream's gathers are collectives); rank 0 talks to the
-server and sends. Failures end the sync on every rank with an error, never a hang: each HTTP call and each
-broadcast has a timeout, the ranks agree on the outcome before and after the transfer, and a server-side error
-stops the sender between chunks.
+Every trainer rank calls :meth:`VLLMServerSink.sync` (the stream's gathers are collectives); server ``i`` is fed by
+trainer rank ``i % world_size``. Failures end the sync on every rank with an error, never a hang: each HTTP call and
+each broadcast has a timeout, the ranks agree on the outcome before and after the transfer, and a server-side error
+stops the sending to that server between chunks.
 
 Security: vLLM's ``--api-key`` protects ``/v1/...`` only. The dev-mode routes (``/init_weight_transfer_engine``,
-``/update_weights``, ``/collective_rpc``, ...) answer anyone who reaches the port, and the gloo data plane listens on
-the trainer's address. Keep both on a private network or loopback; see ``docs/vllm_server.md``.
+``/update_weights``, ``/collective_rpc``, ...) answer anyone who reaches the port: guard them with
+:class:`~lora_stream.vllm_guard.WeightRoutesGuard`. The data plane's store listens on the feeding rank's
+``master_address`` only and admits only holders of its group's secret; see ``docs/security.md``.
 """
 
 from __future__ import annotations
