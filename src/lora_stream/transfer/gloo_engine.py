@@ -225,6 +225,10 @@ class TransferGroup:
             options = dist.ProcessGroupNCCL.Options()  # type: ignore[attr-defined]
             options._timeout = timeout
             self.pg: Any = dist.ProcessGroupNCCL(self.store, rank, world_size, options)  # type: ignore[attr-defined]
+            # NCCL forms its communicator at the first collective; form it now, as gloo does at construction, so
+            # that a member that cannot join fails the group's setup (prepare), not the first chunk of a sync.
+            self.broadcast(torch.zeros(1, dtype=torch.uint8, device=self.device)).wait()
+            torch.cuda.synchronize(self.device)
         else:
             self.pg = self._process_group(self.store, address, port, rank, world_size, timeout)
 
