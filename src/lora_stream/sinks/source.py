@@ -105,6 +105,12 @@ class SyncSource:
 
     def _expanded(self, batches: Any) -> Generator[tuple[list[str], list[torch.Tensor]], None, None]:
         for k, (names, tensors) in enumerate(batches):
+            if self.pass_ is None:
+                # A subclass wrapped the stream's pass in a generator of its own: hold the pass now, while it runs.
+                # The stream keeps only a weak reference, so once the wrapper raised, the pass could be collected
+                # before the end of this sync, leaving it unknown that every rank already learned how it ended (the
+                # sink would then ask the peers to agree once more, alone, until the timeout).
+                self.pass_ = self.stream.last_pass
             fault_point(f"group:{k}")
             out_names, out_tensors = list(names), list(tensors)
             for n, t in zip(names, tensors):
