@@ -299,3 +299,30 @@ class ShardedGathererBase(GathererBase):
     def held_bytes(self) -> int:
         """Whole bytes this gatherer currently holds because of the stream."""
         return self._held
+
+    def _direct_options(self, coalesce_bytes: int, keep_bytes: int) -> None:
+        """The direct path's options both sharded gatherers take, checked; and the state of keeping its buffers."""
+        if coalesce_bytes < 0:
+            raise ValueError(f"coalesce_bytes must be >= 0, got {coalesce_bytes}")
+        if keep_bytes < 0:
+            raise ValueError(f"keep_bytes must be >= 0, got {keep_bytes}")
+        self.coalesce_bytes = coalesce_bytes
+        self.keep_bytes = keep_bytes
+        self._passes_ended = 0
+        self._cache_layouts = True  # off only to measure what keeping the layouts saves (benchmarks)
+        #: Bytes of buffers kept since the last pass ended (counted by ``held_bytes`` until the next gather).
+        self.kept_bytes = 0
+
+    def _keep_or_release(self, kept: int) -> None:
+        """At the end of a pass holding ``kept`` buffer bytes: keep them when they are at most ``keep_bytes``, from
+        the second pass on (a stream built for one sync, and dropped or kept by a sink until the next one, frees
+        them as before; only a stream that is used again keeps them); otherwise :meth:`release` them."""
+        self._passes_ended += 1
+        if 0 < kept <= self.keep_bytes and self._passes_ended > 1:
+            self.kept_bytes = kept
+        else:
+            self.release()
+
+    def release(self) -> None:
+        """Free the buffers kept between passes (``keep_bytes``). Between passes only."""
+        self.kept_bytes = 0

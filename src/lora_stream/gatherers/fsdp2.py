@@ -100,15 +100,7 @@ class Fsdp2Gatherer(ShardedGathererBase):
     def __init__(
         self, model: nn.Module, *, direct: bool = True, coalesce_bytes: int = COALESCE_BYTES, keep_bytes: int = 0
     ) -> None:
-        if coalesce_bytes < 0:
-            raise ValueError(f"coalesce_bytes must be >= 0, got {coalesce_bytes}")
-        if keep_bytes < 0:
-            raise ValueError(f"keep_bytes must be >= 0, got {keep_bytes}")
-        self.keep_bytes = keep_bytes
-        self._passes_ended = 0
-        self._cache_layouts = True  # off only to measure what keeping the layouts saves (benchmarks)
-        #: Bytes of the buffer kept since the last pass ended (counted by ``held_bytes`` until the next gather).
-        self.kept_bytes = 0
+        self._direct_options(coalesce_bytes, keep_bytes)
         dtensors = [p for p in model.parameters() if is_dtensor(p)]
         if not dtensors:
             raise ValueError("Fsdp2Gatherer needs a model with DTensor parameters (torch.distributed.fsdp.fully_shard)")
@@ -116,7 +108,6 @@ class Fsdp2Gatherer(ShardedGathererBase):
         self._group = mesh.get_group() if mesh.ndim == 1 else None
         self._held = 0
         self.direct = direct
-        self.coalesce_bytes = coalesce_bytes
         #: Parameters gathered by each path since this gatherer was built.
         self.path_counts: dict[str, int] = {"direct": 0, "fallback": 0}
         self.fallback_reason: str | None = None
@@ -250,20 +241,12 @@ class Fsdp2Gatherer(ShardedGathererBase):
     def end_pass(self) -> None:
         """Free the pass's gather buffer, or keep it when it holds at most ``keep_bytes`` (the stream calls this
         when a pass ends)."""
-        kept = self._buffer.numel() if self._buffer is not None else 0
-        self._passes_ended += 1
-        # From the second pass on: a stream built for one sync (and dropped, or kept by a sink until the next one)
-        # frees its buffer as before; only a stream that is used again keeps it.
-        if 0 < kept <= self.keep_bytes and self._passes_ended > 1:
-            self.kept_bytes = kept
-        else:
-            self.release()
+        self._keep_or_release(self._buffer.numel() if self._buffer is not None else 0)
 
     def release(self) -> None:
-        """Free the buffer kept between passes (``keep_bytes``). Between passes only."""
         self._buffer = None
         self._layouts = {}
-        self.kept_bytes = 0
+        super().release()
 
     def held_bytes(self) -> int:
         """Whole bytes of the group's parameters held gathered because of the stream; between passes, the buffer

@@ -133,23 +133,14 @@ class ZeroThreeGatherer(ShardedGathererBase):
     def __init__(
         self, model: nn.Module, *, direct: bool = True, coalesce_bytes: int = COALESCE_BYTES, keep_bytes: int = 0
     ) -> None:
-        if coalesce_bytes < 0:
-            raise ValueError(f"coalesce_bytes must be >= 0, got {coalesce_bytes}")
-        if keep_bytes < 0:
-            raise ValueError(f"keep_bytes must be >= 0, got {keep_bytes}")
-        self.keep_bytes = keep_bytes
-        self._passes_ended = 0
-        self._cache_layouts = True  # off only to measure what keeping the layouts saves (benchmarks)
+        self._direct_options(coalesce_bytes, keep_bytes)
         self._agree_in_lockstep = True  # off only to measure what agreeing in the status exchange saves
         self._refusal: tuple[tuple[int, ...], str | None] | None = None
-        #: Bytes of buffers kept since the last pass ended (counted by ``held_bytes`` until the next gather).
-        self.kept_bytes = 0
         self._params: list[Any] = [p for p in model.parameters() if hasattr(p, "ds_id")]
         if not self._params:
             raise ValueError("ZeroThreeGatherer needs a model whose parameters are ZeRO-3 partitioned")
         self._group = getattr(self._params[0], "ds_process_group", None)
         self.direct = direct
-        self.coalesce_bytes = coalesce_bytes
         #: Parameters made whole by each path since this gatherer was built.
         self.path_counts: dict[str, int] = {"direct": 0, "fallback": 0}
         #: Why the latest fallback group could not take the direct path.
@@ -323,20 +314,12 @@ class ZeroThreeGatherer(ShardedGathererBase):
         together they hold at most ``keep_bytes``. The stream calls this when a pass ends, however it ends."""
         self._decided = None
         self._drain()
-        kept = sum(b.numel() for b in self._buffers if b is not None)
-        self._passes_ended += 1
-        # From the second pass on: a stream built for one sync (and dropped, or kept by a sink until the next one)
-        # frees its buffers as before; only a stream that is used again keeps them.
-        if 0 < kept <= self.keep_bytes and self._passes_ended > 1:
-            self.kept_bytes = kept
-        else:
-            self.release()
+        self._keep_or_release(sum(b.numel() for b in self._buffers if b is not None))
 
     def release(self) -> None:
-        """Free the buffers kept between passes (``keep_bytes``). Between passes only."""
         self._buffers = [None, None]
         self._layouts = [{}, {}]
-        self.kept_bytes = 0
+        super().release()
 
     def _drain(self) -> None:
         pending, self._pending = self._pending, None
