@@ -22,37 +22,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import add_model_args, free_port, llama_config  # noqa: E402
-
-
-def start_server(model: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "float32"]
-    cmd += ["--max-model-len", "128", "--enforce-eager", "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--skip-tokenizer-init", "--weight-transfer-config", '{"backend": "gloo"}']
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def wait_ready(proc: subprocess.Popen[bytes], url: str) -> None:
-    import requests
-
-    deadline = time.monotonic() + 400
-    while True:
-        try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        if time.monotonic() > deadline or proc.poll() is not None:
-            raise SystemExit(f"vLLM server at {url} did not start")
-        time.sleep(1)
+from common import add_model_args, free_port, llama_config, start_vllm_server, wait_vllm_server  # noqa: E402
 
 
 def main() -> None:
@@ -70,10 +44,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = os.path.join(tmp, "model")
         LlamaForCausalLM(llama_config(args)).save_pretrained(model_dir)
-        servers = [start_server(model_dir) for _ in range(args.servers)]
+        servers = [start_vllm_server(model_dir, {"OMP_NUM_THREADS": "1"}) for _ in range(args.servers)]
         try:
             for proc, url in servers:
-                wait_ready(proc, url)
+                wait_vllm_server(proc, url, 400)
             port = free_port()
             out = os.path.join(tmp, "fleet")
             env = {

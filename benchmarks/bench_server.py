@@ -28,7 +28,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import add_model_args, free_port, llama_config  # noqa: E402
+from common import add_model_args, free_port, llama_config, start_vllm_server, wait_vllm_server  # noqa: E402
 
 #: Variants of the transaction-cost table: name -> (pause, rollback).
 TX_VARIANTS = {"plain": (None, False), "pause": ("wait", False), "pause+rollback": ("wait", True)}
@@ -74,7 +74,6 @@ def main() -> None:
     ap.add_argument("--out", default=str(HERE / "results" / "server.json"))
     args = ap.parse_args()
 
-    import requests
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
@@ -85,44 +84,9 @@ def main() -> None:
     base = LlamaForCausalLM(llama_config(args))
     with tempfile.TemporaryDirectory() as tmp:
         base.save_pretrained(tmp)
-        port = free_port()
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-        server = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "vllm.entrypoints.openai.api_server",
-                "--model",
-                tmp,
-                "--dtype",
-                "float32",
-                "--max-model-len",
-                "128",
-                "--enforce-eager",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--skip-tokenizer-init",
-                "--weight-transfer-config",
-                '{"backend": "gloo"}',
-            ],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        server, url = start_vllm_server(tmp)
         try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 300
-            while True:
-                try:
-                    if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except requests.RequestException:
-                    pass
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise SystemExit("vLLM server did not start")
-                time.sleep(1)
+            wait_vllm_server(server, url, 300)
             model = get_peft_model(
                 base, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", init_lora_weights=False)
             )

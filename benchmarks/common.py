@@ -168,3 +168,31 @@ def table(rows: list[dict], baseline: str) -> str:
             f"{r['largest_group_bytes'] / MiB:>8.1f}MiB {r['drift_changed_elements']:>16}"
         )
     return "\n".join(lines)
+
+
+def start_vllm_server(model: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """A vLLM OpenAI server (dev mode, lora_stream's gloo weight transfer, float32, no tokenizer) for ``model`` on
+    127.0.0.1, with ``env`` on top of this process's; returns it and its URL (:func:`wait_vllm_server`)."""
+    port = free_port()
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "float32"]
+    cmd += ["--max-model-len", "128", "--enforce-eager", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--skip-tokenizer-init", "--weight-transfer-config", '{"backend": "gloo"}']
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_vllm_server(proc: subprocess.Popen[bytes], url: str, timeout: float) -> None:
+    """Until ``url/health`` answers 200; exit if the server dies or ``timeout`` seconds pass."""
+    import requests
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise SystemExit(f"vLLM server at {url} did not start")
+        time.sleep(1)
