@@ -62,18 +62,26 @@ def unsharded_drift(args: argparse.Namespace, cycles: int) -> dict[str, dict[str
     return out
 
 
+LABELS = ("whole_gather", "floor", "budget", "layer", "prefetch", "fallback", "no-release", "reuse-outputs")
+
+
 def main() -> None:
-    args, common = model_cli(__doc__ or "", syncs=20, out=HERE / "results" / "zero3.json")
-    variants: list[tuple[str, list[str]]] = [("whole_gather", []), ("floor", [])]
-    variants += [("lora_stream", ["--budget", str(int(b) * MiB)]) for b in args.budgets_mib.split(",")]
-    variants += [("lora_stream", ["--group-by", "layer"])]
+    args, common = model_cli(
+        __doc__ or "",
+        syncs=20,
+        out=HERE / "results" / "zero3.json",
+        extra=lambda ap: ap.add_argument("--only", default="", help=f"comma-separated subset of: {', '.join(LABELS)}"),
+    )
     first = str(int(args.budgets_mib.split(",")[0]) * MiB)
-    variants += [
-        ("lora_stream", ["--budget", first, "--prefetch"]),
-        ("lora_stream", ["--budget", first, "--fallback"]),
-        ("lora_stream", ["--budget", first, "--no-release"]),
-        ("lora_stream", ["--budget", first, "--reuse-outputs"]),
-    ]
+    labelled: list[tuple[str, str, list[str]]] = [("whole_gather", "whole_gather", []), ("floor", "floor", [])]
+    labelled += [("budget", "lora_stream", ["--budget", str(int(b) * MiB)]) for b in args.budgets_mib.split(",")]
+    labelled[2][2].append("--interleaved-floor")  # the default stream, timed in turns with the floor parts
+    labelled += [("layer", "lora_stream", ["--group-by", "layer"])]
+    labelled += [(opt, "lora_stream", ["--budget", first, f"--{opt}"]) for opt in LABELS[4:]]
+    only = set(filter(None, args.only.split(",")))
+    if only - set(LABELS) or (only and not {"whole_gather", "floor"} <= only):
+        raise SystemExit(f"--only: labels from {LABELS}, including whole_gather and floor (the baselines)")
+    variants = [(v, extra) for label, v, extra in labelled if not only or label in only]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for variant, extra in variants:
@@ -85,6 +93,7 @@ def main() -> None:
         f"{args.syncs} syncs per variant, 2 ranks\n"
     )
     floors = {r["rank"]: r["floors"] for r in rows if r["variant"] == "floor"}
+    interleaved = [r for r in rows if r["variant"] != "floor" and r["floors"]]
     rows = [r for r in rows if r["variant"] != "floor"]
     print(table(rows, "whole_gather"))
     print(
@@ -104,6 +113,15 @@ def main() -> None:
             f"{r['median_sync_s'] / f['no_overlap_s']:.2f}x no-overlap floor, "
             f"{r['median_sync_s'] / f['overlap_s']:.2f}x overlapped floor, growth "
             f"{r['rss_growth_bytes'] / max(r['largest_group_bytes'], 1):.2f}x largest group"
+        )
+    if interleaved:
+        print("\nthe default stream and the floor parts timed in turns, in the same processes (the steadier ratio):")
+    for r in interleaved:
+        f = r["floors"]
+        print(
+            f"  rank {r['rank']}: sync {f['sync_s']:.3f} s; all-gather {f['all_gather_s']:.3f} + merge "
+            f"{f['merge_s']:.3f} + copy {f['copy_s']:.3f} = {f['no_overlap_s']:.3f} s; "
+            f"{f['sync_s'] / f['no_overlap_s']:.2f}x no-overlap floor, {f['sync_s'] / f['overlap_s']:.2f}x overlapped"
         )
     drift = unsharded_drift(args, cycles=args.syncs)
     print(

@@ -74,10 +74,10 @@ def lora_stream_sync(stream, dest: dict[str, torch.Tensor]) -> int:  # type: ign
     return int(stream.last_stats.peak_gathered_bytes)
 
 
-def measure_floors(engine, stream, dest: dict[str, torch.Tensor], syncs: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
-    """Lower bounds measured on this machine and process group, each the median of ``syncs`` runs: the raw
-    all-gather of every partition into one reused buffer (no merge, no copy out), the stream's merges alone on
-    whole tensors already in memory (an unsharded copy of the model), and copying every output into the destination."""
+def floor_pieces(engine, dest: dict[str, torch.Tensor]):  # type: ignore[no-untyped-def]
+    """The no-overlap floor's three parts as callables: the raw all-gather of every partition into one reused
+    buffer (no merge, no copy out), the stream's merges alone on whole tensors already in memory (an unsharded
+    copy of the model), and copying every output into the destination."""
     import copy
 
     from lora_stream import ParamStream, PlainGatherer
@@ -108,18 +108,40 @@ def measure_floors(engine, stream, dest: dict[str, torch.Tensor], syncs: int) ->
         for name, tensor in outputs.items():
             dest[name].copy_(tensor)
 
-    out: dict[str, float] = {}
-    for label, fn in (("all_gather_s", all_gather), ("merge_s", merge), ("copy_s", copy_out)):
-        runs = []
-        for _ in range(syncs):
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            runs.append(time.perf_counter() - t0)
-        out[label] = statistics.median(runs)
+    return (("all_gather_s", all_gather), ("merge_s", merge), ("copy_s", copy_out))
+
+
+def timed(fn) -> float:  # type: ignore[no-untyped-def]
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def medians(runs: dict[str, list[float]]) -> dict[str, float]:
+    out = {k: statistics.median(v) for k, v in runs.items()}
     out["no_overlap_s"] = out["all_gather_s"] + out["merge_s"] + out["copy_s"]
     out["overlap_s"] = max(out["all_gather_s"], out["merge_s"] + out["copy_s"])
     return out
+
+
+def measure_floors(engine, dest: dict[str, torch.Tensor], syncs: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Each floor part's median of ``syncs`` runs."""
+    pieces = floor_pieces(engine, dest)
+    return medians({label: [timed(fn) for _ in range(syncs)] for label, fn in pieces})
+
+
+def interleaved_floors(engine, stream, dest: dict[str, torch.Tensor], syncs: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """The floor parts and the stream's sync, one of each per round, in the same processes: on a noisy machine
+    separate runs drift apart by more than the gap being measured. ``sync_s`` is the sync's median here."""
+    pieces = floor_pieces(engine, dest)
+    runs: dict[str, list[float]] = {label: [] for label, _ in pieces}
+    runs["sync_s"] = []
+    for _ in range(syncs):
+        runs["sync_s"].append(timed(lambda: lora_stream_sync(stream, dest)))
+        for label, fn in pieces:
+            runs[label].append(timed(fn))
+    return medians(runs)
 
 
 def main() -> None:
@@ -137,6 +159,7 @@ def main() -> None:
     p.add_argument("--keep-bytes", type=int, default=None, help="ZeroThreeGatherer(keep_bytes=...)")
     p.add_argument("--ab", default="", help="adapter A/B: labels of adapter_floors.AB, run interleaved (no RSS)")
     p.add_argument("--trace", action="store_true", help="keep the RSS samples of the last sync (for the plot)")
+    p.add_argument("--interleaved-floor", action="store_true", help="after the syncs, time floor and sync in turns")
     add_model_args(p)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--out", required=True)
@@ -190,7 +213,7 @@ def main() -> None:
     times, gathered = [], 0
     floors: dict[str, float] = {}
     if args.variant == "floor":
-        floors = measure_floors(engine, stream, dest, args.syncs)
+        floors = measure_floors(engine, dest, args.syncs)
         times = [floors["no_overlap_s"]]
     for _ in range(args.syncs if args.variant != "floor" else 0):
         dist.barrier()
@@ -206,6 +229,8 @@ def main() -> None:
         time.sleep(0.1)
         trace = sampler.window(t0 - 0.05, t0 + times[-1] + 0.1, rss0)
     peak = sampler.stop()
+    if args.interleaved_floor:
+        floors = interleaved_floors(engine, stream, dest, args.syncs)
     adapter: dict[str, object] = {}
     if args.adapter:
         # The floors of the same bytes in the same process group, and what one sync issues (after the RSS peak).

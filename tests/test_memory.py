@@ -89,3 +89,71 @@ def test_reused_outputs_allocate_once_per_shape() -> None:
     stream = ParamStream(pm, group_by="module", reuse_outputs=True)
     ptrs = {t.data_ptr() for n, t in stream if n.endswith("weight")}
     assert len(ptrs) <= 2  # outputs of group g are handed out again in group g + 1
+
+
+class FakeLibc:
+    def __init__(self) -> None:
+        self.trims = 0
+
+    def malloc_trim(self, pad: int) -> int:
+        self.trims += 1
+        return 1
+
+
+def test_the_heap_is_trimmed_only_once_the_pass_has_grown_past_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lora_stream import buffers
+
+    libc, rss = FakeLibc(), [1000]
+    monkeypatch.setattr(buffers, "_LIBC", libc)
+    monkeypatch.setattr(buffers, "_resident_bytes", lambda: rss[0])
+    trimmer = buffers.HeapTrimmer(bound_bytes=500, every_bytes=1)
+    for grown in (0, 200, 500):  # up to and including the bound: a trim would only cost page faults later
+        rss[0] = 1000 + grown
+        trimmer.after_group(released_bytes=10**9)
+    assert libc.trims == 0
+    rss[0] = 1501
+    trimmer.after_group(released_bytes=0)
+    assert libc.trims == trimmer.trims == 1
+
+
+def test_where_the_resident_set_cannot_be_read_the_heap_is_trimmed_per_released_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lora_stream import buffers
+
+    libc = FakeLibc()
+    monkeypatch.setattr(buffers, "_LIBC", libc)
+    monkeypatch.setattr(buffers, "_resident_bytes", lambda: None)
+    trimmer = buffers.HeapTrimmer(bound_bytes=0, every_bytes=100)
+    trimmer.after_group(60)
+    assert libc.trims == 0
+    trimmer.after_group(60)
+    assert libc.trims == 1
+    trimmer.after_group(60)
+    assert libc.trims == 1
+
+
+@pytest.mark.parametrize("release_memory", [True, False])
+def test_a_pass_trims_when_it_grows_past_its_largest_groups_and_not_otherwise(
+    monkeypatch: pytest.MonkeyPatch, release_memory: bool
+) -> None:
+    from lora_stream import buffers
+
+    torch.manual_seed(0)
+    pm = lora(nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]), target_modules=[str(i) for i in range(4)], r=4)
+    stream = ParamStream(pm, group_by="module", release_memory=release_memory)
+    largest = max(stream.group_gathered_bytes)
+    libc, rss = FakeLibc(), [10**9]
+    monkeypatch.setattr(buffers, "_LIBC", libc)
+    monkeypatch.setattr(buffers, "_resident_bytes", lambda: rss[0])
+    got = [(n, t.clone()) for n, t in stream]  # the resident set never moves: nothing to give back
+    assert libc.trims == 0
+    assert_matches(got, oracle(pm))
+
+    def growing() -> int:
+        rss[0] += 2 * largest  # every group leaves twice the largest group behind
+        return rss[0]
+
+    monkeypatch.setattr(buffers, "_resident_bytes", growing)
+    assert_matches([(n, t.clone()) for n, t in stream], oracle(pm))
+    assert libc.trims == (len(stream.groups()) if release_memory else 0)

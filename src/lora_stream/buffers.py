@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 
 import torch
 
-__all__ = ["Workspace", "OutputPool", "Scratch", "release_freed_heap", "ProcessMemory"]
+__all__ = ["Workspace", "OutputPool", "Scratch", "release_freed_heap", "HeapTrimmer", "ProcessMemory"]
 
 
 class Workspace:
@@ -103,6 +104,53 @@ def release_freed_heap() -> bool:
         return False
     _LIBC.malloc_trim(0)
     return True
+
+
+def _resident_bytes() -> int | None:
+    """The process's resident set now (``/proc/self/statm``, one short read); None where unavailable."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE_BYTES
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+class HeapTrimmer:
+    """Returns freed heap to the OS during a pass only once the process has grown past a bound.
+
+    Trimming is not free twice over: ``malloc_trim`` walks the heap, and every page it returns is faulted back in
+    by the next output allocation. Trimming after a fixed amount of released bytes paid both on every sync even
+    when the process never grew (measured: ~0.17 s of a 1.6 s ZeRO-3 sync). So the policy is a bound on what the
+    pass may add to the resident set: ``bound_bytes`` above the resident set at the pass's start. It reads RSS
+    after each group (one ``statm`` read); where RSS cannot be read it falls back to trimming once per
+    ``every_bytes`` released.
+    """
+
+    def __init__(self, bound_bytes: int, every_bytes: int) -> None:
+        self.bound_bytes = bound_bytes
+        self.every_bytes = every_bytes
+        self.trims = 0
+        self._start = _resident_bytes() if _LIBC is not None else None
+        self._released = 0
+
+    def after_group(self, released_bytes: int) -> None:
+        """Called once a group's gathered memory is released; trims if the pass has grown past its bound."""
+        if _LIBC is None:
+            return
+        if self._start is not None:
+            now = _resident_bytes()
+            if now is None or now - self._start <= self.bound_bytes:
+                return
+        else:
+            self._released += released_bytes
+            if self._released < self.every_bytes:
+                return
+            self._released = 0
+        _LIBC.malloc_trim(0)
+        self.trims += 1
 
 
 class ProcessMemory:

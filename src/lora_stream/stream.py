@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .buffers import OutputPool, ProcessMemory, Scratch, release_freed_heap
+from .buffers import HeapTrimmer, OutputPool, ProcessMemory, Scratch
 from .checkpoint_format import Layout
 from .coordination import Coordinator
 from .core import Step, Unit
@@ -30,8 +30,11 @@ from .plan import Target, plan_model
 
 __all__ = ["ParamMeta", "PassState", "StreamStats", "ParamStream", "StreamPass", "stream_merged_params"]
 
-#: ``malloc_trim`` walks the whole heap (~9 ms per call on the benchmark model), so it runs once this many gathered
-#: bytes have been released rather than after every group: freed memory held back stays under this bound.
+#: A pass trims the heap only once the process has grown by this many times its largest group (the gather buffer
+#: and one group's outputs are expected; freed memory beyond that is what trimming is for), so growth stays near
+#: 3x the largest group without paying ``malloc_trim`` and the page faults after it on every sync.
+_TRIM_BOUND_GROUPS = 1.5
+#: Where the resident set cannot be read: trim once this many gathered bytes have been released.
 _TRIM_EVERY_BYTES = 64 * 1024 * 1024
 
 
@@ -233,8 +236,9 @@ class ParamStream:
         reuse_outputs: hand the previous group's output tensors out again for the next group (same shape and
             dtype). Saves an allocation per merged tensor; only for consumers that keep no reference to a tensor
             past its group (a sink that copies, e.g. vLLM's ``load_weights``; not one that stores the tensors).
-        release_memory: after each group, return memory freed inside the process to the OS (glibc
-            ``malloc_trim``; a no-op elsewhere), so freed gather buffers do not pile up across groups.
+        release_memory: return memory freed inside the process to the OS (glibc ``malloc_trim``; a no-op
+            elsewhere) once the pass has grown the resident set by more than twice its largest group, so freed
+            gather buffers and outputs do not pile up across groups (checked after each group).
         measure_rss: record the process's resident-set peak during each pass in ``last_stats`` (Linux; resets
             the process's ``VmHWM``).
         layout: ``"checkpoint"`` (default: names, layouts and persistent buffers as ``save_pretrained`` writes
@@ -461,7 +465,8 @@ class ParamStream:
             rss.begin()
             stats.rss_start_bytes = rss.start
         start = time.perf_counter()
-        freed_since_trim = 0
+        largest = max((grp.gathered_bytes for grp in self._groups), default=0)
+        trimmer = HeapTrimmer(int(_TRIM_BOUND_GROUPS * largest), _TRIM_EVERY_BYTES) if self.release_memory else None
         g = self.gatherer
         prefetch = getattr(g, "prefetch", None) if self.prefetch else None
         paths_before = dict(getattr(g, "path_counts", {}))
@@ -498,11 +503,8 @@ class ParamStream:
                                 del tensor
                 if outputs is not None:
                     outputs.end_group()
-                if self.release_memory:
-                    freed_since_trim += group.gathered_bytes
-                    if freed_since_trim >= _TRIM_EVERY_BYTES:
-                        release_freed_heap()
-                        freed_since_trim = 0
+                if trimmer is not None:
+                    trimmer.after_group(group.gathered_bytes)
             if lock is not None:
                 lock.exchange(Status.OK, "after the last group")
             stats.complete = True
