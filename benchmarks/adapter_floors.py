@@ -212,3 +212,62 @@ def ab_run(args: Any, make: Callable[..., Any], pieces_of: Callable[[list[list[A
     row = {"rank": dist.get_rank(), "ab": result}
     Path(f"{args.out}.rank{dist.get_rank()}.json").write_text(json.dumps(row))
     dist.barrier()
+
+
+#: Where a sync's time goes, by the function that spends it (cProfile's own time, the callee's ``tottime``).
+#: Everything not named here is the stream's and the consumer's Python: per tensor, the stream's bookkeeping and
+#: checks and the generator's hand-over.
+STAGES: dict[str, tuple[str, ...]] = {
+    "pack (cat of the local shards)": ("{built-in method torch.cat}",),
+    "unpack (copy into place)": ("{built-in method torch.split_with_sizes_copy}",),
+    "lora_B scaled (mul)": ("{built-in method torch.mul}",),
+    "outputs allocated (empty)": ("{built-in method torch.empty}",),
+}
+
+
+def stage_breakdown(sync: Callable[[], None], repeats: int, consumer: str = "sync") -> dict[str, float]:
+    """Seconds per sync by stage, from cProfile over ``repeats`` syncs (profiling inflates the Python share, so the
+    stages are shown beside the unprofiled median, not summed against it):
+
+    * the all-gather's wait and the lockstep status exchanges' (waits for the slower rank included);
+    * the copies: ``lora_A`` out of the reused buffer (called from the stream) and the consumer's into its
+      destination (called from the function named ``consumer``);
+    * :data:`STAGES`; ``python``: the rest.
+    """
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    dist.barrier()
+    prof.enable()
+    for _ in range(repeats):
+        sync()
+    prof.disable()
+    stats: dict[Any, Any] = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    total = sum(tt for (_cc, _nc, tt, _ct, _callers) in stats.values())
+    out: dict[str, float] = {}
+
+    def own(label: str) -> float:
+        return sum(v[2] for k, v in stats.items() if pstats.func_std_string(k) == label)
+
+    def by_caller(label: str, where: str) -> float:
+        return sum(
+            tt
+            for k, v in stats.items()
+            if pstats.func_std_string(k) == label
+            for caller, (_cc, _nc, tt, _ct) in v[4].items()
+            if where in caller[0] or where == caller[2]
+        )
+
+    wait = "{method 'wait' of 'torch._C._distributed_c10d.Work' objects}"
+    wait = wait if own(wait) else "{built-in method torch._C._distributed_c10d.wait}"
+    exchange = by_caller(wait, "lockstep.py")
+    out["all-gather (wait)"] = own(wait) - exchange
+    out["status exchanges (wait)"] = exchange
+    copy = "{method 'copy_' of 'torch._C.TensorBase' objects}"
+    out["consumer copy"] = by_caller(copy, consumer)
+    out["lora_A copied out"] = own(copy) - out["consumer copy"]
+    for label, names in STAGES.items():
+        out[label] = sum(own(n) for n in names)
+    out["python and the rest"] = total - sum(out.values())
+    return {k: v / repeats for k, v in out.items()}

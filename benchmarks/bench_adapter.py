@@ -89,6 +89,21 @@ def trainer_tables(trainer: list[dict]) -> None:
             f"{r['median_sync_s'] / floor:>7.2f} {a['per_param_all_gather_s']:>9.3f}s "
             f"{a['per_param_all_gather_s'] / floor:>7.2f} {gathers:>16} {other:>22}"
         )
+    staged = [r for r in trainer if r.get("adapter", {}).get("stages_s") and r["stream"] == "adapter"]
+    if staged:
+        print(
+            "\nwhere the adapter sync's time goes, ms per sync (cProfile over the same syncs, which inflates the Python"
+            "\nshare; waits include waiting for the slower rank):"
+        )
+        labels = list(staged[0]["adapter"]["stages_s"])
+        print(f"{'stage':<32}" + "".join(f"{r['stack'] + ' r' + str(r['rank']):>10}" for r in staged))
+        for label in labels:
+            print(f"{label:<32}" + "".join(f"{1e3 * r['adapter']['stages_s'][label]:>10.1f}" for r in staged))
+        print(f"{'unprofiled median sync':<32}" + "".join(f"{1e3 * r['median_sync_s']:>10.1f}" for r in staged))
+        print(
+            f"{'floor (flat all-gather)':<32}"
+            + "".join(f"{1e3 * r['adapter']['flat_all_gather_s']:>10.1f}" for r in staged)
+        )
 
 
 def vllm_side(args, tmp: str) -> list[dict]:  # type: ignore[no-untyped-def]

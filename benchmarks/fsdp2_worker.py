@@ -132,7 +132,7 @@ def main() -> None:
     adapter: dict[str, object] = {}
     if args.adapter:
         # The floors of the same bytes in the same process group, and what one sync issues.
-        from adapter_floors import all_gather_floors, collectives_of, fsdp2_pieces
+        from adapter_floors import all_gather_floors, collectives_of, fsdp2_pieces, stage_breakdown
 
         def sync() -> None:
             for name, tensor in stream:
@@ -140,6 +140,7 @@ def main() -> None:
 
         adapter = all_gather_floors(fsdp2_pieces([g.params for g in stream._groups]), args.syncs)
         adapter["collectives_per_sync"] = collectives_of(sync)
+        adapter["stages_s"] = stage_breakdown(sync, args.syncs)
     flags = (
         ("no-release", args.no_release),
         ("fallback", args.fallback),

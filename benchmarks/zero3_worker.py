@@ -234,10 +234,15 @@ def main() -> None:
     adapter: dict[str, object] = {}
     if args.adapter:
         # The floors of the same bytes in the same process group, and what one sync issues (after the RSS peak).
-        from adapter_floors import all_gather_floors, collectives_of, zero3_pieces
+        from adapter_floors import all_gather_floors, collectives_of, stage_breakdown, zero3_pieces
 
         adapter = all_gather_floors(zero3_pieces([g.params for g in stream._groups]), args.syncs)
         adapter["collectives_per_sync"] = collectives_of(lambda: lora_stream_sync(stream, dest))
+
+        def sync() -> None:
+            lora_stream_sync(stream, dest)
+
+        adapter["stages_s"] = stage_breakdown(sync, args.syncs, consumer="lora_stream_sync")
     changed = sum(int((p.ds_tensor != b).sum()) for p, b in zip(partitions, before))
     max_drift = max(float((p.ds_tensor.float() - b.float()).abs().max()) for p, b in zip(partitions, before))
     flags = (

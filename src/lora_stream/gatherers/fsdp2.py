@@ -145,8 +145,11 @@ class Fsdp2Gatherer(ShardedGathererBase):
         try:
             with torch.no_grad():
                 unique = [p for p in {id(p): p for p in params}.values() if is_dtensor(p)]
-                direct = []
-                for p in unique:
+                kept = self._layouts.get(tuple(id(p) for p in unique))
+                # A kept layout holds these very parameters, all of which took the direct path; a refusal depends
+                # only on a parameter's placement, mesh and device, none of which FSDP2 changes on an object.
+                direct = list(unique) if self.direct and kept is not None and kept.buf is self._buffer else []
+                for p in unique if not direct else ():
                     reason = self.direct_refusal(p)
                     if reason is None:
                         direct.append(p)
