@@ -113,6 +113,7 @@ def main() -> None:
             f"{r['median_sync_s'] / f['no_overlap_s']:.2f}x no-overlap floor, "
             f"{r['median_sync_s'] / f['overlap_s']:.2f}x overlapped floor, growth "
             f"{r['rss_growth_bytes'] / max(r['largest_group_bytes'], 1):.2f}x largest group"
+            + (f", heap trims per sync {r['heap_trims_per_sync']}" if r.get("heap_trims_per_sync") else "")
         )
     if interleaved:
         print("\nthe default stream and the floor parts timed in turns, in the same processes (the steadier ratio):")

@@ -211,6 +211,7 @@ def main() -> None:
     sampler = RssSampler(keep=args.trace)
     sampler.start()
     times, gathered = [], 0
+    trims: list[int] = []  # malloc_trim calls of each sync (release_memory's growth bound)
     floors: dict[str, float] = {}
     if args.variant == "floor":
         floors = measure_floors(engine, dest, args.syncs)
@@ -222,6 +223,7 @@ def main() -> None:
             gathered = max(gathered, trl_whole_gather_sync(engine, dest))
         else:
             gathered = max(gathered, lora_stream_sync(stream, dest))
+            trims.append(stream.last_stats.heap_trims)
         times.append(time.perf_counter() - t0)
     trace: list[tuple[float, int]] = []
     if args.trace:
@@ -259,6 +261,7 @@ def main() -> None:
         "floors": floors,
         "adapter": adapter,
         "gather_paths": stream.last_stats.gather_paths,
+        "heap_trims_per_sync": trims,
         "options": options,
         "budget_bytes": args.budget or None,
         "rank": dist.get_rank(),

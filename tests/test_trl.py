@@ -34,6 +34,7 @@ def _check_syncs(rec: dict[str, Any], tensors: int = 21, syncs: int = 3) -> None
     checks = rec["checks"]
     assert rec["outcome"] == "trained" and len(checks) == syncs and rec["records"] == [tensors] * syncs, rec
     assert all(c["max_err"] < c["tol"] for c in checks), checks
+    assert len({c["stream_id"] for c in checks}) == 1, "every sync reuses the stream planned at install"
     worst = max(c["max_err"] for c in checks)
     for before, after in itertools.pairwise(checks):
         moved = max(abs(a - b) for a, b in zip(before["logprobs"], after["logprobs"]))

@@ -70,6 +70,9 @@ class StreamStats:
     #: Bytes the gatherer kept allocated when the pass ended, for the next pass (its gather buffers, when they hold
     #: at most its ``keep_bytes``; freed by ``close()``); 0 when it frees them.
     kept_bytes: int = 0
+    #: Times the pass returned freed heap to the OS (``release_memory``: only once the process had grown past
+    #: 1.5x the largest group; 0 in a steady state).
+    heap_trims: int = 0
     #: Process resident set at the start of the pass and its peak during the pass (``measure_rss=True``, Linux).
     rss_start_bytes: int | None = None
     rss_peak_bytes: int | None = None
@@ -531,6 +534,7 @@ class ParamStream:
                         raise
                     handle.stop_reason = handle.stop_reason or describe_error(exc)
             stats.kept_bytes = int(getattr(g, "kept_bytes", 0))
+            stats.heap_trims = trimmer.trims if trimmer is not None else 0
             paths = getattr(g, "path_counts", {})
             stats.gather_paths = {k: v - paths_before.get(k, 0) for k, v in paths.items()}
             stats.fallback_reason = getattr(g, "fallback_reason", None) if stats.gather_paths.get("fallback") else None

@@ -302,6 +302,7 @@ def main(scenario: str, workdir: str) -> None:
             synced()
             check = check_served(trainer, template, gen, zero3, "policy" if adapter else None)
             if check:
+                check["stream_id"] = id(hook._stream_in_use)  # the hook plans its stream once and reuses it
                 checks.append(check)
 
         gen.sync_weights = checked

@@ -67,6 +67,9 @@ class TrlSyncHook:
     lora_name: str = "lora_stream"
     _sink: Any = None
     _served_model: str | None = None
+    #: The stream every sync reuses: planned once (at install, by the pre-flight), and with ``adapter=True`` its
+    #: gatherer keeps its buffer between syncs (``AdapterStream``'s ``keep_bytes``). Dropped after a failed sync.
+    _stream_in_use: ParamStream | None = None
 
     @property
     def generation(self) -> Any:
@@ -116,6 +119,7 @@ class TrlSyncHook:
         if self._sink is not None and hasattr(self._sink, "close"):
             self._sink.close()
         self._sink = None
+        self._drop_stream()
 
     def sync_weights(self) -> None:
         """What ``trainer.vllm_generation.sync_weights()`` does while the hook is installed."""
@@ -129,7 +133,11 @@ class TrlSyncHook:
             gen._llm_weights_sleeping = False
         # The sink logs the record as one line; the version names the trainer's step. Every sink resets vLLM's
         # prefix cache after loading, as TRL's own sync does.
-        record = self._get_sink().sync(self._stream(), version=f"step-{self.trainer.state.global_step}")
+        try:
+            record = self._get_sink().sync(self._stream(), version=f"step-{self.trainer.state.global_step}")
+        except BaseException:
+            self._drop_stream()  # the next sync starts from a freshly planned stream and gatherer
+            raise
         self.records.append(record)
         client = getattr(gen, "vllm_client", None)  # server mode: the main process's only
         if self.adapter and gen.mode == "server" and client is not None and self._served_model is None:
@@ -149,9 +157,21 @@ class TrlSyncHook:
         return self.trainer.model_wrapped if self.trainer.model_wrapped is not None else self.trainer.model
 
     def _stream(self) -> ParamStream:
-        if self.adapter:
-            return AdapterStream(self._model(), **self.stream_options)
-        return ParamStream(self._model(), **{"group_by": "layer", **self.stream_options})
+        model = self._model()
+        stream = self._stream_in_use
+        if stream is None or stream.model is not model:  # first use, or accelerate wrapped the model since
+            self._drop_stream()
+            if self.adapter:
+                stream = AdapterStream(model, **self.stream_options)
+            else:
+                stream = ParamStream(model, **{"group_by": "layer", **self.stream_options})
+            self._stream_in_use = stream
+        return stream
+
+    def _drop_stream(self) -> None:
+        if self._stream_in_use is not None:
+            self._stream_in_use.close()  # frees a kept gather buffer
+        self._stream_in_use = None
 
     def _get_sink(self) -> Any:
         if self._sink is None:
