@@ -11,7 +11,7 @@ throughput, the engine's load throughput, ...):
 * the sync's time, per stage (status exchanges, gathers, merges, copies, send, engine load, fixed costs);
 * bytes gathered per rank (received over the trainer's collectives) and bytes sent to the engines;
 * peak memory per rank: the gather buffer (the largest group; two with ``prefetch``), the largest output tensor,
-  the merge workspace, and on CPU the freed memory waiting for the next ``malloc_trim``.
+  the merge workspace, and on CPU the freed memory the heap holds before a ``malloc_trim`` (``Setup.trim_policy``).
 
 The equations are in ``docs/performance.md``. Rates come from three places, kept apart in every table:
 
@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -52,6 +53,10 @@ Sink = Literal["destination", "colocated", "server"]
 #: lora_stream's defaults the model mirrors (src/lora_stream/grouping.py, merge.py, stream.py).
 DEFAULT_BUDGET_BYTES = 128 * MiB
 MERGE_BLOCK_BYTES = 8 * MiB
+#: ``release_memory``'s heap trim (stream.py, buffers.HeapTrimmer): after a group, ``malloc_trim`` once the process
+#: has grown past this many largest groups since the pass started (``"growth"``, the library now: none in a steady
+#: state); before that, once per ``TRIM_EVERY_BYTES`` released (``"every_64mib"``, what the published runs measured).
+TRIM_BOUND_GROUPS = 1.5
 TRIM_EVERY_BYTES = 64 * MiB
 #: Parameters of at most this many whole bytes share one all-gather per group (gatherers/base.py: COALESCE_BYTES).
 COALESCE_BYTES = 1 * MiB
@@ -181,6 +186,9 @@ class Rates:
     fixed_server: float  # HTTP round trips of one server sync (start, update, finish, version)
     fixed_pause: float  # the two extra HTTP calls of pause / resume
     trim_s: float = 0.0  # one malloc_trim (CPU only)
+    per_sync: float = (
+        0.0  # t_sync: fixed cost of one merged pass (setting up the pass and its workspace, last exchange)
+    )
     ag_busbw_inter: float | None = None  # when the trainer spans nodes
     ag_latency_inter: float | None = None
     gpus_per_node: int = 8
@@ -199,7 +207,7 @@ def rates_from_calibration(
         http_s = float(server["trainer_stages_s"]["http_s"])
         load_bytes = float(server["bytes"])
         src_load = f"bench_server.py this run: worker load_s {load_s:.3f} s for {load_bytes / MiB:.0f} MiB"
-    return Rates(
+    r = Rates(
         name=name,
         kind="cpu",
         ag_busbw=float(cal["all_gather_busbw_Bps"]),
@@ -221,10 +229,13 @@ def rates_from_calibration(
         gpus_per_node=2,
         sources={
             "all-gather, all-reduce, broadcast, merge, copy, malloc_trim": "measured: benchmarks/calibrate.py",
+            "per sync": "fitted: the published depth sweep's intercept less the model's own (fit_per_sync)",
             "engine load": "stage timing: " + src_load,
             "HTTP round trips": "stage timing: bench_server trainer http_s",
         },
     )
+    # No probe isolates the fixed cost of a pass: it comes from the published depth sweep (fit_per_sync).
+    return dataclasses.replace(r, per_sync=fit_per_sync(published_rates(r)))
 
 
 def with_floors(
@@ -257,7 +268,9 @@ def with_floors(
 #: HBM3e 4.8 TB/s on H200), and nccl-tests-style bus bandwidths for 8 GPUs on NVLink 4 (all-gather ~350-480 GB/s
 #: at large messages; we take 360 GB/s). The merge reads and writes ~20 bytes of HBM per bf16 output element
 #: (bf16 base -> float32 block, rank-r addmm in place, float32 -> bf16 output); we take 80% of HBM bandwidth for it.
-#: Dispatch: ~6 CUDA launches per 8 MiB block (~40 us from Python), ~150 us per merged tensor.
+#: Dispatch: ~6 CUDA launches per 8 MiB block (~40 us from Python), ~150 us per merged tensor. Per sync: 50 us, one
+#: more status exchange (20 us) and the workspace's allocation from the caching allocator (a few us), with the Python
+#: set-up of the pass taken as small next to it on a fast host; immaterial next to syncs of 0.1-10 s either way.
 GPU_PROFILES: dict[str, Rates] = {}
 for _gpu, _hbm in (("H100", 3.35e12), ("H200", 4.8e12)):
     GPU_PROFILES[_gpu] = Rates(
@@ -278,6 +291,7 @@ for _gpu, _hbm in (("H100", 3.35e12), ("H200", 4.8e12)):
         snapshot_bps=20e9,
         fixed_server=0.03,
         fixed_pause=0.01,
+        per_sync=50e-6,
         ag_busbw_inter=200e9,
         ag_latency_inter=40e-6,
         gpus_per_node=8,
@@ -288,6 +302,7 @@ for _gpu, _hbm in (("H100", 3.35e12), ("H200", 4.8e12)):
             "merge": f"assumed 80% of HBM {_hbm / 1e12:.2f} TB/s at ~20 B per bf16 output element",
             "engine load": "assumed 45% of HBM (a device copy), 50 us per checkpoint tensor (vLLM weight_loader)",
             "rollback snapshot": "assumed 20 GB/s device -> host (pageable PCIe Gen5)",
+            "per sync": "assumed 50 us: the last status exchange and the merge workspace's allocation",
         },
     )
 
@@ -317,6 +332,9 @@ class Setup:
     pause: bool = True
     backend: Literal["gloo", "nccl"] = "gloo"
     coalesce_bytes: int = COALESCE_BYTES  # 0: one all-gather per parameter (the library before issue 26)
+    # release_memory's malloc_trim: "growth" (the library now: once the pass has grown past TRIM_BOUND_GROUPS largest
+    # groups; none in a steady state) or "every_64mib" (once per 64 MiB released: the library the published runs ran)
+    trim_policy: Literal["growth", "every_64mib"] = "growth"
 
 
 @dataclass
@@ -455,8 +473,13 @@ def predict(shape: ModelShape, s: Setup, r: Rates) -> Prediction:
         if sharded:
             # Parameters that need no merge are copied out of the reused gather buffer.
             stages["copy_out"] = unmerged / r.copy_bps
-        if sharded and s.release_memory and r.trim_s:
-            stages["trim"] = math.floor(gathered / TRIM_EVERY_BYTES) * r.trim_s
+        # "growth" trims only while the process grows past its bound: never once a sync has run (the steady state).
+        trims = math.floor(gathered / TRIM_EVERY_BYTES) if s.trim_policy == "every_64mib" else 0
+        if sharded and s.release_memory and r.trim_s and trims:
+            stages["trim"] = trims * r.trim_s
+        if r.per_sync:
+            # A merged pass's fixed cost (fit_per_sync); the adapter's pass shows none (its published row, 0.99).
+            stages["setup"] = r.per_sync
     ckpt = sum(u.ckpt_tensors for u in us) if s.mode == "merged" else 2 * len(us)
     # The consumer.
     sent = 0.0
@@ -481,7 +504,7 @@ def predict(shape: ModelShape, s: Setup, r: Rates) -> Prediction:
     # Total: by default (no prefetch) the stages run one after another, except the server's: on GPUs its trainer,
     # transport and engine worker pipeline chunk by chunk (the slowest of produce, send and load, plus one group's
     # worth of the other two); on a CPU machine only the transfer hides.
-    produce = sum(v for k, v in stages.items() if k in ("status", "gather", "merge", "copy_out", "trim"))
+    produce = sum(v for k, v in stages.items() if k in ("setup", "status", "gather", "merge", "copy_out", "trim"))
     if s.sink == "server":
         n = max(1, len(groups))
         engine = stages["engine_load"] + stages.get("snapshot", 0.0)
@@ -515,7 +538,10 @@ def predict(shape: ModelShape, s: Setup, r: Rates) -> Prediction:
     if s.sink == "server":
         parts["send_buffers"] = 2.0 * SERVER_BUFFER_BYTES[s.backend]
     if r.kind == "cpu" and sharded and s.release_memory:
-        parts["untrimmed (mean)"] = TRIM_EVERY_BYTES / 2
+        # Freed memory the heap holds before a trim, half its most on average: 64 MiB between two trims, or (growth)
+        # up to TRIM_BOUND_GROUPS largest groups of growth before one.
+        bound = TRIM_EVERY_BYTES if s.trim_policy == "every_64mib" else TRIM_BOUND_GROUPS * largest_group
+        parts["untrimmed (mean)"] = bound / 2
     elif r.kind == "cpu" and sharded:
         parts["untrimmed (mean)"] = 1.0 * largest_group  # freed buffers pile up to about one more group
     whole = (
@@ -636,8 +662,8 @@ PEERS: list[dict[str, str]] = [
 # --------------------------------------------------------------------------------------------------------------------
 # Validation against this machine's benchmarks
 # --------------------------------------------------------------------------------------------------------------------
-def _load(name: str) -> dict[str, Any] | None:
-    p = RESULTS / f"{name}.json"
+def _load(name: str, results: Path = RESULTS) -> dict[str, Any] | None:
+    p = results / f"{name}.json"
     return json.loads(p.read_text()) if p.exists() else None
 
 
@@ -664,9 +690,19 @@ def _merge_counts(shape: ModelShape, s: Setup) -> tuple[float, int, int, float, 
     return merged, merges, blocks, unmerged, params
 
 
-def validate(probe: Rates) -> list[dict[str, Any]]:
-    """Predicted against measured, for every benchmark JSON found under benchmarks/results/."""
+def validate(probe: Rates, results: Path = RESULTS, trim_policy: str = "auto") -> list[dict[str, Any]]:
+    """Predicted against measured, for every benchmark JSON found under ``results``. ``trim_policy``: the heap-trim
+    policy the runs measured (``Setup.trim_policy``); ``"auto"``: ``"growth"`` for a file whose rows record
+    ``heap_trims_per_sync`` (zero3_worker's runs since the change), else ``"every_64mib"`` (the runs before it)."""
     rows: list[dict[str, Any]] = []
+
+    def setups(data: dict[str, Any]) -> Callable[..., Setup]:
+        """``Setup`` with the trim policy ``data``'s run measured."""
+        recorded = any(
+            isinstance(r, dict) and "heap_trims_per_sync" in r for v in data.values() if isinstance(v, list) for r in v
+        )
+        pol = trim_policy if trim_policy != "auto" else "growth" if recorded else "every_64mib"
+        return functools.partial(Setup, trim_policy=pol)
 
     def add(bench: str, case: str, pred: float, meas: float, unit: str, cal: str, cmd: str) -> None:
         rows.append(
@@ -683,14 +719,15 @@ def validate(probe: Rates) -> list[dict[str, Any]]:
         )
 
     cals: list[tuple[str, Rates]] = [("probe", probe)]
-    z = _load("zero3")
+    z = _load("zero3", results)
     if z is not None:
+        mk = setups(z)
         a = z["args"]
         cmd = f"bench_zero3.py --syncs {a['syncs']} --budgets-mib {a['budgets_mib']}"
         shape = bench_shape(a["layers"])
         floors = z["floors"]
         worst_floor = {k: max(float(f[k]) for f in floors.values()) for k in ("all_gather_s", "merge_s", "copy_s")}
-        s = Setup(world=2, budget_bytes=32 * MiB)
+        s = mk(world=2, budget_bytes=32 * MiB)
         merged, merges, blocks, unmerged, params = _merge_counts(shape, s)
         gathered = sum(g.gathered for g in plan(shape, s)[1])
         p = predict(shape, s, probe)
@@ -707,10 +744,10 @@ def validate(probe: Rates) -> list[dict[str, Any]]:
         fl = with_floors(probe, {**worst_floor}, gathered, params, merged, merges, blocks, merged + unmerged)
         cals.append(("zero3 floors", fl))
         for variant, opts, setup in (
-            ("lora_stream budget", [], Setup(world=2, budget_bytes=32 * MiB)),
-            ("lora_stream layer", [], Setup(world=2, group_by="layer")),
-            ("lora_stream budget", ["no-release"], Setup(world=2, budget_bytes=32 * MiB, release_memory=False)),
-            ("lora_stream budget", ["prefetch"], Setup(world=2, budget_bytes=32 * MiB, prefetch=True)),
+            ("lora_stream budget", [], mk(world=2, budget_bytes=32 * MiB)),
+            ("lora_stream layer", [], mk(world=2, group_by="layer")),
+            ("lora_stream budget", ["no-release"], mk(world=2, budget_bytes=32 * MiB, release_memory=False)),
+            ("lora_stream budget", ["prefetch"], mk(world=2, budget_bytes=32 * MiB, prefetch=True)),
         ):
             got = [r for r in z["rows"] if r["variant"] == variant and r["options"] == opts]
             if not got:
@@ -746,14 +783,30 @@ def validate(probe: Rates) -> list[dict[str, Any]]:
                 "shapes",
                 cmd,
             )
-    d = _load("depth")
+        # The default stream timed in turns with the floor parts in the same processes (bench_zero3's default
+        # stream, --interleaved-floor), against the model calibrated with those floors: the steadiest comparison.
+        turns = [r["floors"] for r in z["rows"] if r["variant"] == "lora_stream budget" and "sync_s" in r["floors"]]
+        if turns:
+            tf = {k: max(float(f[k]) for f in turns) for k in ("all_gather_s", "merge_s", "copy_s")}
+            rates = with_floors(probe, tf, gathered, params, merged, merges, blocks, merged + unmerged)
+            add(
+                "zero3",
+                "sync, budget, timed in turns with its floors",
+                predict(shape, s, rates).seconds,
+                max(float(f["sync_s"]) for f in turns),
+                "s",
+                "floors timed in turns",
+                cmd,
+            )
+    d = _load("depth", results)
     if d is not None:
+        mk = setups(d)
         a = d["args"]
         cmd = f"bench_depth.py --syncs {a['syncs']} --depths {a['depths']}"
         for depth in sorted({int(r["layers"]) for r in d["rows"]}):
             got = [r for r in d["rows"] if r["layers"] == depth and r["variant"] != "whole_gather"]
             for cal_name, rates in cals:
-                pr = predict(bench_shape(depth), Setup(world=2, budget_bytes=32 * MiB), rates)
+                pr = predict(bench_shape(depth), mk(world=2, budget_bytes=32 * MiB), rates)
                 add("depth", f"sync, {depth} layers", pr.seconds, _worst(got, "median_sync_s"), "s", cal_name, cmd)
             add(
                 "depth",
@@ -764,13 +817,14 @@ def validate(probe: Rates) -> list[dict[str, Any]]:
                 "shapes",
                 cmd,
             )
-    f2 = _load("fsdp2")
+    f2 = _load("fsdp2", results)
     if f2 is not None:
+        mk = setups(f2)
         a = f2["args"]
         cmd = f"bench_fsdp2.py --syncs {a['syncs']} --budgets-mib {a['budgets_mib']}"
         for variant, setup in (
-            ("lora_stream budget", Setup(world=2, sharding="fsdp2", budget_bytes=32 * MiB)),
-            ("lora_stream layer", Setup(world=2, sharding="fsdp2", group_by="layer")),
+            ("lora_stream budget", mk(world=2, sharding="fsdp2", budget_bytes=32 * MiB)),
+            ("lora_stream layer", mk(world=2, sharding="fsdp2", group_by="layer")),
         ):
             got = [r for r in f2["rows"] if r["variant"] == variant and not r["options"]]
             if not got:
@@ -789,21 +843,22 @@ def validate(probe: Rates) -> list[dict[str, Any]]:
                 "shapes",
                 cmd,
             )
-    ad = _load("adapter")
+    ad = _load("adapter", results)
     if ad is not None:
+        mk = setups(ad)
         a = ad["args"]
         cmd = f"bench_adapter.py --syncs {a['syncs']}"
         shape = bench_shape(a["layers"])
         for label, setup, variants in (
-            ("merged (ZeRO-3, 128 MiB groups)", Setup(world=2), ("lora_stream budget", "merged")),
-            ("adapter (ZeRO-3, coalesced)", Setup(world=2, mode="adapter"), ("adapter",)),
+            ("merged (ZeRO-3, 128 MiB groups)", mk(world=2), ("lora_stream budget", "merged")),
+            ("adapter (ZeRO-3, coalesced)", mk(world=2, mode="adapter"), ("adapter",)),
             (
                 "adapter (ZeRO-3, per factor)",
-                Setup(world=2, mode="adapter", coalesce_bytes=0),
+                mk(world=2, mode="adapter", coalesce_bytes=0),
                 ("zero3 adapter per-factor", "adapter per-factor"),
             ),
-            ("merged (FSDP2, 128 MiB groups)", Setup(world=2, sharding="fsdp2"), ("fsdp2 merged",)),
-            ("adapter (FSDP2, coalesced)", Setup(world=2, sharding="fsdp2", mode="adapter"), ("fsdp2 adapter",)),
+            ("merged (FSDP2, 128 MiB groups)", mk(world=2, sharding="fsdp2"), ("fsdp2 merged",)),
+            ("adapter (FSDP2, coalesced)", mk(world=2, sharding="fsdp2", mode="adapter"), ("fsdp2 adapter",)),
         ):
             got = [r for r in ad["trainer"] if r["variant"] in variants]
             if not got:
@@ -824,7 +879,7 @@ def validate(probe: Rates) -> list[dict[str, Any]]:
         merged_engine = [r for r in ad["vllm"] if r["mode"] == "merged"]
         if merged_engine:
             # One process (the plain gatherer), vLLM in-process; the load rate is the server benchmark's.
-            pr = predict(shape, Setup(world=1, sharding="ddp", sink="colocated", group_by="layer"), probe)
+            pr = predict(shape, mk(world=1, sharding="ddp", sink="colocated", group_by="layer"), probe)
             add(
                 "adapter",
                 "vLLM colocated merged sync (plain model, rollback on)",
@@ -834,13 +889,14 @@ def validate(probe: Rates) -> list[dict[str, Any]]:
                 "probe + server load rate",
                 cmd,
             )
-    sv = _load("server")
+    sv = _load("server", results)
     if sv is not None:
+        mk = setups(sv)
         a = sv["args"]
         cmd = f"bench_server.py --syncs {a['syncs']}"
         srv = rates_from_calibration_like(probe, sv)
         shape = bench_shape(a["layers"])
-        base = Setup(world=1, sharding="ddp", dtype_bytes=4, sink="server", group_by="layer")
+        base = mk(world=1, sharding="ddp", dtype_bytes=4, sink="server", group_by="layer")
         pr = predict(shape, base, srv)
         add(
             "server",
@@ -888,37 +944,76 @@ def rates_from_calibration_like(probe: Rates, server: dict[str, Any]) -> Rates:
 
 
 #: docs/benchmarks.md's figures from a quiet period (the published tables): a second validation set.
-#: The published runs predate coalescing: one all-gather per parameter.
+#: The published runs predate coalescing (one all-gather per parameter) and the growth-bound heap trim.
 PUBLISHED_FLOORS = {"all_gather_s": 0.485, "merge_s": 0.133, "copy_s": 0.049}
+_pub = functools.partial(Setup, world=2, coalesce_bytes=0, trim_policy="every_64mib")
 PUBLISHED: dict[str, list[tuple[str, Setup, float]]] = {
     "zero3": [
-        ("budget 32 MiB", Setup(coalesce_bytes=0, world=2, budget_bytes=32 * MiB), 0.80),
-        ("budget 128 MiB", Setup(coalesce_bytes=0, world=2), 0.85),
-        ("layer", Setup(coalesce_bytes=0, world=2, group_by="layer"), 0.85),
-        ("no-release", Setup(coalesce_bytes=0, world=2, budget_bytes=32 * MiB, release_memory=False), 0.76),
+        ("budget 32 MiB", _pub(budget_bytes=32 * MiB), 0.80),
+        ("budget 128 MiB", _pub(), 0.85),
+        ("layer", _pub(group_by="layer"), 0.85),
+        ("no-release", _pub(budget_bytes=32 * MiB, release_memory=False), 0.76),
     ],
     "fsdp2": [
-        ("budget 32 MiB", Setup(coalesce_bytes=0, world=2, sharding="fsdp2", budget_bytes=32 * MiB), 0.82),
-        ("layer", Setup(coalesce_bytes=0, world=2, sharding="fsdp2", group_by="layer"), 0.86),
+        ("budget 32 MiB", _pub(sharding="fsdp2", budget_bytes=32 * MiB), 0.82),
+        ("layer", _pub(sharding="fsdp2", group_by="layer"), 0.86),
     ],
-    "adapter": [("adapter (ZeRO-3)", Setup(coalesce_bytes=0, world=2, mode="adapter"), 0.118)],
+    "adapter": [("adapter (ZeRO-3)", _pub(mode="adapter"), 0.118)],
 }
+#: The depth sweep's setup (budget 32 MiB).
+PUBLISHED_DEPTH_SETUP = _pub(budget_bytes=32 * MiB)
 
 
 #: "malloc_trim walks the whole heap (about 9 ms per call here)": docs/memory.md, the same period.
 PUBLISHED_TRIM_S = 0.009
 
 
-def validate_published(probe: Rates) -> list[dict[str, Any]]:
-    """The published quiet-period run (docs/benchmarks.md, docs/images/plot-data.json) against the model calibrated
-    with that run's own floors (the probe's latencies kept)."""
-    shape = bench_shape(16)
-    s = Setup(world=2, budget_bytes=32 * MiB, coalesce_bytes=0)
+def _published_depth() -> list[dict[str, Any]]:
+    """The depth plot's rows of lora_stream (docs/images/plot-data.json), or none."""
+    plot = Path(__file__).resolve().parent.parent / "docs" / "images" / "plot-data.json"
+    rows = json.loads(plot.read_text())["depth"] if plot.exists() else []
+    return [r for r in rows if r["variant"] == "stream"]
+
+
+def published_rates(probe: Rates) -> Rates:
+    """The model calibrated with the published run's own floors (the probe's latencies kept), that period's
+    ``malloc_trim`` cost (docs/memory.md) and the fixed cost per sync fitted to its depth sweep (fit_per_sync)."""
+    shape, s = bench_shape(16), PUBLISHED_DEPTH_SETUP
     merged, merges, blocks, unmerged, params = _merge_counts(shape, s)
     gathered = sum(g.gathered for g in plan(shape, s)[1])
     fl = with_floors(probe, PUBLISHED_FLOORS, gathered, params, merged, merges, blocks, merged + unmerged)
     # malloc_trim's cost depends on the heap and on the machine's load: that run's own figure (docs/memory.md).
-    fl = dataclasses.replace(fl, trim_s=PUBLISHED_TRIM_S)
+    fl = dataclasses.replace(fl, trim_s=PUBLISHED_TRIM_S, per_sync=0.0)
+    return dataclasses.replace(fl, per_sync=fit_per_sync(fl))
+
+
+def fit_per_sync(rates: Rates) -> float:
+    """``t_sync``, the fixed cost of one merged pass: the intercept of the least-squares line through the published
+    depth sweep (sync time against layers: 4, 8, 16, 32 layers, 0.362, 0.48, 0.811, 1.41 s) less the intercept of
+    the same line through the model's own predictions at those depths (``rates`` without ``t_sync``). The model
+    already carries the depth-independent work it knows of (embeddings, lm_head, the last status exchange); what
+    remains at zero layers is what it lacks. 0 without the sweep."""
+    pts = _published_depth()
+    if len(pts) < 2:
+        return 0.0
+    bare = dataclasses.replace(rates, per_sync=0.0)
+    xs = [float(r["layers"]) for r in pts]
+    measured = [float(r["median_sync_s"]) for r in pts]
+    model = [predict(bench_shape(int(x)), PUBLISHED_DEPTH_SETUP, bare).seconds for x in xs]
+
+    def intercept(ys: list[float]) -> float:
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+        return my - slope * mx
+
+    return max(0.0, intercept(measured) - intercept(model))
+
+
+def validate_published(probe: Rates) -> list[dict[str, Any]]:
+    """The published quiet-period run (docs/benchmarks.md, docs/images/plot-data.json) against the model calibrated
+    with that run's own floors (published_rates)."""
+    shape, s = bench_shape(16), PUBLISHED_DEPTH_SETUP
+    fl = published_rates(probe)
     rows = []
     for bench in ("zero3", "fsdp2", "adapter"):
         for label, setup, meas in PUBLISHED[bench]:
@@ -959,36 +1054,32 @@ def validate_published(probe: Rates) -> list[dict[str, Any]]:
             "command": "docs/benchmarks.md",
         }
     )
-    plot = Path(__file__).resolve().parent.parent / "docs" / "images" / "plot-data.json"
-    if plot.exists():
-        for r in json.loads(plot.read_text())["depth"]:
-            if r["variant"] != "stream":
-                continue
-            p = predict(bench_shape(int(r["layers"])), s, fl)
-            rows.append(
-                {
-                    "bench": "depth (published)",
-                    "case": f"sync, {r['layers']} layers",
-                    "predicted": p.seconds,
-                    "measured": r["median_sync_s"],
-                    "ratio": r["median_sync_s"] / p.seconds,
-                    "unit": "s",
-                    "calibration": "published floors",
-                    "command": "docs/images/plot-data.json",
-                }
-            )
-            rows.append(
-                {
-                    "bench": "depth (published)",
-                    "case": f"RSS growth, {r['layers']} layers",
-                    "predicted": p.peak_memory / MiB,
-                    "measured": r["rss_growth_mib"],
-                    "ratio": r["rss_growth_mib"] / (p.peak_memory / MiB),
-                    "unit": "MiB",
-                    "calibration": "shapes",
-                    "command": "docs/images/plot-data.json",
-                }
-            )
+    for r in _published_depth():
+        p = predict(bench_shape(int(r["layers"])), s, fl)
+        rows.append(
+            {
+                "bench": "depth (published)",
+                "case": f"sync, {r['layers']} layers",
+                "predicted": p.seconds,
+                "measured": r["median_sync_s"],
+                "ratio": r["median_sync_s"] / p.seconds,
+                "unit": "s",
+                "calibration": "published floors",
+                "command": "docs/images/plot-data.json",
+            }
+        )
+        rows.append(
+            {
+                "bench": "depth (published)",
+                "case": f"RSS growth, {r['layers']} layers",
+                "predicted": p.peak_memory / MiB,
+                "measured": r["rss_growth_mib"],
+                "ratio": r["rss_growth_mib"] / (p.peak_memory / MiB),
+                "unit": "MiB",
+                "calibration": "shapes",
+                "command": "docs/images/plot-data.json",
+            }
+        )
     return rows
 
 
@@ -1075,6 +1166,7 @@ def markdown(result: dict[str, Any]) -> str:
         ("load_per_tensor", "engine's load per tensor", "us"),
         ("snapshot_bps", "rollback's host copy", "GB/s"),
         ("trim_s", "malloc_trim", "ms"),
+        ("per_sync", "fixed cost per merged sync", "ms"),
     ):
         scale = {"GB/s": 1e-9, "us": 1e6, "ms": 1e3}[unit]
         vals = [cal[key], gpus["H100"][key], gpus["H200"][key]]
@@ -1123,12 +1215,20 @@ def main() -> None:
     ap.add_argument("--calibration", default=str(RESULTS / "calibration.json"))
     ap.add_argument("--out", default=str(RESULTS / "cost_model.json"))
     ap.add_argument("--markdown", help="also write the docs page's tables (markdown) to this file")
+    ap.add_argument("--results", default=str(RESULTS), help="the benchmarks' JSON to validate against")
+    ap.add_argument(
+        "--trim-policy",
+        choices=("auto", "growth", "every_64mib"),
+        default="auto",
+        help="the heap-trim policy those runs measured (auto: growth where zero3_worker recorded heap_trims_per_sync)",
+    )
     args = ap.parse_args()
     cal_path = Path(args.calibration)
     if not cal_path.exists():
         raise SystemExit(f"{cal_path} is missing: run benchmarks/calibrate.py first")
     cal = json.loads(cal_path.read_text())
-    probe = rates_from_calibration(cal, _load("server"))
+    results = Path(args.results)
+    probe = rates_from_calibration(cal, _load("server", results))
     print(f"calibration ({cal_path.name}, measured {cal.get('measured_at', '?')}):")
     for k in (
         "ag_busbw",
@@ -1144,10 +1244,11 @@ def main() -> None:
         "load_bps",
         "fixed_server",
         "trim_s",
+        "per_sync",
     ):
         v = getattr(probe, k)
         print(f"  {k:<16} {v / GB:.3f} GB/s" if k.endswith("bps") or k == "ag_busbw" else f"  {k:<16} {v * 1e3:.3f} ms")
-    rows = validate(probe) + validate_published(probe)
+    rows = validate(probe, results, args.trim_policy) + validate_published(probe)
     print(f"\n{'bench':<18} {'case':<52} {'cal':<22} {'predicted':>10} {'measured':>10} {'ratio':>6}")
     for r in rows:
         print(

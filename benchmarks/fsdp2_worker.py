@@ -118,6 +118,7 @@ def main() -> None:
     sampler = RssSampler()
     sampler.start()
     times, gathered = [], 0
+    trims: list[int] = []  # malloc_trim calls of each sync (release_memory's growth bound)
     for _ in range(args.syncs):
         dist.barrier()
         t0 = time.perf_counter()
@@ -127,6 +128,7 @@ def main() -> None:
             for name, tensor in stream:
                 dest[name].copy_(tensor)
             gathered = max(gathered, stream.last_stats.peak_gathered_bytes)
+            trims.append(stream.last_stats.heap_trims)
         times.append(time.perf_counter() - t0)
     peak = sampler.stop()
     adapter: dict[str, object] = {}
@@ -149,6 +151,7 @@ def main() -> None:
     label = "adapter" if args.adapter else f"lora_stream {args.group_by}"
     row = {
         "variant": args.variant if args.variant == "whole_full_tensor" else label,
+        "heap_trims_per_sync": trims,
         "options": [o for o, on in flags if on],
         "adapter": adapter,
         "gather_paths": stream.last_stats.gather_paths,
