@@ -6,12 +6,13 @@ the experts, every adapter tensor perturbed):
 
 * the stream: names equal the keys ``save_pretrained`` writes for ``merge_and_unload()``, values equal its tensors,
   ``metadata()`` equals iteration -- whatever vLLM does;
-* vLLM (``tests/workers/vllm_architecture.py``, one process per architecture: vLLM's Transformers backend patches
-  transformers classes in place): the engine starts from the base checkpoint and serves something else (the
-  control); after one sync its greedy tokens and logprobs equal those of an engine started from the merged
-  checkpoint (the oracle). Whether vLLM itself computes what transformers computes for the architecture is recorded
-  in the table too, but is vLLM's business. An architecture vLLM cannot serve says so in the table with vLLM's own
-  error, and the test checks that the error is still vLLM's.
+* vLLM (``tests/workers/vllm_architecture.py``, one process for all of them, every reference computed before the
+  first engine starts: vLLM's Transformers backend patches transformers classes in place): the engine starts from
+  the base checkpoint and serves something else (the control); after one sync its greedy tokens and logprobs equal
+  those of an engine started from the merged checkpoint (the oracle). Whether vLLM itself computes what
+  transformers computes for the architecture is recorded in the table too, but is vLLM's business. An
+  architecture vLLM cannot serve says so in the table with vLLM's own error, and the test checks that the error is
+  still vLLM's.
 
 ``python tests/test_architectures.py --table`` (``nox -s architectures``) reruns the vLLM checks and rewrites the
 table in ``docs/architectures.md``.
@@ -29,7 +30,7 @@ from typing import Any
 import pytest
 import torch
 from architectures import ARCHS, BY_ID, Arch, build
-from helpers import event, perturb_adapters, require
+from helpers import perturb_adapters, require, results_of
 
 from lora_stream import ParamStream
 from lora_stream.grouping import stack_key
@@ -71,37 +72,51 @@ def test_the_stream_is_the_merged_checkpoint(arch: Arch, tmp_path: Path) -> None
     assert len(indexed) == len(set(indexed)) >= 2, layers
 
 
-def run_vllm_worker(arch: Arch, workdir: Path) -> str:
+def run_vllm_worker(archs: list[Arch], workdir: Path) -> dict[str, list[dict[str, Any]]]:
+    """Every architecture of ``archs`` through vLLM in one worker process: each one's ``RESULT`` records, by id."""
     import subprocess
 
     tests = Path(__file__).resolve().parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])}
+    ids = [a.id for a in archs]
     proc = subprocess.run(
-        [sys.executable, str(tests / "workers" / "vllm_architecture.py"), arch.id, str(workdir)],
+        [sys.executable, str(tests / "workers" / "vllm_architecture.py"), ",".join(ids), str(workdir)],
         env=env,
         capture_output=True,
         text=True,
-        timeout=400,
+        timeout=60 + 60 * len(ids),
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    return out
+    records: dict[str, list[dict[str, Any]]] = {i: [] for i in ids}
+    for rec in results_of(out):
+        records[rec["arch"]].append(rec)
+    for i, recs in records.items():
+        assert recs, f"the worker printed nothing for {i}:\n{out[-3000:]}"
+    return records
 
 
-def outcome(arch: Arch, out: str) -> dict[str, Any]:
+def outcome(arch: Arch, records: list[dict[str, Any]]) -> dict[str, Any]:
     """What happened to ``arch`` in vLLM: ``status`` is ``"matches"``, ``"vllm-cannot"`` or ``"differs"``;
     ``synced`` says whether the sync itself went through (it is checked even where vLLM cannot generate)."""
-    engine = event(out, "engine")
+
+    def event(name: str) -> dict[str, Any]:
+        for rec in records:
+            if rec.get("event") == name:
+                return rec
+        raise AssertionError(f"no {name!r} result for {arch.id}: {records}")
+
+    engine = event("engine")
     if not engine["ok"]:
         return {"status": "vllm-cannot", "detail": engine["error"], "synced": False}
-    control, synced = event(out, "control"), event(out, "synced")
+    control, synced = event("control"), event("synced")
     if not synced["ok"]:
         return {"status": "vllm-cannot", "detail": f"{synced['error_type']}: {synced['error']}", "synced": False}
     if not control["ok"]:
         detail = f"{engine['model_class']}: loads and syncs; vLLM cannot generate: {control['error']}"
         return {"status": "vllm-cannot", "detail": detail, "synced": True}
-    oracle = event(out, "oracle")["generated"]
-    reference = event(out, "reference")["generated"]
+    oracle = event("oracle")["generated"]
+    reference = event("reference")["generated"]
     return {
         "status": "matches" if _same(synced["generated"], oracle) else "differs",
         "detail": engine["model_class"],
@@ -120,10 +135,20 @@ def _same(a: list[Any], b: list[Any]) -> bool:
     )
 
 
-@pytest.mark.parametrize("arch", ARCHS, ids=[a.id for a in ARCHS])
-def test_vllm_serves_the_merged_model_after_one_sync(arch: Arch, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def vllm_records(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The vLLM runs of every architecture this session selected, in one worker process (vLLM, torch and
+    transformers imported once rather than once per architecture; each still gets its own two engines)."""
     require("vllm")
-    result = outcome(arch, run_vllm_worker(arch, tmp_path))
+    name = test_vllm_serves_the_merged_model_after_one_sync.__name__
+    selected = {item.callspec.params["arch"].id for item in request.session.items if item.originalname == name}
+    archs = [a for a in ARCHS if a.id in selected]
+    return run_vllm_worker(archs, tmp_path_factory.mktemp("architectures"))
+
+
+@pytest.mark.parametrize("arch", ARCHS, ids=[a.id for a in ARCHS])
+def test_vllm_serves_the_merged_model_after_one_sync(arch: Arch, vllm_records: Any) -> None:
+    result = outcome(arch, vllm_records[arch.id])
     if arch.vllm_cannot:
         # Not a skip: the reason must still be vLLM's own, or the table is out of date.
         assert result["status"] == "vllm-cannot", f"vLLM now serves {arch.id}; update architectures.py: {result}"
@@ -138,9 +163,10 @@ def write_table(path: Path) -> None:
     import tempfile
 
     rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        records = run_vllm_worker(ARCHS, Path(tmp))
     for arch in ARCHS:
-        with tempfile.TemporaryDirectory() as tmp:
-            result = outcome(arch, run_vllm_worker(arch, Path(tmp)))
+        result = outcome(arch, records[arch.id])
         print(arch.id, result["status"], flush=True)
         lora = " + ".join(json.dumps(arch.lora[k]) for k in ("target_modules", "target_parameters") if k in arch.lora)
         status = {"matches": "exact match", "vllm-cannot": "not served by vLLM (CPU)", "differs": "DIFFERS"}
@@ -167,7 +193,8 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--table"]:
         write_table(Path(__file__).resolve().parent.parent / "docs" / "architectures.md")
     else:
-        print(json.dumps(outcome(BY_ID[sys.argv[1]], run_vllm_worker(BY_ID[sys.argv[1]], Path(sys.argv[2]))))[:2000])
+        arch = BY_ID[sys.argv[1]]
+        print(json.dumps(outcome(arch, run_vllm_worker([arch], Path(sys.argv[2]))[arch.id]))[:2000])
 
 
 def test_a_many_to_one_conversion_is_never_split_across_groups(tmp_path: Path) -> None:

@@ -1,6 +1,9 @@
 """One architecture end to end: a tiny random model with a perturbed LoRA, synced into a real vLLM engine.
 
-Usage: vllm_architecture.py ARCH_ID WORKDIR
+Usage: vllm_architecture.py ARCH_ID[,ARCH_ID...] WORKDIR
+
+Several architectures run in one process (the imports and the interpreter are paid once); each one's records carry
+``arch``. Every model and reference is made before the first engine starts.
 
 Two references: the merged model's greedy tokens and logprobs in transformers (computed before any engine starts:
 vLLM's Transformers backend patches transformers classes in place), and the oracle, what a vLLM engine started from
@@ -36,67 +39,92 @@ def greedy(model: torch.nn.Module, prompts: list[list[int]], n: int) -> list[tup
     return out
 
 
-def main(arch_id: str, workdir: str) -> None:
-    from architectures import BY_ID, build
-    from helpers import PROMPTS, VLLM_ENV, finish, merged_copy, perturb_adapters, report, vllm_engine, vllm_generate
-    from peft import LoraConfig, get_peft_model
+class Prepared:
+    """One architecture's models and references, made before any engine starts in this process."""
 
-    for k, v in VLLM_ENV.items():
-        os.environ.setdefault(k, v)
-    arch = BY_ID[arch_id]
-    base_dir = os.path.join(workdir, "base")
-    model = build(arch)
-    model.save_pretrained(base_dir)
-    pm = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **arch.lora))
-    perturb_adapters(pm)
-    merged = merged_copy(pm).eval()
-    merged_dir = os.path.join(workdir, "merged")
-    merged.save_pretrained(merged_dir)
-    reference = greedy(merged, PROMPTS, 8)
-    report(event="reference", generated=reference)
+    def __init__(self, arch_id: str, workdir: str) -> None:
+        from architectures import BY_ID, build
+        from helpers import PROMPTS, merged_copy, perturb_adapters
+        from peft import LoraConfig, get_peft_model
+
+        self.arch_id = arch_id
+        arch = BY_ID[arch_id]
+        self.base_dir = os.path.join(workdir, arch_id, "base")
+        model = build(arch)
+        model.save_pretrained(self.base_dir)
+        self.pm = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **arch.lora))
+        perturb_adapters(self.pm)
+        merged = merged_copy(self.pm).eval()
+        self.merged_dir = os.path.join(workdir, arch_id, "merged")
+        merged.save_pretrained(self.merged_dir)
+        self.reference = greedy(merged, PROMPTS, 8)
+
+
+def check(p: Prepared) -> None:
+    """The oracle engine, then the engine under test: control, sync, generation. Every outcome is reported, never
+    raised, so that the next architecture runs."""
+    from helpers import report, vllm_engine, vllm_generate
 
     from lora_stream import ParamStream, VLLMColocatedSink
 
+    def say(**fields: object) -> None:
+        report(arch=p.arch_id, **fields)
+
+    say(event="reference", generated=p.reference)
     # The oracle: what vLLM serves when started from the merged checkpoint itself.
     try:
-        oracle_llm = vllm_engine(merged_dir)
-        report(event="oracle", ok=True, generated=vllm_generate(oracle_llm))
+        oracle_llm = vllm_engine(p.merged_dir)
+        say(event="oracle", ok=True, generated=vllm_generate(oracle_llm))
         del oracle_llm
     except Exception as exc:
-        report(event="oracle", ok=False, error=f"{type(exc).__name__}: {str(exc)[:400]}")
+        say(event="oracle", ok=False, error=f"{type(exc).__name__}: {str(exc)[:400]}")
     try:
-        llm = vllm_engine(base_dir)
+        llm = vllm_engine(p.base_dir)
     except Exception as exc:
-        report(event="engine", ok=False, error=f"{type(exc).__name__}: {str(exc)[:400]}")
-        finish(0)
+        say(event="engine", ok=False, error=f"{type(exc).__name__}: {str(exc)[:400]}")
+        return
+    try:
+        sink = VLLMColocatedSink(llm)
+        assert sink._bracket is not None
+        say(event="engine", ok=True, model_class=type(sink._bracket.model).__name__)
+        try:
+            say(event="control", ok=True, generated=vllm_generate(llm))
+        except Exception as exc:  # vLLM loads the model but cannot run it here: the sync is still checked
+            say(event="control", ok=False, error=f"{type(exc).__name__}: {str(exc)[:400]}")
+            # The crashed request still holds its KV blocks, and the sink refuses to report success over a prefix
+            # cache it cannot reset: drop them, as a user recovering from the crash would.
+            llm.reset_prefix_cache(reset_running_requests=True)
+        try:
+            record = sink.sync(ParamStream(p.pm, group_by="layer"))
+        except Exception as exc:
+            say(
+                event="synced",
+                ok=False,
+                error_type=type(exc).__name__,
+                error=str(exc)[:1500],
+                trace=traceback.format_exc()[-1500:],
+            )
+            return
+        try:
+            say(event="synced", ok=True, tensors=record.tensors, generated=vllm_generate(llm))
+        except Exception as exc:
+            say(event="synced", ok=True, tensors=record.tensors, error=f"{type(exc).__name__}: {str(exc)[:400]}")
+    finally:
+        del llm
 
-    sink = VLLMColocatedSink(llm)
-    assert sink._bracket is not None
-    report(event="engine", ok=True, model_class=type(sink._bracket.model).__name__)
-    try:
-        report(event="control", ok=True, generated=vllm_generate(llm))
-    except Exception as exc:  # vLLM loads the model but cannot run it here: the sync is still checked
-        report(event="control", ok=False, error=f"{type(exc).__name__}: {str(exc)[:400]}")
-        # The crashed request still holds its KV blocks, and the sink refuses to report success over a prefix cache
-        # it cannot reset: drop them, as a user recovering from the crash would.
-        llm.reset_prefix_cache(reset_running_requests=True)
-    try:
-        record = sink.sync(ParamStream(pm, group_by="layer"))
-    except Exception as exc:
-        report(
-            event="synced",
-            ok=False,
-            error_type=type(exc).__name__,
-            error=str(exc)[:1500],
-            trace=traceback.format_exc()[-1500:],
-        )
-        finish(0)
-    try:
-        report(event="synced", ok=True, tensors=record.tensors, generated=vllm_generate(llm))
-    except Exception as exc:
-        report(event="synced", ok=True, tensors=record.tensors, error=f"{type(exc).__name__}: {str(exc)[:400]}")
+
+def main(arch_ids: list[str], workdir: str) -> None:
+    from helpers import VLLM_ENV, finish
+
+    for k, v in VLLM_ENV.items():
+        os.environ.setdefault(k, v)
+    # Every reference first: vLLM's Transformers backend patches transformers classes in place once an engine uses
+    # it, and a reference computed after that would not be transformers' own.
+    prepared = [Prepared(a, workdir) for a in arch_ids]
+    for p in prepared:
+        check(p)
     finish(0)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1].split(","), sys.argv[2])
