@@ -106,6 +106,9 @@ def release_freed_heap() -> bool:
     return True
 
 
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
 def _resident_bytes() -> int | None:
     """The process's resident set now (``/proc/self/statm``, one short read); None where unavailable."""
     try:
@@ -113,9 +116,6 @@ def _resident_bytes() -> int | None:
             return int(f.read().split()[1]) * _PAGE_BYTES
     except (OSError, ValueError, IndexError):
         return None
-
-
-_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 class HeapTrimmer:

@@ -240,7 +240,7 @@ class ParamStream:
             dtype). Saves an allocation per merged tensor; only for consumers that keep no reference to a tensor
             past its group (a sink that copies, e.g. vLLM's ``load_weights``; not one that stores the tensors).
         release_memory: return memory freed inside the process to the OS (glibc ``malloc_trim``; a no-op
-            elsewhere) once the pass has grown the resident set by more than twice its largest group, so freed
+            elsewhere) once the pass has grown the resident set by more than 1.5x its largest group, so freed
             gather buffers and outputs do not pile up across groups (checked after each group).
         measure_rss: record the process's resident-set peak during each pass in ``last_stats`` (Linux; resets
             the process's ``VmHWM``).
