@@ -51,7 +51,8 @@ def collectives_of(sync: Callable[[], object]) -> dict[str, int]:
     return {k: v for k, v in counts.items() if v}
 
 
-def _median(fn: Callable[[], None], repeats: int) -> float:
+def median_seconds(fn: Callable[[], None], repeats: int) -> float:
+    """Median seconds of ``repeats`` calls of ``fn``, a barrier before each."""
     runs = []
     for _ in range(repeats):
         dist.barrier()
@@ -90,8 +91,8 @@ def all_gather_floors(groups: list[Pieces], repeats: int) -> dict[str, float]:
             h.wait()
 
     return {
-        "flat_all_gather_s": _median(flat_gather, repeats),
-        "per_param_all_gather_s": _median(per_param, repeats),
+        "flat_all_gather_s": median_seconds(flat_gather, repeats),
+        "per_param_all_gather_s": median_seconds(per_param, repeats),
         "flat_all_gathers": len(flat),
         "per_param_all_gathers": len(single),
         "gathered_bytes": sum(n * world for pieces in groups for _, n in pieces),

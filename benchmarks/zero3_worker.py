@@ -111,15 +111,8 @@ def floor_pieces(engine, dest: dict[str, torch.Tensor]):  # type: ignore[no-unty
     return (("all_gather_s", all_gather), ("merge_s", merge), ("copy_s", copy_out))
 
 
-def timed(fn) -> float:  # type: ignore[no-untyped-def]
-    dist.barrier()
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def medians(runs: dict[str, list[float]]) -> dict[str, float]:
-    out = {k: statistics.median(v) for k, v in runs.items()}
+def with_totals(out: dict[str, float]) -> dict[str, float]:
+    """The floor parts' medians, with the no-overlap and the overlapped floor they make."""
     out["no_overlap_s"] = out["all_gather_s"] + out["merge_s"] + out["copy_s"]
     out["overlap_s"] = max(out["all_gather_s"], out["merge_s"] + out["copy_s"])
     return out
@@ -127,21 +120,18 @@ def medians(runs: dict[str, list[float]]) -> dict[str, float]:
 
 def measure_floors(engine, dest: dict[str, torch.Tensor], syncs: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
     """Each floor part's median of ``syncs`` runs."""
-    pieces = floor_pieces(engine, dest)
-    return medians({label: [timed(fn) for _ in range(syncs)] for label, fn in pieces})
+    from adapter_floors import median_seconds
+
+    return with_totals({label: median_seconds(fn, syncs) for label, fn in floor_pieces(engine, dest)})
 
 
 def interleaved_floors(engine, stream, dest: dict[str, torch.Tensor], syncs: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
     """The floor parts and the stream's sync, one of each per round, in the same processes: on a noisy machine
     separate runs drift apart by more than the gap being measured. ``sync_s`` is the sync's median here."""
-    pieces = floor_pieces(engine, dest)
-    runs: dict[str, list[float]] = {label: [] for label, _ in pieces}
-    runs["sync_s"] = []
-    for _ in range(syncs):
-        runs["sync_s"].append(timed(lambda: lora_stream_sync(stream, dest)))
-        for label, fn in pieces:
-            runs[label].append(timed(fn))
-    return medians(runs)
+    from adapter_floors import interleaved
+
+    runs = {"sync_s": lambda: lora_stream_sync(stream, dest), **dict(floor_pieces(engine, dest))}
+    return with_totals({label: r["median_s"] for label, r in interleaved(runs, syncs).items()})
 
 
 def main() -> None:

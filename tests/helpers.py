@@ -60,12 +60,17 @@ def results_of(output: str) -> list[dict[str, Any]]:
     return [json.loads(line[len("RESULT ") :]) for line in output.splitlines() if line.startswith("RESULT ")]
 
 
-def event(output: str, name: str) -> dict[str, Any]:
-    """The first ``RESULT`` record with ``event == name`` in a worker's output; fails showing the output if none."""
-    for rec in results_of(output):
+def find_event(records: list[dict[str, Any]], name: str, where: str) -> dict[str, Any]:
+    """The first of ``records`` with ``event == name``; fails naming ``where`` they came from if none."""
+    for rec in records:
         if rec.get("event") == name:
             return rec
-    raise AssertionError(f"no {name!r} result in the worker's output:\n{output[-3000:]}")
+    raise AssertionError(f"no {name!r} result in {where}")
+
+
+def event(output: str, name: str) -> dict[str, Any]:
+    """The first ``RESULT`` record with ``event == name`` in a worker's output; fails showing the output if none."""
+    return find_event(results_of(output), name, f"the worker's output:\n{output[-3000:]}")
 
 
 def count_events(output: str, name: str) -> int:

@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import torch
 from architectures import ARCHS, BY_ID, Arch, build
-from helpers import perturb_adapters, require, results_of
+from helpers import find_event, perturb_adapters, require, results_of
 
 from lora_stream import ParamStream
 from lora_stream.grouping import stack_key
@@ -101,10 +101,7 @@ def outcome(arch: Arch, records: list[dict[str, Any]]) -> dict[str, Any]:
     ``synced`` says whether the sync itself went through (it is checked even where vLLM cannot generate)."""
 
     def event(name: str) -> dict[str, Any]:
-        for rec in records:
-            if rec.get("event") == name:
-                return rec
-        raise AssertionError(f"no {name!r} result for {arch.id}: {records}")
+        return find_event(records, name, f"the records of {arch.id}: {records}")
 
     engine = event("engine")
     if not engine["ok"]:

@@ -149,7 +149,7 @@ class HeapTrimmer:
             if self._released < self.every_bytes:
                 return
             self._released = 0
-        _LIBC.malloc_trim(0)
+        release_freed_heap()
         self.trims += 1
 
 
@@ -180,7 +180,7 @@ class ProcessMemory:
                 f.write("5")
         except OSError:
             return
-        self.start = self._status("VmRSS")
+        self.start = _resident_bytes()
 
     def peak(self) -> int | None:
         return self._status("VmHWM") if self.start is not None else None

@@ -468,7 +468,7 @@ class ParamStream:
             rss.begin()
             stats.rss_start_bytes = rss.start
         start = time.perf_counter()
-        largest = max((grp.gathered_bytes for grp in self._groups), default=0)
+        largest = max(self.group_gathered_bytes, default=0)
         trimmer = HeapTrimmer(int(_TRIM_BOUND_GROUPS * largest), _TRIM_EVERY_BYTES) if self.release_memory else None
         g = self.gatherer
         prefetch = getattr(g, "prefetch", None) if self.prefetch else None
