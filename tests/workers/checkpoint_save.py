@@ -5,6 +5,10 @@ Scenarios:
               checks from_pretrained(OUT) against peft's merge of an unsharded copy; every rank checks the bound.
   fsdp2       the same with fully_shard per decoder layer and on the root.
   zero3-fail  rank 0's disk fills up in the middle (injected): every rank raises, no checkpoint appears.
+  faults-ddp  over an old checkpoint, replicated (DDP) ranks: a failure on rank 1 only (its pass, just before the
+              vote) and a failure of rank 0's publish (before the rename; between the fallback's renames): every
+              rank raises, rank 0 leaves the old checkpoint byte for byte and nothing beside it; then a save works.
+  faults-fsdp2  the same with FSDP2 (the ranks' passes in lockstep).
 
 Prints one RESULT {json} line per rank.
 """
@@ -12,6 +16,7 @@ Prints one RESULT {json} line per rank.
 from __future__ import annotations
 
 import copy
+import os
 import sys
 import time
 from pathlib import Path
@@ -20,7 +25,10 @@ import torch
 import torch.distributed as dist
 from helpers import assert_matches, finish, lora, oracle, report, tiny_llama, zero3_engine, zero3_whole_into
 
-from lora_stream import LoraStreamError, ParamStream, SafetensorsSink
+from lora_stream import LoraStreamError, ParamStream, SafetensorsSink, StreamAbortedError
+from lora_stream.lockstep import Lockstep
+from lora_stream.sinks.checkpoint import NO_RENAME_EXCHANGE_ENV
+from lora_stream.transaction import set_fault_hook
 
 BUDGET = 40_000
 
@@ -78,10 +86,133 @@ def save_and_check(how: str, out: Path, saved: list[str] | None) -> dict[str, ob
     return result
 
 
+def replicated(how: str, pm: torch.nn.Module):  # type: ignore[no-untyped-def]
+    """``pm`` under DDP or FSDP2, an optimizer step, and an unsharded copy of the trainer's current weights (a
+    collective under FSDP2: every rank calls it)."""
+    if how == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model, whole = DistributedDataParallel(pm), lambda: pm
+    else:
+        template = copy.deepcopy(pm)
+        model, into = fsdp2(pm)  # one step already
+        whole = lambda: into(template)  # noqa: E731
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+    def step() -> None:
+        ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    return model, step, whole
+
+
+def files_of(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+#: (case, failing rank, how): "hook" raises at that fault point; "publish" raises from rank 0's on_publish at that
+#: step ("renamed" with the fallback's two renames, so that the old copy is moved back).
+FAULTS = [
+    ("group:1", 1, "hook"),
+    ("commit", 1, "hook"),
+    ("synced", 0, "publish"),
+    ("renamed", 0, "publish"),
+]
+
+
+def count_exchanges() -> list[int]:
+    """Count this process's status exchanges (the stream's and the sink's agreements): ``[n]``, updated in place."""
+    count = [0]
+    statuses = Lockstep.statuses
+
+    def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        count[0] += 1
+        return statuses(self, *args, **kwargs)
+
+    Lockstep.statuses = counted  # type: ignore[method-assign]
+    return count
+
+
+def faults(how: str, out: Path) -> None:
+    """Save v1, step, then fail each case of :data:`FAULTS` over it; then save v2. One ``fault`` record per case,
+    with the exchanges this rank ran in that save (every rank must run as many)."""
+    rank = dist.get_rank()
+    exchanges = count_exchanges()
+    pm = lora(tiny_llama(layers=2), target_modules="all-linear")
+    model, step, whole = replicated(how, pm)
+    target = out / "m"
+
+    def sink() -> SafetensorsSink:
+        return SafetensorsSink(target, max_shard_size=30_000, overwrite=True, progress=False)
+
+    def stream() -> ParamStream:
+        return ParamStream(model, budget_bytes=BUDGET, timeout=60)
+
+    sink().sync(stream(), version="v1")
+    old = files_of(target) if rank == 0 else {}
+    step()
+    for point, failing, kind in FAULTS:
+        injected = f"injected failure at {point} on rank {failing}"
+
+        def hook(p: str, point: str = point, failing: int = failing, injected: str = injected) -> None:
+            if rank == failing and p == point:
+                raise RuntimeError(injected)
+
+        s = sink()
+        if kind == "hook":
+            set_fault_hook(hook)
+        else:
+            s.on_publish = hook
+            if point == "renamed" and rank == 0:
+                os.environ[NO_RENAME_EXCHANGE_ENV] = "1"
+        start, before = time.monotonic(), exchanges[0]
+        try:
+            s.sync(stream(), version="v2")
+            raise AssertionError(f"the save should have raised at {point}")
+        except (RuntimeError, StreamAbortedError) as exc:
+            error = exc
+        finally:
+            set_fault_hook(None)
+            os.environ.pop(NO_RENAME_EXCHANGE_ENV, None)
+        seconds = time.monotonic() - start
+        intact = files_of(target) == old if rank == 0 else None
+        beside = sorted(p.name for p in out.iterdir() if p.name != "m") if rank == 0 else []
+        report(
+            rank=rank,
+            event="fault",
+            point=point,
+            failing=failing,
+            error=type(error).__name__,
+            message=str(error)[:400],
+            failed_ranks=list(getattr(error, "failed_ranks", ())),
+            intact=intact,
+            beside=beside,
+            seconds=seconds,
+            exchanges=exchanges[0] - before,
+        )
+    sink().sync(stream(), version="v2")
+    ref = oracle(whole())
+    if rank == 0:
+        from safetensors.torch import load_file
+
+        got = {}
+        for f in sorted(target.glob("*.safetensors")):
+            got.update(load_file(str(f)))
+        assert set(got) == set(ref), set(got) ^ set(ref)
+        assert_matches(((n, got[n]) for n in ref), ref)
+        assert files_of(target) != old
+    report(rank=rank, event="saved")
+    finish()
+
+
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if scenario.startswith("faults-"):
+        faults(scenario.removeprefix("faults-"), out)
     if scenario in ("zero3", "fsdp2"):
         results = {}
         for saved in (None, ["lm_head"]):

@@ -10,6 +10,8 @@ Publishing (rank 0), the contract:
 
 * Everything is written into ``<parent>/.<name>.tmp-<12 hex>`` and fsynced there (every file, then the directory)
   before anything is renamed; after the rename the parent directory is fsynced.
+* Nothing is renamed before every rank voted that its side succeeded (its pass, and rank 0's writing); after the
+  publish the ranks vote once more, so that a failure of the publish raises on every rank too.
 * On Linux the checkpoint is published by one ``renameat2`` call: ``RENAME_EXCHANGE`` when the target exists (the
   new and the old copy swap names in one step; the old one, now under the temporary name, is removed afterwards),
   ``RENAME_NOREPLACE`` when it does not. The target name therefore always holds a whole checkpoint, old or new, at
@@ -24,7 +26,7 @@ Publishing (rank 0), the contract:
   and says so in one log line (logger ``lora_stream``, ``WARNING``). One save at a time per target: a second,
   concurrent save into the same target would remove the first one's temporary directory.
 * Any failure removes the temporary directory (including a failure of the ranks' agreement before writing); one
-  before the publishing rename leaves the target as it was.
+  before the publishing rename, on any rank, leaves the target as it was.
 """
 
 from __future__ import annotations
@@ -222,20 +224,23 @@ class SafetensorsSink:
       a missing, non-directory or unwritable parent is refused) and creates the temporary directory
       ``<parent>/.<name>.tmp-<id>``; every rank learns the outcome, so a refusal is a :class:`CheckpointError` on
       rank 0 and a :class:`~lora_stream.StreamAbortedError` naming it on the others.
-    * Atomic: the checkpoint is written and fsynced (each file, then the directory) in the temporary directory, then
-      published by one ``renameat2`` (``RENAME_EXCHANGE`` over an existing target, directory or regular file;
-      ``RENAME_NOREPLACE`` otherwise) and the parent directory fsynced; the old copy is removed only after that.
-      At every instant, a ``SIGKILL`` included, the target name holds a whole checkpoint, old or new. Where
-      ``renameat2`` is unavailable (or ``LORA_STREAM_NO_RENAME_EXCHANGE=1``), the old copy is renamed to
-      ``.<name>.old-<id>`` first: a kill between the two renames leaves the target name empty until the next save.
+    * Atomic: the checkpoint is written and fsynced (each file, then the directory) in the temporary directory;
+      every rank votes; only if every rank succeeded is it published, by one ``renameat2`` (``RENAME_EXCHANGE``
+      over an existing target, directory or regular file; ``RENAME_NOREPLACE`` otherwise), and the parent directory
+      fsynced; the old copy is removed only after that. A second vote carries the publish's outcome, so a failure
+      there raises on every rank. At every instant, a ``SIGKILL`` included, the target name holds a whole
+      checkpoint, old or new. Where ``renameat2`` is unavailable (or ``LORA_STREAM_NO_RENAME_EXCHANGE=1``), the old
+      copy is renamed to ``.<name>.old-<id>`` first: a kill between the two renames leaves the target name empty
+      until the next save.
     * Leftovers: a sync first recovers what a killed save left beside the target: if the target name is missing and
       a whole ``.<name>.old-<id>`` exists, it is renamed back; every other ``.<name>.tmp-<id>`` and
       ``.<name>.old-<id>`` is removed; one ``WARNING`` line on the ``lora_stream`` logger says which and how many
       bytes. Only those exact names are touched. Two saves into the same target at once are not supported (the
       second would remove the first's temporary directory).
-    * Any failure (disk full, a bad tensor, a failed stream or agreement between ranks) removes the temporary
-      directory; one before the publishing rename leaves the target as it was. A failure between the fallback's two
-      renames (an exception, not a kill) renames the old copy back at once.
+    * Any failure (disk full, a bad tensor, a failed stream or agreement between ranks, a failure on any rank
+      before the vote) removes the temporary directory; one before the publishing rename leaves the target as it
+      was. A failure between the fallback's two renames (an exception, not a kill) renames the old copy back at
+      once; one after the rename (fsyncing the parent) leaves the new checkpoint in place.
     * Memory: the stream's group, nothing more: each tensor goes straight into its shard file behind a header
       computed from ``metadata()``.
     * Tied weights: a name the stream does not yield because it is tied (``lm_head.weight``) is not written, as
@@ -282,10 +287,10 @@ class SafetensorsSink:
         #: Called by rank 0 after each tensor is written, with its name (a hook for tests and progress reporting).
         self.on_tensor: Callable[[str], None] | None = None
         #: Called by rank 0 at each step of publishing, with its name (a hook for tests that kill the process there):
-        #: ``"synced"`` (everything is on disk in the temporary directory, nothing renamed yet), ``"renamed"`` (the
-        #: exchange, the fallback's move of the old copy aside, or the only rename when there was no old copy, is
-        #: done), ``"published"`` (the new checkpoint is under the target name and the parent directory is fsynced;
-        #: the old copy, if any, is removed next).
+        #: ``"synced"`` (everything is on disk in the temporary directory and every rank voted to publish, nothing
+        #: renamed yet), ``"renamed"`` (the exchange, the fallback's move of the old copy aside, or the only rename
+        #: when there was no old copy, is done), ``"published"`` (the new checkpoint is under the target name and the
+        #: parent directory is fsynced; the old copy, if any, is removed next).
         self.on_publish: Callable[[str], None] | None = None
 
     @property
@@ -319,25 +324,29 @@ class SafetensorsSink:
             if prepared:
                 _remove(prepared[2])
             raise
-        # The transfer ends with the publish: after the pass only rank 0 can still fail, so its vote covers it.
+        # Written and fsynced, not yet published: a peer may still fail (under DDP its pass does not talk to rank
+        # 0's, so only the vote below tells rank 0), and the old checkpoint must then stay under the target name.
         with tx.attempt():
-            try:
+            if self.is_writer:
+                plan, weight_map, tmp = prepared
+                synced = self._write(source, meta, plan, tmp)
+                self._finish(stream, meta, plan, weight_map, tmp, synced)
+            else:
+                with source.batches() as batches:
+                    for _ in batches:
+                        pass  # the gathers are collectives: every rank produces the stream
+            fault_point("commit")
+        # A vote that saw a failure told every rank (a pass that ended early under a sharded gatherer told them
+        # already, so that vote is skipped on every rank): after it, none exchanges again and the counts match.
+        if tx.vote("before publishing the checkpoint", known=source.ended_early):
+            with tx.attempt():
                 if self.is_writer:
-                    plan, weight_map, tmp = prepared
-                    synced = self._write(source, meta, plan, tmp)
-                    fault_point("commit")
-                    self._finish(stream, meta, plan, weight_map, tmp, synced)
-                else:
-                    with source.batches() as batches:
-                        for _ in batches:
-                            pass  # the gathers are collectives: every rank produces the stream
-                    fault_point("commit")
-            except BaseException:
-                if prepared:
-                    _remove(prepared[2])  # after an exchange this name holds the old copy, no longer needed either
-                raise
-        tx.vote("after writing the checkpoint", known=source.ended_early)
-        tx.conclude(lambda: None, lambda error: None)
+                    self._step("synced")
+                    self._publish(prepared[2])
+            # Only rank 0 can fail since the first vote: this one carries a publish failure to every rank.
+            tx.vote("while publishing the checkpoint")
+        # The abort removes the temporary directory: the unpublished new copy, or (after an exchange) the old one.
+        tx.conclude(lambda: None, lambda error: self._discard(prepared))
         record = source.record(self.name, time.perf_counter() - start)
         record.log()
         return record
@@ -346,6 +355,12 @@ class SafetensorsSink:
         """Nothing is held between syncs."""
 
     # -- rank 0 ------------------------------------------------------------------------------------------------------
+    def _discard(self, prepared: list[Any]) -> None:
+        """After a failed sync: remove rank 0's temporary directory (nothing on the other ranks, nor once it was
+        renamed into place). Best effort: what stays behind is a leftover the next save removes."""
+        if prepared:
+            _remove(prepared[2])
+
     def _check_parent(self) -> None:
         parent = self.directory.parent
         if not parent.exists():
@@ -487,6 +502,8 @@ class SafetensorsSink:
         tmp: Path,
         synced: set[Path],
     ) -> None:
+        """Write the index, the configs and the tokenizer beside the shards, then fsync ``tmp`` (every file not in
+        ``synced``, then every directory). Nothing is renamed: publishing waits for the ranks' vote."""
         if weight_map:
             index = {"metadata": {"total_size": plan.total_size}, "weight_map": weight_map}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
@@ -514,8 +531,6 @@ class SafetensorsSink:
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(str(tmp))
         _fsync_tree(tmp, synced)
-        self._step("synced")
-        self._publish(tmp)
 
     def _step(self, name: str) -> None:
         if self.on_publish is not None:
