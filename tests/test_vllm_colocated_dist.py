@@ -61,6 +61,29 @@ def test_a_failure_on_rank_1_at_any_point_raises_everywhere_and_leaves_every_eng
         assert event(r.output, "recovered")["version"] == "v2"
 
 
+@pytest.mark.parametrize("trainer", ["zero3", "ddp"])
+def test_a_verified_sync_failing_on_rank_1_before_or_in_the_pass_raises_everywhere_within_seconds(
+    checkpoints: dict[str, str], trainer: str
+) -> None:
+    """verify=True, a failure on rank 1 alone in the pre-flight, taking the engine's snapshot (rank 1 never starts
+    its pass; under ZeRO-3 rank 0 learns of it inside its own), or in the pass: every rank raises within seconds, far
+    under the stream's 60 s timeout, having run as many status exchanges as the other; the engine serves v1 exactly."""
+    results = launch("vllm_colocated_dist", "early" if trainer == "zero3" else "early-ddp", checkpoints["untied"])
+    assert_all_ok(results)
+    r0, r1 = ([e for e in results_of(r.output) if e.get("event") == "fault"] for r in results)
+    assert [e["point"] for e in r0] == [e["point"] for e in r1] == ["prepare", "snapshot", "group:0", "group:1"]
+    for a, b in zip(r0, r1):
+        where = f"{trainer}, a failure at {a['point']} on rank 1"
+        assert b["error"] == "RuntimeError" and "injected" in b["message"], where
+        assert a["error"] == "StreamAbortedError" and a["failed_ranks"] == [1], where
+        assert "injected failure" in a["message"], where
+        assert a["exchanges"] == b["exchanges"], f"{where}: the ranks ran {a['exchanges']} and {b['exchanges']}"
+        for e in (a, b):
+            assert e["equal"] is True and e["version"] == "v1", f"{where}: the engine changed after a failed sync"
+            assert e["seconds"] < 30, f"{where}: took {e['seconds']:.0f} s (a wait for the 60 s timeout)"
+    assert all(event(r.output, "recovered")["version"] == "v2" for r in results), describe(results)
+
+
 def test_engine_in_a_child_process_through_the_worker_extension(tmp_path: Path) -> None:
     path = save_for_vllm(vllm_llama(tie=True), str(tmp_path / "m"))
     stdout = run_child_engine_script("vllm_child_engine.py", path)

@@ -10,6 +10,10 @@ Usage: vllm_colocated_dist.py SCENARIO CHECKPOINT_DIR
          sync at v2 succeeds and serves the merged model.
   faults-ddp  the same with a replicated (DDP-style) trainer: the stream's gatherer does not communicate, yet the
          ranks share one tensor-parallel engine, so the transaction agrees over the default group.
+  early  verified syncs (stream timeout 60 s), a failure on rank 1 only before or in the pass: the pre-flight, the
+         engine's snapshot (before rank 1's pass starts, while rank 0's is in it), the first and the second group;
+         as "faults", and every rank ran as many status exchanges.
+  early-ddp  the same with the replicated trainer.
 """
 
 from __future__ import annotations
@@ -66,6 +70,8 @@ def main() -> None:
         "fail": dict(target_modules="all-linear"),
         "faults": dict(target_modules="all-linear", lora_alpha=32),
         "faults-ddp": dict(target_modules="all-linear", lora_alpha=32),
+        "early": dict(target_modules="all-linear", lora_alpha=32),
+        "early-ddp": dict(target_modules="all-linear", lora_alpha=32),
     }[scenario]
     pm = lora(LlamaForCausalLM.from_pretrained(path), **kw)
     if scenario == "mts":
@@ -73,7 +79,7 @@ def main() -> None:
             pm.base_model.model.lm_head.modules_to_save["default"].weight.mul_(-1.0)
     template = copy.deepcopy(pm)
     opt = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=0.5)
-    if scenario == "faults-ddp":  # every rank a whole replica, stepped on the same data
+    if scenario in ("faults-ddp", "early-ddp"):  # every rank a whole replica, stepped on the same data
         sink = VLLMColocatedSink(llm, verify=True)
 
         def ddp_step() -> None:
@@ -82,19 +88,21 @@ def main() -> None:
             opt.step()
             opt.zero_grad()
 
-        faults(rank, pm, sink, llm, ddp_step, lambda: copy.deepcopy(pm).float().merge_and_unload())
+        points = EARLY if scenario == "early-ddp" else POINTS
+        faults(rank, pm, sink, llm, ddp_step, lambda: copy.deepcopy(pm).float().merge_and_unload(), points)
         return
     engine, *_ = deepspeed.initialize(model=pm, optimizer=opt, config=DS_CONFIG)
-    sink = VLLMColocatedSink(llm, verify=scenario == "faults")
+    sink = VLLMColocatedSink(llm, verify=scenario in ("faults", "early"))
     assert sink.in_process
-    if scenario == "faults":
+    if scenario in ("faults", "early"):
 
         def zero3_step() -> None:
             ids = torch.tensor([[1, 17, 42, 99, 5, 7, 300]])
             engine.backward(engine(input_ids=ids, labels=ids).loss)
             engine.step()
 
-        faults(rank, engine, sink, llm, zero3_step, lambda: reference(engine, template))
+        points = EARLY if scenario == "early" else POINTS
+        faults(rank, engine, sink, llm, zero3_step, lambda: reference(engine, template), points)
         return
 
     if scenario == "fail":
@@ -138,28 +146,61 @@ def main() -> None:
     )
 
 
-def faults(rank: int, engine, sink, llm, step, expected) -> None:  # type: ignore[no-untyped-def]
-    from lora_stream.transaction import set_fault_hook
+#: The transaction's fault points (one group for group:<k>).
+POINTS = ("prepare", "group:1", "reload-check", "verify", "prefix-cache", "commit")
+#: Before and in the pass: "snapshot" is the engine's snapshot, when the sync begins the reload (rank 1's pass has
+#: not started, rank 0's has: rank 0 learns of the failure in its first group's exchange).
+EARLY = ("prepare", "snapshot", "group:0", "group:1")
 
-    record = sink.sync(ParamStream(engine, group_by="layer"), version="v1")
+
+def count_exchanges() -> list[int]:
+    """Count this process's status exchanges (the stream's and the sink's agreements): ``[n]``, updated in place."""
+    from lora_stream.lockstep import Lockstep
+
+    count = [0]
+    statuses = Lockstep.statuses
+
+    def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        count[0] += 1
+        return statuses(self, *args, **kwargs)
+
+    Lockstep.statuses = counted  # type: ignore[method-assign]
+    return count
+
+
+def faults(rank: int, engine, sink, llm, step, expected, points) -> None:  # type: ignore[no-untyped-def]
+    from lora_stream.transaction import fault_point, set_fault_hook
+
+    exchanges = count_exchanges()
+    begin = sink._begin
+
+    def snapshot_then_begin() -> None:  # a failure taking the engine's snapshot, before this rank's pass
+        fault_point("snapshot")
+        begin()
+
+    sink._begin = snapshot_then_begin
+    # A short timeout: a rank left waiting for a peer that will not exchange would show as a wait of 60 s.
+    timeout = 60 if points == EARLY else 300
+    record = sink.sync(ParamStream(engine, group_by="layer", timeout=timeout), version="v1")
     assert record.verification is not None and record.verification.passed, record.verification
     before = vllm_generate(llm)
     step()
-    for point in ("prepare", "group:1", "reload-check", "verify", "prefix-cache", "commit"):
+    for point in points:
 
         def hook(p: str, point: str = point) -> None:
             if rank == 1 and p == point:
                 raise RuntimeError(f"injected failure at {p} on rank 1")
 
         set_fault_hook(hook)
-        start = time.monotonic()
+        start, ran = time.monotonic(), exchanges[0]
         try:
-            sink.sync(ParamStream(engine, group_by="layer"), version="v2")
+            sink.sync(ParamStream(engine, group_by="layer", timeout=timeout), version="v2")
             raise AssertionError(f"the sync should have raised at {point}")
         except (RuntimeError, StreamAbortedError) as exc:
             error = exc
         finally:
             set_fault_hook(None)
+        seconds = time.monotonic() - start
         after = vllm_generate(llm)
         report(
             rank=rank,
@@ -170,9 +211,10 @@ def faults(rank: int, engine, sink, llm, step, expected) -> None:  # type: ignor
             failed_ranks=list(getattr(error, "failed_ranks", ())),
             equal=after == before,
             version=sink.version,
-            seconds=time.monotonic() - start,
+            seconds=seconds,
+            exchanges=exchanges[0] - ran,
         )
-    record = sink.sync(ParamStream(engine, group_by="layer"), version="v2")
+    record = sink.sync(ParamStream(engine, group_by="layer", timeout=timeout), version="v2")
     served = vllm_generate(llm)
     assert served != before, "the optimizer step should change what vLLM serves"
     assert_vllm_serves(served, expected())

@@ -272,9 +272,17 @@ def verify_reset_and_vote(
 ) -> Verification | None:
     """The end of a sync into an in-process engine, before its commit or abort: the verification when ``sink.verify``
     asks for this sync (after a vote, since its forward is a collective), the prefix-cache reset, and the vote.
-    ``sink`` has ``llm``, ``verify``, ``verify_tolerance``, ``prefix_cache_timeout`` and ``_syncs``."""
+    ``sink`` has ``llm``, ``verify``, ``verify_tolerance``, ``prefix_cache_timeout`` and ``_syncs``.
+
+    Every rank runs as many exchanges on every path: once a vote saw a failure, no rank votes again."""
     verification: Verification | None = None
-    if should_verify(sink.verify, sink._syncs) and tx.vote("after loading", known=source.ended_early):
+    if should_verify(sink.verify, sink._syncs):
+        if not tx.vote("after loading", known=source.ended_early):
+            # That vote saw a failure and every rank knows it: each took part in it or, still inside its pass (under
+            # a sharded gatherer, when this rank failed before starting its own: taking the engine's snapshot, say),
+            # learned it at a group boundary and will not exchange again. Another vote would wait alone until the
+            # timeout.
+            return None
         with tx.attempt():
             verification = verify_engine(
                 sink.llm,
