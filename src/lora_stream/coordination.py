@@ -11,11 +11,12 @@ inside a pass.
 from __future__ import annotations
 
 import datetime
+from collections.abc import Sequence
 
 import torch.distributed as dist
 
 from .errors import StreamAbortedError
-from .lockstep import REASON_BYTES, Lockstep, Status, describe_stops
+from .lockstep import FLAG_CAPACITY, REASON_BYTES, Lockstep, Status, describe_stops
 
 __all__ = ["Coordinator", "this_rank"]
 
@@ -65,6 +66,19 @@ class Coordinator:
             raise StreamAbortedError(
                 f"rank {lock.rank}: stopped {what}: {describe_stops(statuses, reasons, bad)}", failed_ranks=bad
             )
+
+    def any_of(self, bits: Sequence[bool], what: str) -> list[bool]:
+        """Every rank contributes the same number of ``bits`` (at most :data:`~lora_stream.lockstep.FLAG_CAPACITY`);
+        returns, for each, whether it was set on any rank. A collective of a fixed size whatever the bits say (one
+        status exchange), so it never overflows and pairs with any other agreement. Inactive: ``bits``."""
+        if len(bits) > FLAG_CAPACITY:
+            raise ValueError(f"any_of: {len(bits)} bits, more than the exchange carries ({FLAG_CAPACITY})")
+        if not self.active:
+            return list(bits)
+        lock = Lockstep(self.group, self.digest, self.timeout)
+        # The exchange ANDs its flags: OR is the complement of the AND of the complements.
+        agreed = lock.exchange(Status.OK, what, flags=[not b for b in bits]) or []
+        return [not b for b in agreed]
 
     def share(self, text: str, what: str = "sharing a sink's outcome") -> list[str]:
         """Every rank contributes ``text`` (at most :data:`~lora_stream.lockstep.REASON_BYTES` of UTF-8) and gets

@@ -47,9 +47,12 @@ class StreamAbortedError(LoraStreamError):
     that the stopped rank will never join.
     """
 
-    def __init__(self, message: str, *, failed_ranks: tuple[int, ...] = ()) -> None:
+    def __init__(self, message: str, *, failed_ranks: tuple[int, ...] = (), lost: bool = False) -> None:
         super().__init__(message)
         self.failed_ranks = failed_ranks
+        #: A peer could not be heard from: the exchange timed out, was given up by a peer, or its transport broke
+        #: (a rank stopped, died, or is too slow). The sink's later agreements in the same sync wait briefly only.
+        self.lost = lost
 
 
 class TransferError(LoraStreamError):

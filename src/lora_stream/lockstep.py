@@ -11,11 +11,22 @@ stop nobody exchanges again, so the counts always match.
 A rank whose *process* died cannot send anything; its peers see the transport's own error (gloo reports the closed
 connection at once) or, at worst, this exchange's timeout, which is the stream's ``timeout`` and defaults to
 five minutes rather than the collective's thirty.
+
+An exchange one rank gave up on is never completed as a success. gloo cannot cancel a posted ``all_reduce``: a rank
+that stops waiting leaves its contribution (its OK) in flight, and a late peer would complete the exchange with it
+and go on to gather alone. So every exchange is numbered (per process group, the same on every rank), and its
+outcome is settled once, first writer wins, in the group's store: a rank whose ``all_reduce`` completed claims it
+``done``; a rank that gave up claims it ``gave up``. A late peer that finds the exchange given up raises
+:class:`~lora_stream.StreamAbortedError` naming the rank that left, and a rank that timed out a moment after every
+peer completed takes the completed result instead of raising alone. The number rides in the exchange too: ranks that
+disagree on it (an exchange issued outside this module) fail there, and number the next one alike again.
 """
 
 from __future__ import annotations
 
 import datetime
+import threading
+import time
 import zlib
 from collections.abc import Sequence
 from enum import IntEnum
@@ -26,6 +37,39 @@ import torch.distributed as dist
 from .errors import StreamAbortedError
 
 __all__ = ["FLAG_CAPACITY", "REASON_BYTES", "Lockstep", "Status", "describe_error", "describe_stops"]
+
+#: Prefix of the keys that settle each exchange's outcome in the group's store (``<prefix>/<digest>/<n>``).
+OUTCOME_PREFIX = "lora_stream/lockstep"
+#: How long a rank that timed out waits more for its own ``all_reduce`` once a peer claimed that exchange completed
+#: (every contribution had arrived, so it completes at once unless this process is starved).
+_COMPLETION_GRACE_S = 60.0
+
+_sequence_lock = threading.Lock()
+#: Exchanges issued so far per process group: ``{id(group): (group, count)}`` (the group is kept alive with its
+#: count, so that an id is never reused for another group).
+_sequences: dict[int, tuple[object, int]] = {}
+
+
+def _next_sequence(group: object) -> int:
+    with _sequence_lock:
+        _, n = _sequences.get(id(group), (group, 0))
+        _sequences[id(group)] = (group, n + 1)
+        return n
+
+
+def _resync_sequence(group: object, next_n: int) -> None:
+    with _sequence_lock:
+        _sequences[id(group)] = (group, next_n)
+
+
+def _group_store(group: object) -> object | None:
+    """The store ``group`` was built on (a prefixed view for a subgroup), or ``None`` if torch does not say."""
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        return c10d._get_process_group_store(group)  # type: ignore[arg-type]
+    except Exception:
+        return None
 
 
 class Status(IntEnum):
@@ -112,36 +156,71 @@ class Lockstep:
         if status != Status.OK:
             self.closed = True
         w = self.world
-        buf = torch.zeros(2 * w + w * _REASON_WORDS, dtype=torch.int64, device=self.device)
+        pg = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
+        seq = _next_sequence(pg)
+        buf = torch.zeros(3 * w + w * _REASON_WORDS, dtype=torch.int64, device=self.device)
         buf[self.rank] = int(status)
         buf[w + self.rank] = self.digest
+        buf[2 * w + self.rank] = seq
         if reason:
             raw = reason.encode("utf-8")[:REASON_BYTES].ljust(REASON_BYTES, b"\0")
             words = torch.frombuffer(bytearray(raw), dtype=torch.int64)
-            start = 2 * w + self.rank * _REASON_WORDS
+            start = 3 * w + self.rank * _REASON_WORDS
             buf[start : start + _REASON_WORDS] = words.to(self.device)
         elif flags:  # packed into the reason's words, which an OK status leaves unused (see exchange)
             packed = [0] * _REASON_WORDS
             for i, flag in enumerate(flags):
                 if flag:
                     packed[i // _FLAG_BITS] |= 1 << (i % _FLAG_BITS)
-            start = 2 * w + self.rank * _REASON_WORDS
+            start = 3 * w + self.rank * _REASON_WORDS
             buf[start : start + _REASON_WORDS] = torch.tensor(packed, dtype=torch.int64, device=self.device)
+        outcome = _Outcome(pg, self.digest, seq, self.rank)
+        failure: BaseException | None = None
+        work = None
         try:
             work = dist.all_reduce(buf, group=self.group, async_op=True)  # type: ignore[arg-type]
             ok = work.wait(timeout=self.timeout)
-        except Exception as exc:  # the transport failed: a peer died or the wait timed out
-            self.closed = True
-            raise StreamAbortedError(
-                f"rank {self.rank}: status exchange {where} failed ({type(exc).__name__}: {exc}); a peer rank "
-                "probably died or stopped iterating without closing its stream"
-            ) from exc
+        except Exception as exc:  # the transport failed: a peer died, or the wait timed out
+            ok, failure = False, exc
         if ok is False:
-            self.closed = True
-            raise StreamAbortedError(f"rank {self.rank}: status exchange {where} timed out after {self.timeout}")
+            # Settle the exchange as given up, unless a peer already completed it: then every contribution had
+            # arrived, and ours completes too; taking it keeps this rank's outcome the same as the peers'.
+            if not (outcome.claim_gave_up() and _completes(work)):
+                self.closed = True
+                if failure is not None and "timed out" not in str(failure).lower():
+                    raise StreamAbortedError(
+                        f"rank {self.rank}: status exchange {where} failed ({type(failure).__name__}: {failure}); a "
+                        "peer rank probably died or stopped iterating without closing its stream",
+                        lost=True,
+                    ) from failure
+                raise StreamAbortedError(
+                    f"rank {self.rank}: status exchange {where} timed out after {self.timeout}; this rank gave it up "
+                    "(a peer that reaches it later raises too)",
+                    lost=True,
+                ) from failure
+        else:
+            gave_up = outcome.claim_done()
+            if gave_up is not None:
+                self.closed = True
+                raise StreamAbortedError(
+                    f"rank {self.rank}: status exchange {where} was given up by rank {gave_up}, which stopped "
+                    f"waiting for its peers after its timeout; this rank reached it too late",
+                    failed_ranks=(gave_up,),
+                    lost=True,
+                )
         host = buf.cpu()
         statuses: list[int] = host[:w].tolist()
         digests = host[w : 2 * w].tolist()
+        sequences = host[2 * w : 3 * w].tolist()
+        if len(set(sequences)) != 1:
+            # Ranks ran different numbers of exchanges on this group: fail here, on every rank alike, and number
+            # the next exchange the same everywhere.
+            _resync_sequence(pg, max(sequences) + 1)
+            self.closed = True
+            raise StreamAbortedError(
+                f"rank {self.rank}: ranks reached this status exchange {where} at different points (exchange "
+                f"numbers {sequences}): a sink or stream ran a different number of agreements on some rank"
+            )
         if len(set(digests)) != 1:
             self.closed = True
             raise StreamAbortedError(
@@ -150,13 +229,67 @@ class Lockstep:
             )
         if any(s != Status.OK for s in statuses):
             self.closed = True
-        self._words = host[2 * w :].view(w, _REASON_WORDS)
-        raw_reasons = host[2 * w :].numpy().tobytes()
+        self._words = host[3 * w :].view(w, _REASON_WORDS)
+        raw_reasons = host[3 * w :].numpy().tobytes()
         reasons = [
             raw_reasons[r * REASON_BYTES : (r + 1) * REASON_BYTES].rstrip(b"\0").decode("utf-8", "replace")
             for r in range(w)
         ]
         return statuses, reasons
+
+
+class _Outcome:
+    """One exchange's settled outcome in the group's store: ``done`` or ``gave-up:<rank>``, first writer wins.
+
+    Without a store (torch does not expose the group's), nothing is settled: an exchange a rank gave up on can then
+    still complete on a late peer, as before."""
+
+    def __init__(self, group: object, digest: int, seq: int, rank: int) -> None:
+        self.store = _group_store(group)
+        self.key = f"{OUTCOME_PREFIX}/{digest}/{seq}"
+        self.previous = f"{OUTCOME_PREFIX}/{digest}/{seq - 1}" if seq > 0 else None
+        self.rank = rank
+
+    def _settle(self, value: str) -> str | None:
+        if self.store is None:
+            return None
+        try:
+            return bytes(self.store.compare_set(self.key, "", value)).decode()  # type: ignore[attr-defined]
+        except Exception:  # the store is gone with its host (rank 0's process): nothing left to settle with
+            return None
+
+    def claim_done(self) -> int | None:
+        """This rank's ``all_reduce`` completed: the rank that gave the exchange up first, or ``None`` (done)."""
+        settled = self._settle("done")
+        if settled is not None and settled.startswith("gave-up:"):
+            return int(settled.split(":", 1)[1])
+        if settled == "done" and self.previous is not None and self.rank == 0:
+            # Every rank posted this exchange, so every rank is done with the previous one: drop its key.
+            try:
+                self.store.delete_key(self.previous)  # type: ignore[attr-defined]
+            except Exception:
+                pass
+        return None
+
+    def claim_gave_up(self) -> bool:
+        """This rank stops waiting: whether a peer had already completed the exchange (then it stands)."""
+        return self._settle(f"gave-up:{self.rank}") == "done"
+
+
+def _completes(work: object | None) -> bool:
+    """Wait a little more for an ``all_reduce`` a peer found complete; ``False`` if it still does not complete."""
+    if work is None:
+        return False
+    deadline = time.monotonic() + _COMPLETION_GRACE_S
+    try:
+        while not work.is_completed():  # type: ignore[attr-defined]
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        work.wait()  # type: ignore[attr-defined]
+    except Exception:
+        return False
+    return True
 
 
 def describe_error(error: BaseException | None) -> str:

@@ -291,6 +291,7 @@ class ParamStream:
         self.group_by = group_by
         self.budget_bytes = budget_bytes
         self.timeout = datetime.timedelta(seconds=timeout)
+        self._agreement_timeout: datetime.timedelta | None = None
         self.reuse_outputs = reuse_outputs
         self.release_memory = release_memory
         self.measure_rss = measure_rss
@@ -379,7 +380,13 @@ class ParamStream:
         """The agreement between the ranks that iterate this stream, for sinks that must decide together outside a
         pass (rank 0 found the server down, say). A no-op when the gatherer does not communicate."""
         g = self.gatherer
-        return Coordinator(g.process_group, self._digest, self.timeout, active=g.collective)
+        return Coordinator(g.process_group, self._digest, self.agreement_timeout, active=g.collective)
+
+    @property
+    def agreement_timeout(self) -> datetime.timedelta:
+        """How long a rank waits for its peers at each exchange of a pass and at each agreement of a sync: the
+        stream's ``timeout``, or longer while a sink's sync needs it (:meth:`Transaction.waiting`)."""
+        return self._agreement_timeout or self.timeout
 
     def agree(self, ok: bool, what: str) -> None:
         """``self.coordinator.agree(ok, what)`` (kept for callers of 0.1)."""
@@ -411,7 +418,7 @@ class ParamStream:
             return None
         if dist.get_world_size(g.process_group) == 1:  # type: ignore[arg-type]
             return None
-        return Lockstep(g.process_group, self._digest, self.timeout)
+        return Lockstep(g.process_group, self._digest, self.agreement_timeout)
 
     def _materialize(self, t: Target, full: FullTensor, stats: StreamStats, scratch: Scratch) -> torch.Tensor:
         if t.merge is None:

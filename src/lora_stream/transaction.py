@@ -19,6 +19,12 @@ Agreements are the stream's own status exchange (:class:`~lora_stream.Coordinato
 stream's pass learns the outcome there. A rank whose *process* died cannot vote; its peers fail the exchange after
 the stream's ``timeout`` (or at once, when the transport reports the closed connection) and abort.
 
+Every path runs the same agreements on every rank: which ones follow depends only on what the previous ones
+decided, and that is the same everywhere. An exchange a rank gave up on is settled as given up for every rank
+(:mod:`lora_stream.lockstep`), so a slow rank arriving later raises too instead of going on alone. Once a peer is
+known lost in a sync, this rank's later agreements of that sync wait :data:`LOST_WAIT_S` only: their outcome is a
+failure either way, and the late peer finds them given up.
+
 Fault points. For tests of these promises, :func:`set_fault_hook` installs a callable that every sink calls, on
 every rank, at each named point of its transaction (:data:`FAULT_POINTS`); raising from it fails the sync there, as
 a real failure at that point would.
@@ -26,14 +32,18 @@ a real failure at that point would.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import datetime
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from .coordination import Coordinator
 from .lockstep import describe_error
 
-__all__ = ["FAULT_POINTS", "FaultHook", "Transaction", "fault_point", "set_fault_hook"]
+__all__ = ["FAULT_POINTS", "LOST_WAIT_S", "FaultHook", "Transaction", "agreement_wait", "fault_point", "set_fault_hook"]
+
+#: Seconds a rank waits at each later agreement of a sync once a peer was lost in it (see the module docstring).
+LOST_WAIT_S = 2.0
 
 T = TypeVar("T")
 
@@ -64,6 +74,21 @@ def fault_point(point: str) -> None:
         _fault_hook(point)
 
 
+@contextmanager
+def agreement_wait(stream: Any, seconds: float) -> Iterator[None]:
+    """While the block runs, every exchange of ``stream``'s passes and every agreement of a sync over it waits at
+    least ``seconds`` for the peers (``stream.timeout`` if longer): a sink whose own steps between two agreements
+    can take longer than the stream's timeout raises it, so that no rank gives up on a peer that is still within its
+    bounds. Every rank must pass the same ``seconds``."""
+    previous = stream._agreement_timeout
+    wait = max(stream.timeout, datetime.timedelta(seconds=seconds))
+    stream._agreement_timeout = wait
+    try:
+        yield
+    finally:
+        stream._agreement_timeout = previous
+
+
 class Transaction:
     """One sync's phases on one rank: :meth:`prepare`, any number of :meth:`attempt` blocks, :meth:`vote`, then
     :meth:`conclude`.
@@ -82,6 +107,24 @@ class Transaction:
         self.what = what
         self.lockstep = lockstep
         self.error: BaseException | None = None
+        #: A peer could not be heard from in this sync (see the module docstring).
+        self.lost = False
+
+    def _record(self, exc: BaseException) -> None:
+        if getattr(exc, "lost", False):
+            self.lost = True
+        if self.error is None:
+            self.error = exc
+        elif exc is not self.error:
+            self.error.add_note(f"lora_stream: then also {describe_error(exc)}")
+
+    def _coordinator(self) -> Coordinator:
+        if not self.lost:
+            return self.coordinator
+        c = self.coordinator
+        brief = Coordinator(c.group, c.digest, min(c.timeout, datetime.timedelta(seconds=LOST_WAIT_S)))
+        brief.active = c.active
+        return brief
 
     @classmethod
     def for_stream(cls, stream: Any, what: str) -> Transaction:
@@ -93,7 +136,7 @@ class Transaction:
         rank that refused must stop the others too. Every rank of that group must then call ``sync``."""
         if stream.gatherer.collective:
             return cls(stream.coordinator, what, lockstep=True)
-        coordinator = Coordinator(None, stream.coordinator.digest, stream.timeout)
+        coordinator = Coordinator(None, stream.coordinator.digest, stream.agreement_timeout)
         return cls(coordinator, what, lockstep=False)
 
     @property
@@ -112,7 +155,12 @@ class Transaction:
             result = check()
         except BaseException as exc:
             self.error = exc
-        self.coordinator.agree(self.error is None, f"in the pre-flight of {self.what}", describe_error(self.error))
+        try:
+            self._coordinator().agree(
+                self.error is None, f"in the pre-flight of {self.what}", describe_error(self.error)
+            )
+        except BaseException as exc:
+            self._record(exc)
         if self.error is not None:
             raise self.error
         return result  # type: ignore[return-value]
@@ -124,10 +172,7 @@ class Transaction:
         try:
             yield self.ok
         except BaseException as exc:
-            if self.error is None:
-                self.error = exc
-            elif exc is not self.error:
-                self.error.add_note(f"lora_stream: then also {describe_error(exc)}")
+            self._record(exc)
 
     def vote(self, stage: str, *, known: bool = False) -> bool:
         """Agree on whether every rank succeeded so far; return it (the same on every rank).
@@ -139,11 +184,20 @@ class Transaction:
         if known and self.lockstep:  # without lockstep, the peers' passes did not learn of this one's end
             return self.ok
         try:
-            self.coordinator.agree(self.ok, f"{stage} ({self.what})", describe_error(self.error))
+            self._coordinator().agree(self.ok, f"{stage} ({self.what})", describe_error(self.error))
         except BaseException as exc:  # StreamAbortedError naming the failed ranks, or the exchange itself failed
-            if self.error is None:
-                self.error = exc
+            self._record(exc)
         return self.ok
+
+    def any_of(self, bits: Sequence[bool], stage: str) -> list[bool] | None:
+        """One agreement of fixed size on every path: for each of ``bits`` (as many on every rank), whether any rank
+        set it; ``None`` (recorded as this rank's error) if the exchange failed. Unlike :meth:`vote` it decides
+        nothing by itself; a peer's failure reported in it is recorded too."""
+        try:
+            return self._coordinator().any_of(bits, f"{stage} ({self.what})")
+        except BaseException as exc:
+            self._record(exc)
+            return None
 
     def conclude(self, commit: Callable[[], None], abort: Callable[[BaseException], None]) -> None:
         """After the last vote: ``commit()`` if every rank succeeded; otherwise ``abort(error)`` and raise ``error``

@@ -19,8 +19,10 @@ Security: vLLM's ``--api-key`` protects ``/v1/...`` only. The dev-mode routes (`
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
+import threading
 import time
 import uuid
 import warnings
@@ -30,9 +32,9 @@ from typing import Any
 from ..adapter import ADAPTER_PREFIX, AdapterStream
 from ..coordination import this_rank
 from ..errors import LoraStreamError, ReplicaError, ReplicaExcludedWarning, TransferError
-from ..lockstep import REASON_BYTES, describe_error
+from ..lockstep import describe_error
 from ..stream import ParamStream
-from ..transaction import Transaction, fault_point
+from ..transaction import LOST_WAIT_S, Transaction, agreement_wait, fault_point
 from .adapter_loader import AdapterLoadError, adapter_path
 from .preflight import EngineCheckpoint, adapter_preflight, preflight
 from .record import AdapterSyncRecord, SyncRecord
@@ -43,7 +45,9 @@ from .vllm_colocated import PrefixCacheError, reset_prefix_cache
 logger = logging.getLogger("lora_stream")
 
 __all__ = [
+    "DEFAULT_LEASE_S",
     "PAUSE_MODES",
+    "LeaseExpiredError",
     "REPLICA_POLICIES",
     "ServerError",
     "VLLMServerClient",
@@ -52,6 +56,11 @@ __all__ = [
     "validate_adapter",
 ]
 
+
+#: How long a server waits for a silent trainer before healing itself (``VLLMServerSink``'s ``lease``).
+DEFAULT_LEASE_S = 30.0
+#: Slack added to computed waits: scheduling, the agreement's own round trip.
+_MARGIN_S = 10.0
 
 #: Packing buffer size per backend when the sink is not told one (see ``VLLMServerSink``'s ``buffer_bytes``).
 DEFAULT_BUFFER_BYTES = {"gloo": 1024 * 1024, "nccl": 256 * 1024 * 1024}
@@ -64,7 +73,17 @@ PAUSE_MODES = ("wait", "abort", None)
 
 
 class ServerError(LoraStreamError):
-    """The vLLM server is unreachable, refused the request (status and body included), or needs an API key."""
+    """The vLLM server is unreachable, refused the request (status and body included), or needs an API key.
+
+    ``unresponsive`` is set when the server did not answer within the timeout, or could not be reached: the sink
+    then calls it no more in that sync, and leaves it to its lease (:mod:`lora_stream.vllm_lease`)."""
+
+    unresponsive: bool = False
+
+
+class LeaseExpiredError(ServerError):
+    """The server refused a request of this sync because the sync's lease had expired: the server rolled the
+    update back, ended vLLM's update session and resumed generation on its own (:mod:`lora_stream.vllm_lease`)."""
 
 
 class VLLMServerClient:
@@ -78,15 +97,71 @@ class VLLMServerClient:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        #: ``(sync id, seconds)`` while a sink's sync holds this server: sent with every request, it is the sync's
+        #: lease on the server (:mod:`lora_stream.vllm_lease`).
+        self.lease: tuple[str, float] | None = None
+        #: A monotonic time no call may wait past (the sink's budget for this server until its next agreement), or
+        #: ``None``.
+        self.budget_until: float | None = None
+        #: The server did not answer within its timeout or budget, or could not be reached, earlier in this sync:
+        #: it is not called again until the sink resets this at its next sync.
+        self.unresponsive = False
 
-    def _request(self, method: str, path: str, json: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
+    def remaining(self, timeout: float | None = None) -> float:
+        """Seconds the next call may wait: ``timeout`` (or this client's), cut to the budget."""
+        wait = timeout or self.timeout
+        if self.budget_until is not None:
+            wait = min(wait, self.budget_until - time.monotonic())
+        return wait
+
+    def __repr__(self) -> str:  # never the headers: they hold the API key
+        return f"VLLMServerClient({self.base_url!r}, timeout={self.timeout})"
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        json: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        *,
+        budgeted: bool = True,
+    ) -> Any:
         import requests
 
+        from ..vllm_lease import BUSY, EXPIRED, LEASE_HEADER, SYNC_HEADER
+
         url = f"{self.base_url}/{path}"
+        if self.unresponsive:
+            error = ServerError(
+                f"vLLM server at {self.base_url} is not called again in this sync ({method} /{path}): it stopped "
+                "answering earlier in it"
+            )
+            error.unresponsive = True
+            raise error
+        wait = self.remaining(timeout) if budgeted else (timeout or self.timeout)
+        if wait <= 0:
+            self.unresponsive = True
+            error = ServerError(
+                f"vLLM server at {self.base_url}: no time left for {method} /{path} before the sync's next agreement"
+            )
+            error.unresponsive = True
+            raise error
+        headers = dict(self.headers)
+        if self.lease is not None:
+            headers[SYNC_HEADER] = self.lease[0]
+            headers[LEASE_HEADER] = f"{self.lease[1]:.3f}"
         try:
-            response = requests.request(method, url, json=json, headers=self.headers, timeout=timeout or self.timeout)
+            response = requests.request(method, url, json=json, headers=headers, timeout=wait)
         except requests.RequestException as exc:
-            raise ServerError(f"vLLM server at {self.base_url} unreachable on {method} /{path}: {exc}") from exc
+            error = ServerError(f"vLLM server at {self.base_url} unreachable on {method} /{path}: {exc}")
+            error.unresponsive = isinstance(exc, (requests.Timeout, requests.ConnectionError))
+            if error.unresponsive and self.lease is not None:
+                self.unresponsive = True  # within a sync: leave it to its lease from here on
+            raise error from exc
+        if response.status_code == 409 and EXPIRED in response.text:
+            raise LeaseExpiredError(f"vLLM server at {self.base_url} on {method} /{path}: {response.text[:300]}")
+        if response.status_code == 409 and BUSY in response.text:
+            raise ServerError(f"vLLM server at {self.base_url} on {method} /{path}: {response.text[:300]}")
         if response.status_code == 401:
             raise ServerError(f"vLLM server at {self.base_url} requires an API key (401 on /{path}); pass api_key=")
         if response.status_code >= 400:
@@ -106,7 +181,9 @@ class VLLMServerClient:
         self._request("POST", "start_weight_update")
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self._request("POST", "update_weights", {"update_info": update_info})
+        # An update that carries tensors answers only once every chunk arrived: it takes as long as the transfer,
+        # which the data plane's own timeouts bound, so the budget between agreements does not apply to it.
+        self._request("POST", "update_weights", {"update_info": update_info}, budgeted="command" in update_info)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._request(
@@ -145,6 +222,28 @@ class VLLMServerClient:
 
     def resume(self) -> None:
         self._request("POST", "resume")
+
+    def heartbeat(self, timeout: float) -> None:
+        """Renew this sync's lease (``GET /lora_stream/lease`` with the lease headers); outside any budget."""
+        import requests
+
+        from ..vllm_lease import LEASE_HEADER, STATUS_PATH, SYNC_HEADER
+
+        if self.lease is None:
+            return
+        headers = {**self.headers, SYNC_HEADER: self.lease[0], LEASE_HEADER: f"{self.lease[1]:.3f}"}
+        requests.get(f"{self.base_url}{STATUS_PATH}", headers=headers, timeout=timeout)
+
+    def lease_status(self) -> dict[str, Any] | None:
+        """``GET /lora_stream/lease``: the server's lease state, or ``None`` when it runs without lora_stream's
+        lease (an older lora_stream, or ``LORA_STREAM_LEASE=0``)."""
+        try:
+            out = self._request("GET", "lora_stream/lease")
+        except ServerError as exc:
+            if " 404 " in str(exc):
+                return None
+            raise
+        return out if isinstance(out, dict) else None
 
     def max_lora_rank(self) -> int | None:
         """The server's ``--max-lora-rank``, or ``None`` when it runs without ``--enable-lora`` (dev-mode
@@ -324,6 +423,17 @@ class VLLMServerSink:
             unreachable, an error answered, its data plane broken) is rolled back and left out, and the others
             commit; if every server fails, the sync fails.
         spread: feed server ``i`` from trainer rank ``i % world_size`` (default) instead of all from rank 0.
+        lease: seconds a server waits for a silent trainer, once this sync paused it or opened an update, before it
+            rolls the update back, ends vLLM's update session and resumes generation by itself
+            (:mod:`lora_stream.vllm_lease`). The feeding rank renews it every ``lease / 6`` seconds while it lives,
+            so it expires only when that process died, stopped or was cut off. A decision arriving after it expired
+            is refused (``409``).
+
+    **Timeouts and the deadline.** Every rank waits for the others at each agreement :meth:`wait_s` at most (the
+    stream's ``timeout``, raised to cover what a feeding rank may spend between two agreements); each server gets
+    at most ``timeout + prefix_cache_timeout`` of calls between two agreements, then it counts as unresponsive and
+    is left to its lease. So once a sync stops making progress, every rank returns or raises within
+    :meth:`deadline_s`.
     """
 
     def __init__(
@@ -343,6 +453,7 @@ class VLLMServerSink:
         prefix_cache_timeout: float = 30.0,
         on_replica_failure: str = "abort",
         spread: bool = True,
+        lease: float = DEFAULT_LEASE_S,
     ) -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
@@ -370,6 +481,9 @@ class VLLMServerSink:
         self.prefix_cache_timeout = prefix_cache_timeout
         self.on_replica_failure = on_replica_failure
         self.spread = spread
+        if not lease > 0:
+            raise ValueError(f"lease must be a positive number of seconds, got {lease!r}")
+        self.lease = float(lease)
         self.rank = this_rank() if rank is None else rank
         self.replicas = [_Replica(i, c) for i, c in enumerate(clients)]
         self.backend = backend
@@ -417,15 +531,70 @@ class VLLMServerSink:
         swapped in by vLLM's own ``/v1/load_lora_adapter`` as the adapter ``lora_name`` (base weights untouched);
         the record is an :class:`~lora_stream.sinks.record.AdapterSyncRecord`; a rollback swaps the previous
         version back in."""
+        with agreement_wait(stream, self.wait_s(stream)):
+            return self._sync(stream, version)
+
+    def wait_s(self, stream: ParamStream) -> float:
+        """Seconds every trainer rank waits for the others at each agreement of a sync, the stream's exchanges
+        included: the stream's ``timeout``, or more when a feeding rank's own steps between two agreements may take
+        longer. Each server a rank feeds gets at most ``timeout + prefix_cache_timeout`` of calls between two
+        agreements (then it counts as unresponsive and is left to its lease), so a feeding rank is back at the next
+        agreement within ``servers it feeds x (timeout + prefix_cache_timeout)`` plus a margin, and no rank gives up
+        on one that is still within its bounds. The same on every rank."""
+        world = _world_size()
+        fed = -(-len(self.replicas) // world) if self.spread else len(self.replicas)
+        steps = fed * (self.timeout + self.prefix_cache_timeout) + _MARGIN_S
+        return max(stream.timeout.total_seconds(), steps)
+
+    def deadline_s(self, stream: ParamStream) -> float:
+        """The longest any rank can take, once a sync stops making progress (a rank, a server or the network
+        stalled), to return or raise: one :meth:`wait_s` at the agreement that finds it, plus the wind-down -- the
+        remaining agreements (:data:`~lora_stream.transaction.LOST_WAIT_S` each once a peer is lost) and, on a
+        feeding rank, one ``timeout + prefix_cache_timeout`` budget per server it rolls back and resumes."""
+        world = _world_size()
+        fed = -(-len(self.replicas) // world) if self.spread else len(self.replicas)
+        return self.wait_s(stream) + fed * (self.timeout + self.prefix_cache_timeout) + 4 * LOST_WAIT_S + _MARGIN_S
+
+    def _sync(self, stream: ParamStream, version: str | None) -> SyncRecord:
         start = time.perf_counter()
         is_adapter = isinstance(stream, AdapterStream)
         mine = [r for r in self._assign() if r.sender == self.rank]
+        sync_id = uuid.uuid4().hex
         for r in mine:  # a server excluded last time is tried again, from scratch
             r.was_excluded, r.failure, r.state = r.failure is not None, None, _ServerUpdate()
+            r.client.lease = (sync_id, self.lease)
+            r.client.unresponsive = False
         tx = Transaction.for_stream(stream, self.name)
+        keeper = _LeaseKeeper(mine, self.lease)
+        try:
+            return self._transact(stream, version, tx, mine, keeper, start, is_adapter)
+        finally:
+            keeper.stop()
+            for r in mine:
+                r.client.lease = None
+                r.client.budget_until = None
+
+    def _phase(self, mine: list[_Replica]) -> None:
+        """A new stretch between two agreements: every server this rank feeds gets a fresh budget of calls."""
+        until = time.monotonic() + self.timeout + self.prefix_cache_timeout
+        for r in mine:
+            r.client.budget_until = until
+
+    def _transact(
+        self,
+        stream: ParamStream,
+        version: str | None,
+        tx: Transaction,
+        mine: list[_Replica],
+        keeper: _LeaseKeeper,
+        start: float,
+        is_adapter: bool,
+    ) -> SyncRecord:
         # 1. prepare: each feeding rank checks its servers (reachable, key accepted, LoRA limits) and the stream
         #    against their checkpoints, and joins their transfer groups; every rank learns the outcome before any
-        #    rank gathers.
+        #    rank gathers. A server that a vanished sink left paused or in an open update is healed by its lease
+        #    at this sync's first request.
+        self._phase(mine)
         aliases = tx.prepare(lambda: self._prepare(stream, mine))
         live = self._live(mine)
         adapter: dict[str, Any] | None = None
@@ -435,48 +604,76 @@ class VLLMServerSink:
             r.engine.keep_previous = self.rollback  # read per sync: the option may change between syncs
             r.engine.adapter_keep = r.serving_path
         source = self._source.current = SyncSource(stream, aliases, version, adapter)
-        # 2. transfer, under a pause of generation: no request is computed partly with each version.
-        with tx.attempt():
-            for r in live:
-                self._on(r, lambda r=r: self._pause(r))
-            try:
-                for r in self._live(mine):
-                    r.state.session = True
-                from ..transfer.gloo_trainer import send_to_engines
-
-                on_failure = self._drop_in_transfer if self.on_replica_failure == "exclude" else None
-                send_to_engines([r.engine for r in self._live(mine)], source, on_failure=on_failure)
-            except BaseException as exc:
-                # Closing the data planes makes a worker still waiting for chunks fail at once; a worker that fails
-                # its update rolls it back itself, and vLLM ends the update session.
-                for r in mine:
-                    r.state.session = False
-                    self._close(r)
-                error = _load_error(exc)
-                if error is exc:
-                    raise
-                raise error from exc
-            finally:
-                self._source.current = None
-            if adapter is not None:
-                for r in self._live(mine):
-                    self._on(r, lambda r=r: self._load_adapter(r, adapter["path"]))
-            fault_point("reload-check")
-            for r in self._live(mine):
-                self._on(r, lambda r=r: self._reset_prefix_cache(r))
-            fault_point("prefix-cache")
-            fault_point("commit")
-        # 3. vote; each feeding rank commits on its servers; a second vote carries the outcome of those calls.
-        if tx.vote("before committing", known=source.ended_early):
-            with tx.attempt():
-                for r in self._live(mine):
-                    self._on(r, lambda r=r: self._commit(r, version, adapter))
-            tx.vote("after committing")
-        excluded, readmitted = self._agree_on_fleet(tx, mine)
+        resumed = False
         try:
-            tx.conclude(lambda: None, lambda error: self._abort(mine, error))
+            # 2. transfer, under a pause of generation: no request is computed partly with each version. From the
+            #    pause on, the sync holds each server under its lease (kept alive by this rank's heartbeat).
+            self._phase(mine)
+            keeper.start()
+            with tx.attempt():
+                for r in live:
+                    self._on(r, lambda r=r: self._pause(r))
+                try:
+                    from ..transfer.gloo_trainer import send_to_engines
+
+                    on_failure = self._drop_in_transfer if self.on_replica_failure == "exclude" else None
+                    send_to_engines([r.engine for r in self._live(mine)], source, on_failure=on_failure)
+                except BaseException as exc:
+                    # Every worker that received data must hear the outcome: one still waiting for chunks fails
+                    # when its data plane closes (and rolls back itself, ending vLLM's session); one that loaded
+                    # everything waits for the decision, and the abort sends it.
+                    for r in mine:
+                        if r.failure is None:
+                            self._settle_transfer(r)
+                    error = _load_error(exc)
+                    if error is exc:
+                        raise
+                    raise error from exc
+                finally:
+                    self._source.current = None
+                for r in self._live(mine):
+                    r.state.loaded = r.state.session = True  # the workers hold it open, waiting for the decision
+                self._phase(mine)
+                if adapter is not None:
+                    for r in self._live(mine):
+                        self._on(r, lambda r=r: self._load_adapter(r, adapter["path"]))
+                fault_point("reload-check")
+                for r in self._live(mine):
+                    self._on(r, lambda r=r: self._reset_prefix_cache(r))
+                fault_point("prefix-cache")
+                fault_point("commit")
+            # 3. vote; each feeding rank commits on its servers; a second vote carries the outcome of those calls.
+            if tx.vote("before committing", known=source.ended_early):
+                self._phase(mine)
+                with tx.attempt():
+                    for r in self._live(mine):
+                        self._on(r, lambda r=r: self._commit(r, version, adapter))
+                tx.vote("after committing")
+            excluded, readmitted = self._agree_on_fleet(tx, mine)
+            self._phase(mine)
+            try:
+                # Raises on every rank alike after a failure (the votes told every rank), so the agreement below
+                # runs on the committed path only, on every rank.
+                tx.conclude(lambda: None, lambda error: self._abort(mine, error))
+            finally:
+                resume_failures = self._resume(mine, tx.error)
+                resumed = True
         finally:
-            self._resume(mine, tx.error)
+            if not resumed:  # an exception escaped the transaction itself: never leave a server paused by us
+                self._resume(mine, None)
+            keeper.stop()
+        # 4. committed: every rank learns whether resuming failed on any server (its lease resumes it by itself), so
+        #    that every rank records it alike.
+        failed_resume = tx.any_of([bool(resume_failures)], "after resuming generation")
+        resume_note: str | None = None
+        if failed_resume is None or failed_resume[0]:
+            resume_note = (
+                "; ".join(resume_failures)
+                if resume_failures
+                else "resuming generation failed on a server another trainer rank feeds (or that rank was lost)"
+            ) + f"; the server's lease resumes it within {self.lease:g} s"
+            warnings.warn(f"lora_stream: sync {version!r} committed, but {resume_note}", RuntimeWarning, stacklevel=3)
+            tx.error = None  # committed everywhere: what failed after is recorded, not raised
         record = source.record(self.name, time.perf_counter() - start)
         fed = [r for r in mine if r.engine is not None and r.state.committed]
         stages = dict(getattr(fed[0].engine, "last_stages", None) or {}) if fed else {}
@@ -488,13 +685,14 @@ class VLLMServerSink:
             replicas=tuple(u for u in self.urls if u not in excluded),
             excluded=excluded,
             readmitted=readmitted,
+            resume_failure=resume_note,
         )
         for url, reason in excluded.items():
             warnings.warn(
                 f"lora_stream: the vLLM server at {url} was excluded from sync {version!r} ({reason}); the other "
                 "servers committed it, and the next sync tries this one again with the full weights",
                 ReplicaExcludedWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
         if is_adapter:
             record = AdapterSyncRecord(**record.__dict__, lora_name=self.lora_name)
@@ -529,30 +727,58 @@ class VLLMServerSink:
         replica.serving_path = None  # restarted or not, it is sent the whole adapter at its readmission
 
     def _drop_in_transfer(self, index: int, error: BaseException) -> None:
-        """A server failed during the transfer: tear its data plane down first (its workers, if alive, stop
-        waiting for chunks, roll the update back themselves and vLLM ends the session), then exclude it."""
-        replica = self.replicas[index]
-        replica.state.session = False
-        self._close(replica)
+        """A server failed during the transfer: settle where its update stands (its data plane torn down first, so
+        that workers still waiting for chunks fail at once and roll back themselves), then exclude it."""
+        self._settle_transfer(self.replicas[index])
         self._drop(index, error)
+
+    def _settle_transfer(self, replica: _Replica) -> None:
+        """After a transfer that did not complete for ``replica``: close its data plane, then learn whether its
+        workers still hold the update open (they loaded every chunk and wait for the decision: the abort must send
+        it) or ended it (an update that fails rolls back in the workers, and vLLM ends the session)."""
+        engine = replica.engine
+        started = bool(getattr(engine, "started", False))
+        pending = getattr(engine, "pending", None)
+        stalled = bool(getattr(engine, "stalled", False))
+        self._close(replica)
+        state = replica.state
+        state.session = False
+        if not started:
+            return
+        if pending is None:  # the session opened, the update was never sent
+            state.session = True
+            return
+        if stalled:
+            replica.client.unresponsive = True  # a chunk it never took: left to its lease
+            state.session = True
+            return
+        try:
+            pending.result(timeout=replica.client.remaining())
+            state.session = True  # loaded, and waiting for the decision
+        except concurrent.futures.TimeoutError:
+            replica.client.unresponsive = True
+            state.session = True
+        except BaseException:
+            state.session = False  # the update failed: the workers rolled it back and vLLM ended the session
 
     def _pause(self, replica: _Replica) -> None:
         if self.pause is not None:
+            replica.state.paused = True  # sent: a pause that timed out may still land, and must be resumed
             replica.client.pause(self.pause)
-            replica.state.paused = True
 
     def _reset_prefix_cache(self, replica: _Replica) -> None:
         reset_prefix_cache(replica.client.reset_prefix_cache, self.prefix_cache_timeout, replica.url)
 
     def _load_adapter(self, replica: _Replica, path: str) -> None:
-        replica.client.load_lora_adapter(self.lora_name, path)
         replica.state.adapter_loaded = True
         replica.state.adapter_path = path
+        replica.client.load_lora_adapter(self.lora_name, path)
 
     def _commit(self, replica: _Replica, version: str | None, adapter: dict[str, Any] | None) -> None:
-        replica.engine.conclude(True, version)
-        replica.state.session = False
+        replica.client.update_weights({"command": "commit"})
         replica.state.committed = True
+        replica.client.finish_weight_update(version)
+        replica.state.session = False
         if adapter is not None:
             replica.serving_path = adapter["path"]
 
@@ -571,73 +797,101 @@ class VLLMServerSink:
             raise ServerError("; ".join(failures))
 
     def _abort_replica(self, replica: _Replica, error: BaseException) -> None:
+        """Put ``replica`` back as it was before this sync, whatever its workers' state: an update still open
+        (mid-transfer or loaded and waiting) is rolled back and vLLM's session ended, a staged adapter swapped back,
+        the prefix cache reset. A server that stopped answering is left to its lease, which does the same."""
         state = replica.state
+        client = replica.client
         try:
             if state.committed:
                 return
-            if state.adapter_loaded:
-                if replica.serving_path is not None:
-                    replica.client.load_lora_adapter(self.lora_name, replica.serving_path)
-                else:
-                    replica.client.unload_lora_adapter(self.lora_name)
-            if state.session and replica.engine is not None:
-                replica.engine.conclude(False, None)
-                state.session = False
-            if not self.rollback and not state.adapter_loaded:
+            if replica.engine is not None and not state.loaded:
+                self._settle_transfer(replica)  # the pass failed before this server's transfer ended
+            if client.unresponsive:
                 error.add_note(
-                    f"lora_stream: rollback=False: layers of {replica.url} that received their weights serve the "
-                    "new ones"
+                    f"lora_stream: {replica.url} stopped answering; its lease ({self.lease:g} s) rolls the update "
+                    "back, ends vLLM's update session and resumes generation by itself"
                 )
-            self._reset_prefix_cache(replica)
+                return
+            try:
+                if state.adapter_loaded:
+                    if replica.serving_path is not None:
+                        client.load_lora_adapter(self.lora_name, replica.serving_path)
+                    else:
+                        client.unload_lora_adapter(self.lora_name)
+                if state.session:
+                    client.update_weights({"command": "rollback"})
+                    client.finish_weight_update(None)
+                    state.session = False
+                if not self.rollback and not state.adapter_loaded:
+                    error.add_note(
+                        f"lora_stream: rollback=False: layers of {replica.url} that received their weights serve the "
+                        "new ones"
+                    )
+                self._reset_prefix_cache(replica)
+            except LeaseExpiredError:
+                state.session = state.paused = False  # its lease already rolled it back and resumed it
         finally:
             self._close(replica)  # the data plane may be half-used: start over with a new group next time
 
-    def _resume(self, mine: list[_Replica], error: BaseException | None) -> None:
+    def _resume(self, mine: list[_Replica], error: BaseException | None) -> list[str]:
+        """Resume generation on every server this rank paused, on every path; returns what failed (also added to
+        ``error`` as notes). A server that stopped answering, or whose lease already resumed it, is skipped."""
         failures: list[str] = []
         for r in mine:
             if not r.state.paused:
                 continue
+            if r.client.unresponsive:
+                if error is None and r.failure is None:
+                    failures.append(f"{r.url} stopped answering before generation could be resumed")
+                continue
             try:
+                r.client.budget_until = time.monotonic() + self.timeout  # its own budget, whatever came before
                 r.client.resume()
+                r.state.paused = False
+            except LeaseExpiredError:
                 r.state.paused = False
             except BaseException as exc:
                 if r.failure is not None:
                     continue  # excluded: it may be gone, and the others are served
                 failures.append(f"resuming {r.url}'s generation failed: {describe_error(exc)}")
-        if not failures:
-            return
-        if error is None:
-            raise ServerError("; ".join(failures))
-        for f in failures:
-            error.add_note(f"lora_stream: {f}")
+        if error is not None:
+            for f in failures:
+                error.add_note(f"lora_stream: {f}")
+        return failures
 
     def _agree_on_fleet(self, tx: Transaction, mine: list[_Replica]) -> tuple[dict[str, str], tuple[str, ...]]:
         """Under ``"exclude"``: every rank learns which servers were excluded (and readmitted) on any rank; if none
-        is left, the sync fails on every rank. One exchange, after the votes, on every rank alike."""
-        excluded = {r.url: describe_error(r.failure) for r in mine if r.failure is not None}
-        readmitted = [r.url for r in mine if r.was_excluded and r.failure is None]
+        is left, the sync fails on every rank. One exchange of two bits per server (never more than it carries),
+        after the votes, on every rank alike; the reasons stay with the rank that feeds the server."""
         if self.on_replica_failure != "exclude" or not tx.ok:
             return {}, ()
-        import json
-
-        text = ""
-        for width in (240, 60, 0):  # the exchange carries 1 KiB per rank: shorten the reasons until it fits
-            text = json.dumps({"excluded": {u: w[:width] for u, w in excluded.items()}, "readmitted": readmitted})
-            if len(text.encode()) <= REASON_BYTES:
-                break
-        shared = tx.coordinator.share(text)
-        for text in shared:
-            data = json.loads(text) if text else {}
-            excluded.update(data.get("excluded", {}))
-            readmitted += [u for u in data.get("readmitted", []) if u not in readmitted]
-        excluded = {u: excluded[u] for u in self.urls if u in excluded}
-        if len(excluded) == len(self.replicas):
+        n = len(self.replicas)
+        bits = [self.replicas[i].failure is not None for i in range(n)]
+        bits += [self.replicas[i].was_excluded and self.replicas[i].failure is None for i in range(n)]
+        mine_ids = {r.index for r in mine}
+        for i in range(n):
+            if i not in mine_ids:
+                bits[i] = bits[n + i] = False
+        agreed = tx.any_of(bits, "agreeing on the fleet")
+        if agreed is None:
+            return {}, ()
+        excluded: dict[str, str] = {}
+        for r in self.replicas:
+            if not agreed[r.index]:
+                continue
+            if r.index in mine_ids and r.failure is not None:
+                excluded[r.url] = describe_error(r.failure)
+            else:
+                excluded[r.url] = f"excluded by trainer rank {r.sender}, which feeds it (its reason is in that log)"
+        readmitted = tuple(r.url for r in self.replicas if agreed[n + r.index])
+        if len(excluded) == n:
             tx.error = ReplicaError(
                 "every vLLM server failed the sync: " + "; ".join(f"{u}: {why}" for u, why in excluded.items()),
                 failures=excluded,
             )
             return {}, ()
-        return excluded, tuple(u for u in self.urls if u in readmitted)
+        return excluded, readmitted
 
     def _close(self, replica: _Replica) -> None:
         engine, replica.engine = replica.engine, None
@@ -726,7 +980,47 @@ class _ServerUpdate:
         self.session = False  # vLLM's update session is open and undecided
         self.adapter_loaded = False
         self.adapter_path: str | None = None
+        self.loaded = False  # every chunk reached the workers, which loaded and checked it
         self.committed = False
+
+
+class _LeaseKeeper:
+    """Renews the sync's lease on the servers this rank feeds, every ``lease / 6`` seconds, from the pause to the
+    resume: the lease then expires only when this process stops (died, stopped, cut off), never while it waits for
+    the other ranks."""
+
+    def __init__(self, mine: list[_Replica], lease: float) -> None:
+        self.mine = mine
+        self.period = lease / 6
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None and self.mine:
+            self._thread = threading.Thread(target=self._run, name="lora_stream-lease", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            for r in self.mine:
+                if r.client.unresponsive:
+                    continue
+                try:
+                    r.client.heartbeat(timeout=self.period)
+                except Exception:  # the sync's own calls find out what is wrong with the server
+                    pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout=self.period + 1)
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _load_error(exc: BaseException) -> BaseException:

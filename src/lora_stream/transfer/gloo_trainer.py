@@ -74,7 +74,9 @@ def _finish(work: Any, pending: concurrent.futures.Future[Any], timeout_s: float
             if pending.done() and pending.exception() is not None:
                 raise TransferError(f"the server failed the update while receiving: {pending.exception()}")
             if time.monotonic() > deadline:
-                raise TransferError(f"a chunk broadcast did not complete within {timeout_s} s")
+                error = TransferError(f"a chunk broadcast did not complete within {timeout_s} s")
+                error.stalled = True  # type: ignore[attr-defined]
+                raise error
             time.sleep(0.0002)
         work.wait()
     except RuntimeError as exc:  # gloo: the server's worker went away ("Connection closed by peer")
@@ -98,6 +100,12 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
     #: An adapter sync: where the version this engine's server serves now is staged (kept while the new one may
     #: still be refused), set by the sink per server.
     adapter_keep: str | None = None
+    #: Where the latest pass's update stands, for a sink settling a failed transfer: vLLM's session was opened
+    #: (``started``); the pending ``/update_weights`` call (``pending``: it answers once the workers loaded and
+    #: checked every chunk, or failed); the server stopped taking chunks within the timeout (``stalled``).
+    started: bool = False
+    pending: Any = None
+    stalled: bool = False
     #: Seconds of the latest ``send_weights`` by stage: ``produce_s`` (waiting for the stream: gathers and merges),
     #: ``pack_s`` (copies into the packing buffers), ``send_wait_s`` (waiting for broadcasts), ``sent_bytes`` (what
     #: this rank broadcast, over every server it fed in the pass), ``http_s`` (the
@@ -265,6 +273,8 @@ def send_to_engines(
     targets: list[_Target] = []
 
     def failed(target: _Target, exc: BaseException) -> None:
+        if getattr(exc, "stalled", False):
+            target.engine.stalled = True
         if on_failure is None:
             raise exc
         targets.remove(target)
@@ -272,11 +282,15 @@ def send_to_engines(
 
     try:
         t0 = clock()
+        for engine in engines:
+            engine.started, engine.pending, engine.stalled = False, None, False
         for i, engine in enumerate(engines):
             try:
                 engine.client.start_weight_update()
+                engine.started = True
                 update = engine.update_info(meta, groups, plan)
-                targets.append(_Target(i, engine, pool.submit(engine.client.update_weights, update)))
+                engine.pending = pool.submit(engine.client.update_weights, update)
+                targets.append(_Target(i, engine, engine.pending))
             except Exception as exc:
                 if on_failure is None:
                     raise
@@ -361,6 +375,10 @@ def send_to_engines(
         for target in list(targets):
             try:
                 target.pending.result(timeout=timeout)
+            except concurrent.futures.TimeoutError:
+                error = TransferError(f"the server did not answer the update within {timeout} s of its last chunk")
+                error.stalled = True  # type: ignore[attr-defined]
+                failed(target, error)
             except Exception as exc:
                 failed(target, TransferError(f"the server failed the update: {exc}"))
         stages["http_s"] += clock() - t

@@ -1,0 +1,367 @@
+"""The soak: a 2-rank ZeRO-3 trainer keeps a fleet of two real vLLM servers in sync, round after round, with a
+random fault in each round, while a client generates against both servers throughout.
+
+After every round it checks the transaction's promises by their strongest observables:
+
+- both trainer ranks ended the round the same way (both committed, or every surviving rank raised), each within the
+  sink's deadline (a slow rank: within its sleep plus the deadline);
+- every server is not paused, holds no open update (its lease is free), reports its last committed version, and
+  serves exactly (``==``) what it served at that version;
+- after a commit, each server serves the trainer's merged weights (checked by the rank that feeds it);
+- the next round's sync is taken (a plain round commits);
+- every response the client got during the whole soak is one a committed version gives.
+
+Faults: ``raise`` / ``slow`` / ``die`` on a random rank at a random transaction point, ``kill-server`` and
+``stop-server`` (SIGSTOP past the sink's timeout, then SIGCONT) on a random server mid-transfer. After a trainer
+death the driver checks that the servers healed by themselves within their lease, then launches the trainer again
+for the remaining rounds. Used by ``tests/test_vllm_soak.py`` (a bounded number of rounds) and
+``benchmarks/soak.py`` (as many as you like).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import requests
+from launch import RankResult, describe, launch
+from vllm_server import Server
+
+FAULTS = ("raise", "slow", "die", "kill-server", "stop-server")
+#: Transaction points of the server sink (``FAULT_POINTS``; the model has four groups; ``verify`` is not a server
+#: sink's point).
+POINTS = ("prepare", "group:0", "group:1", "group:3", "reload-check", "prefix-cache", "commit")
+PROMPT = "t5 t17 t42 t99"
+#: Short timeouts, so that a round with a fault ends in seconds; the relations between them are what is tested.
+TIMEOUTS = {"stream": 10.0, "sink": 6.0, "prefix_cache": 3.0, "lease": 8.0, "slow_extra": 4.0, "stop_extra": 8.0}
+#: Slack on the measured bounds: process scheduling on a loaded 2-core machine.
+SLACK_S = 15.0
+# Tolerance for the client's responses only: a response computed in a batch with other requests may differ from the
+# same version's lone answer in the last bits. Versions differ by far more (a training step at lr 0.5).
+_CLIENT_TOL = 1e-4
+
+
+def make_plan(seed: int, rounds: int, kinds: tuple[str, ...] = FAULTS) -> list[dict[str, Any]]:
+    """Rounds 0..rounds-1: every kind once first (in a seeded order), then random kinds and plain rounds; the last
+    round is plain (the fleet must take a sync after everything before)."""
+    rng = random.Random(seed)
+    order = list(kinds)
+    rng.shuffle(order)
+    plan: list[dict[str, Any]] = []
+    for k in range(rounds):
+        if k == rounds - 1:
+            kind = "none"
+        elif k < len(order):
+            kind = order[k]
+        else:
+            kind = rng.choice([*kinds, "none"])
+        plan.append(
+            {"k": k, "fault": kind, "rank": rng.randrange(2), "point": rng.choice(POINTS), "server": rng.randrange(2)}
+        )
+    return plan
+
+
+def rounds_at_every_point(kind: str, rank: int, start: int = 0) -> list[dict[str, Any]]:
+    """One round of ``kind`` on ``rank`` at each of :data:`POINTS`, each followed by a plain round."""
+    plan: list[dict[str, Any]] = []
+    for point in POINTS:
+        plan.append({"k": start + len(plan), "fault": kind, "rank": rank, "point": point, "server": rank})
+        plan.append({"k": start + len(plan), "fault": "none", "rank": rank, "point": point, "server": rank})
+    return plan
+
+
+def completion(url: str, timeout: float = 60.0) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    model = requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+    r = requests.post(
+        f"{url}/v1/completions",
+        timeout=timeout,
+        json={
+            "model": model,
+            "prompt": PROMPT,
+            "max_tokens": 8,
+            "temperature": 0,
+            "logprobs": 1,
+            "return_tokens_as_token_ids": True,
+            "ignore_eos": True,
+        },
+    )
+    r.raise_for_status()
+    lp = r.json()["choices"][0]["logprobs"]
+    return tuple(int(t.split(":")[1]) for t in lp["tokens"]), tuple(float(x) for x in lp["token_logprobs"])
+
+
+def _close(a: tuple[tuple[int, ...], tuple[float, ...]], b: tuple[tuple[int, ...], tuple[float, ...]]) -> bool:
+    return a[0] == b[0] and all(abs(x - y) <= _CLIENT_TOL for x, y in zip(a[1], b[1]))
+
+
+class Client:
+    """Generates against every server, one request at a time each, until stopped; keeps every answer."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.urls = urls
+        self.answers: list[tuple[int, tuple[tuple[int, ...], tuple[float, ...]]]] = []
+        self.errors = 0
+        self._run = threading.Event()
+        self._quit = threading.Event()
+        self._idle = [threading.Event() for _ in urls]
+        self._threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(len(urls))]
+        for t in self._threads:
+            t.start()
+
+    def _loop(self, i: int) -> None:
+        while not self._quit.is_set():
+            if not self._run.is_set():
+                self._idle[i].set()
+                time.sleep(0.05)
+                continue
+            self._idle[i].clear()
+            try:
+                self.answers.append((i, completion(self.urls[i], timeout=120)))
+            except Exception:  # aborted, refused or the server is down: allowed; a wrong answer is not
+                self.errors += 1
+                time.sleep(0.2)
+
+    def resume(self) -> None:
+        self._run.set()
+
+    def pause(self) -> None:
+        self._run.clear()
+        for e in self._idle:
+            e.wait(timeout=180)
+
+    def stop(self) -> None:
+        self.pause()
+        self._quit.set()
+
+
+@dataclass
+class SoakReport:
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    answers: int = 0
+    client_errors: int = 0
+    uncommitted_answers: int = 0
+    launches: int = 0
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "rounds": self.rounds,
+            "problems": self.problems,
+            "answers": self.answers,
+            "client_errors": self.client_errors,
+            "uncommitted_answers": self.uncommitted_answers,
+            "launches": self.launches,
+        }
+
+
+class Soak:
+    """Drives one soak over ``servers`` (two running :class:`~vllm_server.Server`, serving ``checkpoint``)."""
+
+    def __init__(
+        self, servers: list[Server], checkpoint: str, workdir: Path, *, seed: int = 0, timeouts: dict | None = None
+    ) -> None:  # type: ignore[type-arg]
+        self.servers = servers
+        self.urls = [s.url for s in servers]
+        self.checkpoint = checkpoint
+        self.workdir = workdir
+        self.seed = seed
+        self.timeouts = {**TIMEOUTS, **(timeouts or {})}
+        self.report = SoakReport()
+
+    # -- the servers' state ------------------------------------------------------------------------------------------
+    def _state(self, i: int) -> dict[str, Any]:
+        url = self.urls[i]
+        lease = requests.get(f"{url}/lora_stream/lease", timeout=10).json()
+        paused = requests.get(f"{url}/is_paused", timeout=10).json()["is_paused"]
+        return {"paused": paused, "holding": lease["holding"], "version": self.servers[i].version(), "lease": lease}
+
+    def _settled(self, i: int, within: float) -> dict[str, Any]:
+        """Wait until server ``i`` is neither paused nor held (its lease may still be healing it)."""
+        deadline = time.monotonic() + within
+        while True:
+            state = self._state(i)
+            if (not state["paused"] and not state["holding"]) or time.monotonic() > deadline:
+                return state
+            time.sleep(0.25)
+
+    # -- one soak ---------------------------------------------------------------------------------------------------
+    def run(
+        self,
+        rounds: int = 0,
+        kinds: tuple[str, ...] = FAULTS,
+        log: Any = None,
+        plan: list[dict[str, Any]] | None = None,
+    ) -> SoakReport:
+        """``rounds`` random rounds of ``kinds`` (:func:`make_plan`), or exactly ``plan``."""
+        if plan is None:
+            plan = make_plan(self.seed, rounds, kinds)
+        served = [[completion(u)] for u in self.urls]  # each server's outputs, per committed version, initial first
+        versions: list[str | None] = [s.version() for s in self.servers]
+        initial = [served[i][0] for i in range(2)]
+        client = Client(self.urls)
+        client.resume()
+        left = list(plan)
+        try:
+            while left:
+                left = self._launch(left, served, versions, initial, client, log)
+        finally:
+            client.stop()
+        for i, answer in client.answers:
+            if not any(_close(answer, v) for v in served[i]):
+                self.report.uncommitted_answers += 1
+        self.report.answers = len(client.answers)
+        self.report.client_errors = client.errors
+        if self.report.uncommitted_answers:
+            self.report.problems.append(
+                f"{self.report.uncommitted_answers} of {len(client.answers)} responses came from no committed version"
+            )
+        return self.report
+
+    def _launch(
+        self,
+        left: list[dict[str, Any]],
+        served: list[list[Any]],
+        versions: list[str | None],
+        initial: list[Any],
+        client: Client,
+        log: Any,
+    ) -> list[dict[str, Any]]:
+        """One launch of the trainer for the rounds ``left``; returns the rounds a trainer death left undone."""
+        markers = self.workdir / f"markers-{self.report.launches}"
+        markers.mkdir(parents=True)
+        plan_file = markers / "plan.json"
+        plan_file.write_text(json.dumps({"rounds": left, "timeouts": self.timeouts, "seed": self.seed}))
+        results: list[RankResult] = []
+        job = threading.Thread(
+            target=lambda: results.extend(
+                launch("vllm_soak", str(plan_file), *self.urls, self.checkpoint, str(markers), timeout=3600)
+            ),
+            daemon=True,
+        )
+        self.report.launches += 1
+        job.start()
+        t = self.timeouts
+        for n, fault in enumerate(left):
+            k = fault["k"]
+            done = [markers / f"round{k}.rank{r}" for r in range(2)]
+            stopped: threading.Thread | None = None
+            killed = False
+            while not all(p.exists() for p in done):
+                if (markers / f"fault{k}").exists() and not (markers / f"faulted{k}").exists():
+                    server = self.servers[fault["server"]]
+                    if fault["fault"] == "kill-server":
+                        server.kill()
+                        killed = True
+                    else:
+                        os.killpg(server.proc.pid, signal.SIGSTOP)
+                        hold = t["sink"] + t["stop_extra"]
+
+                        def cont(pid: int = server.proc.pid, hold: float = hold) -> None:
+                            time.sleep(hold)
+                            os.killpg(pid, signal.SIGCONT)
+
+                        stopped = threading.Thread(target=cont, daemon=True)
+                        stopped.start()
+                    (markers / f"faulted{k}").write_text("done")
+                if not job.is_alive():
+                    break
+                time.sleep(0.05)
+            outcomes = [json.loads(p.read_text()) if p.exists() else None for p in done]
+            if stopped is not None:
+                stopped.join()
+            if killed:
+                self.servers[fault["server"]].restart()
+                served[fault["server"]].append(initial[fault["server"]])
+                versions[fault["server"]] = None
+            died = [r for r in range(2) if outcomes[r] is None]
+            row = self._check(fault, outcomes, died, served, versions, client)
+            self.report.rounds.append(row)
+            if log is not None:
+                log(row)
+            if died:
+                (markers / "exit").write_text("exit")
+                job.join(timeout=120)
+                if any(r.returncode not in (0, 9) for r in results):
+                    self.report.problems.append(f"round {k}: a trainer rank ended badly\n{describe(results)}")
+                return left[n + 1 :]
+            (markers / f"go{k}").write_text("go")
+        job.join(timeout=120)
+        if job.is_alive() or any(r.returncode != 0 for r in results):
+            self.report.problems.append(f"the trainer did not end cleanly\n{describe(results)}")
+        return []
+
+    def _check(
+        self,
+        fault: dict[str, Any],
+        outcomes: list[dict[str, Any] | None],
+        died: list[int],
+        served: list[list[Any]],
+        versions: list[str | None],
+        client: Client,
+    ) -> dict[str, Any]:
+        k, kind = fault["k"], fault["fault"]
+        t = self.timeouts
+        problems: list[str] = []
+        alive = [o for o in outcomes if o is not None]
+        committed = {o["committed"] for o in alive}
+        if len(committed) != 1:
+            problems.append(f"the ranks disagreed: {[(o['rank'], o['committed']) for o in alive]}")
+        did_commit = committed == {True}
+        expected = kind == "none"
+        if did_commit != expected:
+            problems.append(
+                f"{'committed' if did_commit else 'raised'} where the fault {kind} should have "
+                + ("let it commit" if expected else "failed it")
+            )
+        for o in alive:
+            bound = o["deadline_s"] + SLACK_S
+            if kind == "slow" and o["rank"] == fault["rank"]:
+                bound += o["wait_s"] + t["slow_extra"]
+            if kind == "stop-server":
+                bound += 1.0
+            if o["seconds"] > bound:
+                problems.append(f"rank {o['rank']} took {o['seconds']:.1f} s, past its bound of {bound:.1f} s")
+            if did_commit and not o.get("serves_trainer", False):
+                problems.append(f"rank {o['rank']}'s server does not serve the trainer's weights: {o.get('mismatch')}")
+        # The servers: a vanished trainer's are healed by their lease; give it that long (plus its heartbeat).
+        within = t["lease"] * 1.5 + SLACK_S if died or kind == "stop-server" else SLACK_S
+        client.pause()
+        states = []
+        for i in range(2):
+            state = self._settled(i, within)
+            states.append({key: state[key] for key in ("paused", "holding", "version")})
+            if did_commit:
+                versions[i] = f"v{k}-{self.seed}"
+            if state["paused"] or state["holding"]:
+                problems.append(f"server {i} is left {'paused' if state['paused'] else 'holding an update'}: {state}")
+            if state["version"] != versions[i]:
+                problems.append(
+                    f"server {i} reports {state['version']!r}, its last committed version is {versions[i]!r}"
+                )
+            now = completion(self.urls[i])
+            if did_commit:
+                served[i].append(now)
+            elif now != served[i][-1]:
+                problems.append(f"server {i} does not serve exactly its last committed version {versions[i]!r}")
+        client.resume()
+        self.report.problems += [f"round {k} ({kind} {fault}): {p}" for p in problems]
+        return {
+            "k": k,
+            "fault": kind,
+            "rank": fault["rank"],
+            "point": fault["point"],
+            "server": fault["server"],
+            "committed": did_commit,
+            "died": died,
+            "seconds": [round(o["seconds"], 1) if o else None for o in outcomes],
+            "errors": [o.get("error") if o else "died" for o in outcomes],
+            "servers": states,
+            "ok": not problems,
+        }

@@ -1,0 +1,145 @@
+"""Rank worker of the soak (tests/soak.py): a 2-rank ZeRO-3 trainer syncs a fleet of two vLLM servers round after
+round, with the round's fault injected, and reports each round's outcome to the driver.
+
+Usage: vllm_soak.py PLAN_JSON URL_A URL_B CHECKPOINT MARKER_DIR
+PLAN_JSON: {"rounds": [{"k", "fault", "rank", "point", "server"}...], "timeouts": {...}, "seed": int}, the rounds
+this launch runs (after a trainer death the driver launches the rest again). Server A is fed by rank 0, B by rank 1.
+
+Faults (``fault``):
+  none          a plain sync.
+  raise         the fault hook raises on ``rank`` at ``point``.
+  slow          the fault hook sleeps on ``rank`` at ``point``, longer than the sink's agreement wait.
+  die           the fault hook ends ``rank``'s process at ``point`` (os._exit, as a crash).
+  kill-server   the rank feeding ``server`` signals ``fault<k>`` at group 2 and waits for ``faulted<k>`` (the driver
+                SIGKILLs the server meanwhile).
+  stop-server   the same, the driver SIGSTOPs the server (and SIGCONTs it after the round).
+After each round every rank writes ``round<k>.rank<r>`` (JSON: committed or not, error, seconds, and, after a commit,
+whether its server serves the trainer's merged weights) and waits for ``go<k>`` (or ``exit``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import time
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from helpers import assert_vllm_serves, finish, lora, server_generate, zero3_whole_into
+
+from lora_stream import ParamStream, VLLMServerSink
+from lora_stream.transaction import set_fault_hook
+
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+DS = {
+    "train_micro_batch_size_per_gpu": 1,
+    "zero_allow_untested_optimizer": True,
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+}
+IDS = torch.tensor([[1, 17, 42, 99, 5, 7, 300]])
+MARKERS = ""
+
+
+def marker(name: str) -> str:
+    return os.path.join(MARKERS, name)
+
+
+def signal(name: str, data: dict | None = None) -> None:  # type: ignore[type-arg]
+    tmp = marker(name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data or {}, f)
+    os.replace(tmp, marker(name))
+
+
+def wait_for(*names: str, timeout: float = 900.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for n in names:
+            if os.path.exists(marker(n)):
+                return n
+        time.sleep(0.05)
+    raise TimeoutError(f"the driver never wrote any of {names}")
+
+
+def hook_for(fault: dict, rank: int, slow_s: float):  # type: ignore[no-untyped-def,type-arg]
+    kind, point = fault["fault"], fault.get("point")
+    feeding = fault.get("server") == rank  # server i is fed by rank i
+
+    def hook(p: str) -> None:
+        if kind in ("kill-server", "stop-server"):
+            if feeding and p == "group:2":
+                signal(f"fault{fault['k']}")
+                wait_for(f"faulted{fault['k']}")
+            return
+        if rank != fault.get("rank") or p != point:
+            return
+        if kind == "raise":
+            raise RuntimeError(f"injected failure at {p} on rank {rank}")
+        if kind == "slow":
+            time.sleep(slow_s)
+        if kind == "die":
+            sys.stdout.flush()
+            os._exit(9)
+
+    return hook
+
+
+def main() -> None:
+    global MARKERS
+    from transformers import AutoModelForCausalLM
+
+    plan = json.loads(open(sys.argv[1]).read())
+    url_a, url_b, ckpt, MARKERS = sys.argv[2:6]
+    urls = [url_a, url_b]
+    t = plan["timeouts"]
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    pm = lora(AutoModelForCausalLM.from_pretrained(ckpt), target_modules="all-linear", lora_alpha=16, seed=plan["seed"])
+    template = copy.deepcopy(pm)
+    opt = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=0.5)
+    engine, *_ = deepspeed.initialize(model=pm, optimizer=opt, config=DS)
+    sink = VLLMServerSink(
+        urls,
+        rank=rank,
+        timeout=t["sink"],
+        prefix_cache_timeout=t["prefix_cache"],
+        lease=t["lease"],
+    )
+    for fault in plan["rounds"]:
+        k = fault["k"]
+        engine.backward(engine(input_ids=IDS, labels=IDS).loss)
+        engine.step()
+        stream = ParamStream(engine, group_by="layer", timeout=t["stream"])
+        wait_s, deadline_s = sink.wait_s(stream), sink.deadline_s(stream)
+        set_fault_hook(hook_for(fault, rank, wait_s + t["slow_extra"]))
+        start = time.monotonic()
+        out: dict = {"k": k, "rank": rank, "fault": fault, "wait_s": wait_s, "deadline_s": deadline_s}  # type: ignore[type-arg]
+        try:
+            record = sink.sync(stream, version=f"v{k}-{plan['seed']}")
+            out.update(committed=True, replicas=list(record.replicas), resume_failure=record.resume_failure)
+        except Exception as exc:  # every failure must be a raise on every rank, never a hang
+            out.update(committed=False, error=type(exc).__name__, message=str(exc)[:600])
+        finally:
+            set_fault_hook(None)
+        out["seconds"] = time.monotonic() - start
+        if out["committed"]:
+            # The served policy is the trainer's: every rank builds the merged reference (a collective), each checks
+            # the server it feeds (after the driver had no chance to touch it).
+            expected = copy.deepcopy(zero3_whole_into(engine, template)).float().merge_and_unload()
+            try:
+                assert_vllm_serves(server_generate(urls[rank]), expected)
+                out["serves_trainer"] = True
+            except AssertionError as exc:
+                out["serves_trainer"] = False
+                out["mismatch"] = str(exc)[:300]
+        signal(f"round{k}.rank{rank}", out)
+        if wait_for(f"go{k}", "exit") == "exit":
+            break
+    finish(0)
+
+
+if __name__ == "__main__":
+    main()
