@@ -15,7 +15,7 @@ Faults: ``raise`` / ``slow`` / ``die`` on a random rank at a random transaction 
 ``stop-server`` (SIGSTOP past the sink's timeout, then SIGCONT) on a random server mid-transfer. After a trainer
 death the driver checks that the servers healed by themselves within their lease, then launches the trainer again
 for the remaining rounds. Used by ``tests/test_vllm_soak.py`` (a bounded number of rounds) and
-``benchmarks/soak.py`` (as many as you like).
+``benchmarks/bench_soak.py`` (as many as you like).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ FAULTS = ("raise", "slow", "die", "kill-server", "stop-server")
 POINTS = ("prepare", "group:0", "group:1", "group:3", "reload-check", "prefix-cache", "commit")
 PROMPT = "t5 t17 t42 t99"
 #: Short timeouts, so that a round with a fault ends in seconds; the relations between them are what is tested.
-TIMEOUTS = {"stream": 10.0, "sink": 6.0, "prefix_cache": 3.0, "lease": 8.0, "slow_extra": 4.0, "stop_extra": 8.0}
+TIMEOUTS = {"stream": 20.0, "sink": 15.0, "prefix_cache": 5.0, "lease": 12.0, "slow_extra": 4.0, "stop_extra": 8.0}
 #: Slack on the measured bounds: process scheduling on a loaded 2-core machine.
 SLACK_S = 15.0
 # Tolerance for the client's responses only: a response computed in a batch with other requests may differ from the
@@ -48,18 +48,28 @@ SLACK_S = 15.0
 _CLIENT_TOL = 1e-4
 
 
+def soak_servers(checkpoint: str) -> list[Server]:
+    """The soak's two servers, started (not yet ready): each one's OpenMP threads on a core of its own, so that two
+    engines generating on a 2-core machine do not spin against each other and starve the trainer."""
+    cores = os.cpu_count() or 2
+    return [
+        Server(checkpoint, env={"VLLM_CPU_OMP_THREADS_BIND": str(i % cores), "OMP_NUM_THREADS": "1"}) for i in range(2)
+    ]
+
+
 def make_plan(seed: int, rounds: int, kinds: tuple[str, ...] = FAULTS) -> list[dict[str, Any]]:
-    """Rounds 0..rounds-1: every kind once first (in a seeded order), then random kinds and plain rounds; the last
-    round is plain (the fleet must take a sync after everything before)."""
+    """Rounds 0..rounds-1: a plain one first (the servers' first update also loads lora_stream's engine in their
+    workers, which takes seconds on a loaded machine), every kind once (in a seeded order), then random kinds and
+    plain rounds; the last round is plain (the fleet must take a sync after everything before)."""
     rng = random.Random(seed)
     order = list(kinds)
     rng.shuffle(order)
     plan: list[dict[str, Any]] = []
     for k in range(rounds):
-        if k == rounds - 1:
+        if k == 0 or k == rounds - 1:
             kind = "none"
-        elif k < len(order):
-            kind = order[k]
+        elif k - 1 < len(order):
+            kind = order[k - 1]
         else:
             kind = rng.choice([*kinds, "none"])
         plan.append(
@@ -102,9 +112,11 @@ def _close(a: tuple[tuple[int, ...], tuple[float, ...]], b: tuple[tuple[int, ...
 
 
 class Client:
-    """Generates against every server, one request at a time each, until stopped; keeps every answer."""
+    """Generates against every server, one request at a time each with ``gap`` seconds between them (two servers
+    generating without a break would leave a 2-core machine's trainers no CPU), until stopped; keeps every answer."""
 
-    def __init__(self, urls: list[str]) -> None:
+    def __init__(self, urls: list[str], gap: float = 0.3) -> None:
+        self.gap = gap
         self.urls = urls
         self.answers: list[tuple[int, tuple[tuple[int, ...], tuple[float, ...]]]] = []
         self.errors = 0
@@ -126,7 +138,7 @@ class Client:
                 self.answers.append((i, completion(self.urls[i], timeout=120)))
             except Exception:  # aborted, refused or the server is down: allowed; a wrong answer is not
                 self.errors += 1
-                time.sleep(0.2)
+            time.sleep(self.gap)
 
     def resume(self) -> None:
         self._run.set()
@@ -204,9 +216,9 @@ class Soak:
             plan = make_plan(self.seed, rounds, kinds)
         served = [[completion(u)] for u in self.urls]  # each server's outputs, per committed version, initial first
         versions: list[str | None] = [s.version() for s in self.servers]
+        self._fresh_version = versions[0]  # what a freshly started server reports ("default" with vLLM 0.32)
         initial = [served[i][0] for i in range(2)]
         client = Client(self.urls)
-        client.resume()
         left = list(plan)
         try:
             while left:
@@ -253,7 +265,7 @@ class Soak:
             done = [markers / f"round{k}.rank{r}" for r in range(2)]
             stopped: threading.Thread | None = None
             killed = False
-            while not all(p.exists() for p in done):
+            while not all(p.exists() or self._dead(markers, r) for r, p in enumerate(done)):
                 if (markers / f"fault{k}").exists() and not (markers / f"faulted{k}").exists():
                     server = self.servers[fault["server"]]
                     if fault["fault"] == "kill-server":
@@ -279,7 +291,7 @@ class Soak:
             if killed:
                 self.servers[fault["server"]].restart()
                 served[fault["server"]].append(initial[fault["server"]])
-                versions[fault["server"]] = None
+                versions[fault["server"]] = self._fresh_version
             died = [r for r in range(2) if outcomes[r] is None]
             row = self._check(fault, outcomes, died, served, versions, client)
             self.report.rounds.append(row)
@@ -296,6 +308,18 @@ class Soak:
         if job.is_alive() or any(r.returncode != 0 for r in results):
             self.report.problems.append(f"the trainer did not end cleanly\n{describe(results)}")
         return []
+
+    @staticmethod
+    def _dead(markers: Path, rank: int) -> bool:
+        """Whether trainer rank ``rank`` of this launch started and is gone."""
+        pid_file = markers / f"pid.rank{rank}"
+        if not pid_file.exists():
+            return False
+        try:
+            os.kill(json.loads(pid_file.read_text())["pid"], 0)
+        except ProcessLookupError:
+            return True
+        return False
 
     def _check(
         self,

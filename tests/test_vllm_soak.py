@@ -1,6 +1,6 @@
 """The transaction under a soak with random faults, into a fleet of two real vLLM servers (tests/soak.py).
 
-A bounded number of rounds in CI, every fault kind at least once; ``benchmarks/soak.py`` runs as many as you like,
+A bounded number of rounds in CI, every fault kind at least once; ``benchmarks/bench_soak.py`` runs as many as you like,
 with other seeds."""
 
 from __future__ import annotations
@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 from helpers import require, save_for_vllm, vllm_llama
-from soak import FAULTS, Soak
-from vllm_server import Server
+from soak import FAULTS, POINTS, Soak, soak_servers
 
 #: Rounds in CI: each fault kind once, then random ones, the last one plain. ``LORA_STREAM_SOAK_ROUNDS`` overrides.
-ROUNDS = int(os.environ.get("LORA_STREAM_SOAK_ROUNDS", "8"))
+ROUNDS = int(os.environ.get("LORA_STREAM_SOAK_ROUNDS", "9"))
 SEED = int(os.environ.get("LORA_STREAM_SOAK_SEED", "31"))
 
 
@@ -29,7 +28,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 def test_every_round_of_a_soak_with_random_faults_ends_with_every_server_on_its_last_committed_version(
     checkpoint: str, tmp_path: Path
 ) -> None:
-    servers = [Server(checkpoint), Server(checkpoint)]
+    servers = soak_servers(checkpoint)
     try:
         for s in servers:
             s.wait_ready()
@@ -42,3 +41,34 @@ def test_every_round_of_a_soak_with_random_faults_ends_with_every_server_on_its_
     assert {r["fault"] for r in report.rounds} >= set(FAULTS), text
     assert len(report.rounds) == ROUNDS and report.rounds[-1]["committed"], text
     assert report.answers > 0 and report.uncommitted_answers == 0, text
+
+
+def test_a_trainer_rank_dying_or_slower_than_the_wait_at_every_point_leaves_every_server_healed_and_in_sync(
+    checkpoint: str, tmp_path: Path
+) -> None:
+    """Every transaction point, in turn: one rank raises there (the other rank's server, which may hold every chunk
+    by then, is rolled back too), the feeding rank of one server dies there (its server heals itself within its
+    lease, and a restarted trainer's first sync commits), then a rank sleeps there past the agreement's wait (both
+    raise within the deadline)."""
+    plan = []
+    for i, point in enumerate(POINTS):
+        rank = i % 2
+        plan.append({"fault": "raise", "rank": 1 - rank, "point": point, "server": rank})
+        plan.append({"fault": "die", "rank": rank, "point": point, "server": rank})
+        plan.append({"fault": "none", "rank": rank, "point": point, "server": rank})
+        plan.append({"fault": "slow", "rank": 1 - rank, "point": point, "server": rank})
+    plan.append({"fault": "none", "rank": 0, "point": "commit", "server": 0})
+    for k, fault in enumerate(plan):
+        fault["k"] = k
+    servers = soak_servers(checkpoint)
+    try:
+        for s in servers:
+            s.wait_ready()
+        report = Soak(servers, checkpoint, tmp_path, seed=SEED + 1).run(plan=[plan[-1] | {"k": -1}] + plan)
+    finally:
+        for s in servers:
+            s.stop()
+    text = json.dumps(report.as_json(), indent=1)
+    assert not report.problems, text
+    assert report.launches == len(POINTS) + 1, text  # one trainer launch after each death
+    assert report.uncommitted_answers == 0, text

@@ -23,6 +23,7 @@ class Server:
         max_lora_rank: int | None = None,
         port: int | None = None,
         extra: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
         self.port = port or free_port()  # a given port: the same server restarted at the same address
         self.url = f"http://127.0.0.1:{self.port}"
@@ -62,6 +63,7 @@ class Server:
             "VLLM_SERVER_DEV_MODE": "1",
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "TOKENIZERS_PARALLELISM": "false",
+            **(env or {}),
         }
         self.cmd, self.env = cmd, env
         # Its own process group: kill() takes vLLM's engine-core process down with the API server.

@@ -27,6 +27,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+import weakref
 import zlib
 from collections.abc import Sequence
 from enum import IntEnum
@@ -38,28 +39,47 @@ from .errors import StreamAbortedError
 
 __all__ = ["FLAG_CAPACITY", "REASON_BYTES", "Lockstep", "Status", "describe_error", "describe_stops"]
 
-#: Prefix of the keys that settle each exchange's outcome in the group's store (``<prefix>/<digest>/<n>``).
+#: Prefix of the keys that settle each exchange's outcome in the group's store (``<prefix>/<epoch>/<digest>/<n>``:
+#: ``epoch`` numbers the process group objects built on that store, so that a group built again -- torch may give it
+#: the same name and store -- never reads an outcome of the previous one).
 OUTCOME_PREFIX = "lora_stream/lockstep"
 #: How long a rank that timed out waits more for its own ``all_reduce`` once a peer claimed that exchange completed
 #: (every contribution had arrived, so it completes at once unless this process is starved).
-_COMPLETION_GRACE_S = 60.0
+COMPLETION_GRACE_S = 10.0
 
 _sequence_lock = threading.Lock()
-#: Exchanges issued so far per process group: ``{id(group): (group, count)}`` (the group is kept alive with its
-#: count, so that an id is never reused for another group).
-_sequences: dict[int, tuple[object, int]] = {}
+#: Per process group object (held weakly: a destroyed group takes its numbering with it): ``[epoch, exchanges
+#: issued so far]``.
+_sequences: weakref.WeakKeyDictionary[object, list[int]] = weakref.WeakKeyDictionary()
 
 
-def _next_sequence(group: object) -> int:
+def _numbering(group: object, world: int) -> list[int]:
+    entry = _sequences.get(group)
+    if entry is None:
+        # Every rank adds 1 once per group object, before its first exchange on it, which no rank completes without
+        # the others: the k-th group object built on this store gets epoch k on every rank.
+        store = _group_store(group)
+        epoch = 0
+        if store is not None:
+            try:
+                epoch = (int(store.add(f"{OUTCOME_PREFIX}/epochs", 1)) - 1) // world  # type: ignore[attr-defined]
+            except Exception:
+                epoch = 0
+        entry = _sequences[group] = [epoch, 0]
+    return entry
+
+
+def _next_sequence(group: object, world: int) -> tuple[int, int]:
+    """This exchange's ``(epoch, number)`` on ``group``."""
     with _sequence_lock:
-        _, n = _sequences.get(id(group), (group, 0))
-        _sequences[id(group)] = (group, n + 1)
-        return n
+        entry = _numbering(group, world)
+        entry[1] += 1
+        return entry[0], entry[1] - 1
 
 
-def _resync_sequence(group: object, next_n: int) -> None:
+def _resync_sequence(group: object, world: int, next_n: int) -> None:
     with _sequence_lock:
-        _sequences[id(group)] = (group, next_n)
+        _numbering(group, world)[1] = next_n
 
 
 def _group_store(group: object) -> object | None:
@@ -157,7 +177,7 @@ class Lockstep:
             self.closed = True
         w = self.world
         pg = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
-        seq = _next_sequence(pg)
+        epoch, seq = _next_sequence(pg, w)
         buf = torch.zeros(3 * w + w * _REASON_WORDS, dtype=torch.int64, device=self.device)
         buf[self.rank] = int(status)
         buf[w + self.rank] = self.digest
@@ -174,7 +194,7 @@ class Lockstep:
                     packed[i // _FLAG_BITS] |= 1 << (i % _FLAG_BITS)
             start = 3 * w + self.rank * _REASON_WORDS
             buf[start : start + _REASON_WORDS] = torch.tensor(packed, dtype=torch.int64, device=self.device)
-        outcome = _Outcome(pg, self.digest, seq, self.rank)
+        outcome = _Outcome(pg, epoch, self.digest, seq, self.rank)
         failure: BaseException | None = None
         work = None
         try:
@@ -215,7 +235,7 @@ class Lockstep:
         if len(set(sequences)) != 1:
             # Ranks ran different numbers of exchanges on this group: fail here, on every rank alike, and number
             # the next exchange the same everywhere.
-            _resync_sequence(pg, max(sequences) + 1)
+            _resync_sequence(pg, w, max(sequences) + 1)
             self.closed = True
             raise StreamAbortedError(
                 f"rank {self.rank}: ranks reached this status exchange {where} at different points (exchange "
@@ -244,10 +264,10 @@ class _Outcome:
     Without a store (torch does not expose the group's), nothing is settled: an exchange a rank gave up on can then
     still complete on a late peer, as before."""
 
-    def __init__(self, group: object, digest: int, seq: int, rank: int) -> None:
+    def __init__(self, group: object, epoch: int, digest: int, seq: int, rank: int) -> None:
         self.store = _group_store(group)
-        self.key = f"{OUTCOME_PREFIX}/{digest}/{seq}"
-        self.previous = f"{OUTCOME_PREFIX}/{digest}/{seq - 1}" if seq > 0 else None
+        self.key = f"{OUTCOME_PREFIX}/{epoch}/{digest}/{seq}"
+        self.previous = f"{OUTCOME_PREFIX}/{epoch}/{digest}/{seq - 1}" if seq > 0 else None
         self.rank = rank
 
     def _settle(self, value: str) -> str | None:
@@ -280,7 +300,7 @@ def _completes(work: object | None) -> bool:
     """Wait a little more for an ``all_reduce`` a peer found complete; ``False`` if it still does not complete."""
     if work is None:
         return False
-    deadline = time.monotonic() + _COMPLETION_GRACE_S
+    deadline = time.monotonic() + COMPLETION_GRACE_S
     try:
         while not work.is_completed():  # type: ignore[attr-defined]
             if time.monotonic() > deadline:

@@ -23,13 +23,19 @@ land on a server that rolled back. A request of *another* sync while one holds t
 first sync) heals the server first, the same way, then goes through: the next sync's prepare step recovers a server
 that a dead sink left paused or in an open update.
 
+An adapter sync swaps the new adapter in (vLLM's ``/v1/load_lora_adapter``) before the vote; its request names what
+to put back (``X-Lora-Stream-Restore``), and a heal puts it back too.
+
+Only requests to the weight-sync routes (:data:`LEASED_PATHS`) take part; vLLM's public probes never do.
 ``GET /lora_stream/lease`` reports the state (:data:`STATUS_PATH`).
 
 Installed automatically in the API server by lora_stream's vLLM plugin (:func:`lora_stream.vllm_plugin.register`),
 innermost, so that :class:`~lora_stream.vllm_guard.WeightRoutesGuard` and vLLM's own key check run first: an
-unauthenticated request never reaches the lease. It can also be named explicitly:
-``--middleware lora_stream.vllm_lease.UpdateLease`` (it is then not installed twice). One API server process per
-server (vLLM's default); with ``--api-server-count`` above 1 each process would keep a lease of its own.
+unauthenticated request never reaches the lease. It can also be named explicitly,
+``--middleware lora_stream.vllm_lease.UpdateLease`` (it is then not installed twice), but vLLM adds ``--middleware``
+classes outside its own: list it before the guard. A server with several API processes (``--api-server-count``
+above 1, vLLM's default under data parallelism) would keep one lease per process, each seeing part of the requests:
+there the lease only reports, heals nothing, and says so in the log.
 """
 
 from __future__ import annotations
@@ -37,24 +43,49 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from typing import Any
 
 logger = logging.getLogger("lora_stream")
 
-__all__ = ["EXPIRED", "LEASE_HEADER", "STATUS_PATH", "SYNC_HEADER", "UpdateLease"]
+__all__ = ["EXPIRED", "LEASED_PATHS", "LEASE_HEADER", "RESTORE_HEADER", "STATUS_PATH", "SYNC_HEADER", "UpdateLease"]
 
 #: Request headers lora_stream's sink sends on every call of a sync.
 SYNC_HEADER = "x-lora-stream-sync"
 LEASE_HEADER = "x-lora-stream-lease"
-#: The route that reports the lease's state (JSON).
+#: On an adapter sync's ``/v1/load_lora_adapter``: JSON ``{"lora_name", "lora_path"}`` of what a heal puts back
+#: (``lora_path`` ``null``: unload the name).
+RESTORE_HEADER = "x-lora-stream-restore"
+#: The route that reports the lease's state (JSON); with the holder's headers it renews the lease (the heartbeat).
 STATUS_PATH = "/lora_stream/lease"
+#: The routes whose requests take part in the lease (and may heal a server held by another sync).
+LEASED_PATHS = frozenset(
+    {
+        "/pause",
+        "/resume",
+        "/start_weight_update",
+        "/update_weights",
+        "/finish_weight_update",
+        "/reset_prefix_cache",
+        "/init_weight_transfer_engine",
+        "/get_world_size",
+        "/server_info",
+        "/weight_info",
+        "/v1/models",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+    }
+)
 #: The marker in a ``409`` answer to a request of a sync whose lease expired (the server rolled it back).
 EXPIRED = "lora_stream_lease_expired"
 #: The marker in a ``409`` answer while another sync's request is still running on the server.
 BUSY = "lora_stream_lease_busy"
 _WATCH_S = 0.25
 _MAX_EXPIRED = 64
+_MAX_LEASE_S = 24 * 3600.0
+# What vLLM's worker answers when no update session is open (the workers already ended it).
+_NO_SESSION = ("must be called before", "without a matching")
 
 
 class _Lease:
@@ -67,24 +98,30 @@ class _Lease:
         self.inflight = 0
         self.paused = False
         self.session = False
+        #: What a heal puts back of an adapter the sync swapped in: ``{"lora_name", "lora_path"}``, or ``None``.
+        self.restore: dict[str, Any] | None = None
+        #: The holding sync's lease ran out: it is being healed (a step that failed is retried every tick).
+        self.expiring = False
         self.expired: list[str] = []
         self.heals = 0
         self.last_heal: str | None = None
 
     @property
     def holding(self) -> bool:
-        return self.sync is not None and (self.paused or self.session)
+        return self.sync is not None and (self.paused or self.session or self.restore is not None)
 
-    def status(self) -> dict[str, Any]:
+    def status(self, disabled: str | None) -> dict[str, Any]:
         return {
             "sync": self.sync,
             "holding": self.holding,
             "paused": self.paused,
             "session": self.session,
+            "adapter_restore": self.restore is not None,
             "inflight": self.inflight,
             "expires_in": round(self.expires - time.monotonic(), 3) if self.holding else None,
             "heals": self.heals,
             "last_heal": self.last_heal,
+            "disabled": disabled,
         }
 
 
@@ -98,26 +135,28 @@ class UpdateLease:
         self.lease = _Lease()
         self._lock: asyncio.Lock | None = None
         self._watcher: asyncio.Task[None] | None = None
-        self._engine: Any = None
+        self._state: Any = None
+        #: Why this lease heals nothing (several API processes), or ``None``.
+        self.disabled: str | None = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope.get("type") != "http":
             await self.app(scope, receive, send)
             return
+        path = scope.get("path", "")
+        self._bind(scope)
         sync, lease_s = _lease_headers(scope)
-        if scope.get("path") == STATUS_PATH:
-            if sync is not None and sync == self.lease.sync:  # the holder's heartbeat: renew, unless expired
-                self._start(scope)
+        if path == STATUS_PATH:
+            if sync is not None and sync == self.lease.sync and self.disabled is None:  # the holder's heartbeat
                 await self._renew(sync)
-            await _respond(send, 200, self.lease.status())
+            await _respond(send, 200, self.lease.status(self.disabled))
             return
-        if sync is None:
+        if sync is None or path not in LEASED_PATHS or self.disabled is not None:
             await self.app(scope, receive, send)
             return
-        self._start(scope)
-        assert self._lock is not None
+        lock = self._lock_()
         lease = self.lease
-        async with self._lock:
+        async with lock:
             now = time.monotonic()
             if lease.sync == sync and lease.holding and lease.inflight == 0 and now > lease.expires:
                 await self._heal(f"sync {sync}'s lease of {lease.lease_s:g} s expired")
@@ -141,40 +180,36 @@ class UpdateLease:
                     )
                     return
                 await self._heal(f"sync {lease.sync} was superseded by sync {sync}")
+                if lease.holding:  # a step of the heal failed: the old sync still holds the server
+                    await _respond(
+                        send,
+                        409,
+                        {"error": f"lora_stream: healing sync {lease.sync} failed: {lease.last_heal}", "marker": BUSY},
+                    )
+                    return
             lease.sync, lease.lease_s = sync, lease_s
             lease.inflight += 1
             lease.expires = max(lease.expires, now + lease_s)
-        status = [500]
+            self._watch_()
+        answer = {"status": 500, "answered": False}
 
         async def sending(message: Any) -> None:
             if message.get("type") == "http.response.start":
-                status[0] = int(message.get("status", 500))
+                answer["status"] = int(message.get("status", 500))
+                answer["answered"] = True
             await send(message)
 
         try:
             await self.app(scope, receive, sending)
         finally:
-            self._completed(sync, scope.get("path", ""), status[0])
+            self._completed(sync, path, int(answer["status"]), bool(answer["answered"]), _restore_header(scope))
 
-    async def _renew(self, sync: str) -> None:
-        assert self._lock is not None
-        lease = self.lease
-        async with self._lock:
-            if lease.sync != sync or not lease.holding:
-                return
-            now = time.monotonic()
-            if lease.inflight == 0 and now > lease.expires:
-                await self._heal(f"sync {sync}'s lease of {lease.lease_s:g} s expired")
-            else:
-                lease.expires = max(lease.expires, now + lease.lease_s)
-
-    def _completed(self, sync: str, path: str, status: int) -> None:
+    def _completed(self, sync: str, path: str, status: int, answered: bool, restore: dict[str, Any] | None) -> None:
         lease = self.lease
         lease.inflight -= 1
         if lease.sync != sync:
             return  # healed and superseded meanwhile
-        ok = 200 <= status < 300
-        if ok:
+        if 200 <= status < 300:
             lease.expires = max(lease.expires, time.monotonic() + lease.lease_s)
             if path == "/pause":
                 lease.paused = True
@@ -183,81 +218,183 @@ class UpdateLease:
             elif path == "/start_weight_update":
                 lease.session = True
             elif path == "/finish_weight_update":
+                # The update is decided: committed, or rolled back after the sync put its adapter back itself.
                 lease.session = False
-        elif path == "/update_weights":
-            lease.session = False  # vLLM's worker ends the session when an update raises
+                lease.restore = None
+            elif path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+                # The sync swapped its adapter in (and said what to put back), or put the previous one back itself.
+                lease.restore = restore
+        elif path == "/update_weights" and answered and status >= 500:
+            lease.session = False  # the workers raised: vLLM's worker ends the session when an update fails
         if not lease.holding and lease.inflight == 0:
             lease.sync = None
 
-    def _start(self, scope: Any) -> None:
+    def _bind(self, scope: Any) -> None:
+        if self._state is not None:
+            return
+        app = scope.get("app")
+        if app is None:
+            return
+        self._state = app.state
+        args = getattr(app.state, "args", None)
+        count = getattr(args, "api_server_count", None) or 1
+        if count > 1:
+            self.disabled = f"{count} API server processes, one lease each"
+            logger.warning(
+                "lora_stream: this vLLM server runs %d API processes; the weight-update lease would keep one per "
+                "process and heals nothing: a server whose trainer vanishes stays paused or in its update",
+                count,
+            )
+
+    def _lock_(self) -> asyncio.Lock:
         if self._lock is None:
             self._lock = asyncio.Lock()
-        app = scope.get("app")
-        if self._engine is None and app is not None:
-            self._engine = getattr(app.state, "engine_client", None)
+        return self._lock
+
+    def _watch_(self) -> None:
         if self._watcher is None or self._watcher.done():
             self._watcher = asyncio.get_running_loop().create_task(self._watch())
 
+    async def _renew(self, sync: str) -> None:
+        lease = self.lease
+        async with self._lock_():
+            if lease.sync != sync or not lease.holding:
+                return
+            now = time.monotonic()
+            if lease.inflight == 0 and now > lease.expires:
+                await self._heal(f"sync {sync}'s lease of {lease.lease_s:g} s expired")
+            else:
+                lease.expires = max(lease.expires, now + lease.lease_s)
+
     async def _watch(self) -> None:
-        """Heal once the holding sync's lease ran out with nothing in flight; stop once nothing is held."""
-        assert self._lock is not None
+        """Heal once the holding sync's lease ran out with nothing in flight (retrying a heal that did not finish);
+        stop once nothing is held."""
+        lease = self.lease
         while True:
             await asyncio.sleep(_WATCH_S)
-            lease = self.lease
             if lease.sync is None:
                 return
             if lease.holding and lease.inflight == 0 and time.monotonic() > lease.expires:
-                async with self._lock:
+                async with self._lock_():
                     if lease.holding and lease.inflight == 0 and time.monotonic() > lease.expires:
                         await self._heal(f"sync {lease.sync}'s lease of {lease.lease_s:g} s expired")
 
     async def _heal(self, why: str) -> None:
-        """Roll the holding sync's update back, end vLLM's session, resume generation; mark the sync expired."""
+        # Shielded: a heal cut off half-way (the request that triggered it was cancelled) would leave the flags
+        # saying what is no longer true.
+        await asyncio.shield(self._heal_steps(why))
+
+    async def _heal_steps(self, why: str) -> None:
+        """Roll the holding sync's update back, end vLLM's session, put its adapter back, resume generation. Each
+        state is cleared only once its step succeeded; what failed is retried at the next tick. The sync is expired
+        from the first attempt on: none of its requests is taken any more."""
         lease = self.lease
-        engine = self._engine
+        state = self._state
+        engine = getattr(state, "engine_client", None)
         steps: list[str] = []
+        if lease.sync is not None and lease.sync not in lease.expired:
+            lease.expired = [*lease.expired, lease.sync][-_MAX_EXPIRED:]
+        lease.expiring = True
         if engine is not None and lease.session:
             from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
+            rolled_back = False
             try:
                 await engine.update_weights(request=WeightTransferUpdateRequest(update_info={"command": "rollback"}))
+                rolled_back = True
                 steps.append("rolled back")
-            except Exception as exc:  # the workers already ended the session (a failed update rolls back itself)
-                steps.append(f"rollback: {type(exc).__name__}")
-            try:
-                await engine.finish_weight_update(None)
-                steps.append("session ended")
             except Exception as exc:
-                steps.append(f"finish: {type(exc).__name__}")
+                if any(m in str(exc) for m in _NO_SESSION):
+                    lease.session = False  # the workers already ended it (a failed update rolls back itself)
+                    steps.append("no update open")
+                else:
+                    steps.append(f"rollback failed ({type(exc).__name__}: {str(exc)[:200]})")
+            if rolled_back:  # never finish an update that was not rolled back: finishing keeps what it loaded
+                try:
+                    await engine.finish_weight_update(None)
+                    lease.session = False
+                    steps.append("session ended")
+                except Exception as exc:
+                    if any(m in str(exc) for m in _NO_SESSION):
+                        lease.session = False
+                    else:
+                        steps.append(f"finish failed ({type(exc).__name__}: {str(exc)[:200]})")
+        if lease.restore is not None and state is not None:
+            if await _restore_adapter(state, lease.restore, steps):
+                lease.restore = None
         if engine is not None and lease.paused:
             try:
                 await engine.resume_generation()
+                lease.paused = False
                 steps.append("resumed")
             except Exception as exc:
-                steps.append(f"resume failed: {type(exc).__name__}: {exc}")
-        if lease.sync is not None:
-            lease.expired = [*lease.expired, lease.sync][-_MAX_EXPIRED:]
-        lease.heals += 1
+                steps.append(f"resume failed ({type(exc).__name__}: {str(exc)[:200]})")
         lease.last_heal = f"{why}: {', '.join(steps) or 'nothing held'}"
-        logger.warning("lora_stream: healed the server: %s", lease.last_heal)
-        lease.sync, lease.paused, lease.session = None, False, False
+        if not lease.holding:
+            lease.heals += 1
+            lease.sync, lease.expiring = None, False
+            logger.warning("lora_stream: healed the server: %s", lease.last_heal)
+        else:
+            logger.warning("lora_stream: healing the server is not done, retrying: %s", lease.last_heal)
+
+
+async def _restore_adapter(state: Any, restore: dict[str, Any], steps: list[str]) -> bool:
+    """Put back the adapter a sync swapped in: the previous version under its name, or no adapter of that name."""
+    handler = getattr(state, "openai_serving_models", None)
+    if handler is None:
+        steps.append("adapter: no LoRA serving")
+        return True
+    try:
+        from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+
+        name, path = str(restore["lora_name"]), restore.get("lora_path")
+        if path:
+            out = await handler.load_lora_adapter(
+                LoadLoRAAdapterRequest(lora_name=name, lora_path=path, load_inplace=True)
+            )
+        else:
+            out = await handler.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=name))
+    except Exception as exc:
+        steps.append(f"adapter restore failed ({type(exc).__name__}: {str(exc)[:200]})")
+        return False
+    if not isinstance(out, str) and getattr(out, "error", None) is not None:
+        steps.append(f"adapter restore failed ({str(out.error)[:200]})")
+        return False
+    steps.append("adapter put back" if path else "adapter unloaded")
+    return True
+
+
+def _header(scope: Any, name: str) -> str | None:
+    key = name.encode()
+    for k, value in scope.get("headers", ()):
+        if k.lower() == key:
+            return str(value.decode("latin-1"))
+    return None
 
 
 def _lease_headers(scope: Any) -> tuple[str | None, float]:
-    sync: str | None = None
-    lease_s = 0.0
-    for name, value in scope.get("headers", ()):
-        key = name.lower()
-        if key == SYNC_HEADER.encode():
-            sync = value.decode("latin-1")[:128]
-        elif key == LEASE_HEADER.encode():
-            try:
-                lease_s = max(1.0, float(value.decode("latin-1")))
-            except ValueError:
-                lease_s = 0.0
-    if sync is None or lease_s <= 0:
+    sync = _header(scope, SYNC_HEADER)
+    raw = _header(scope, LEASE_HEADER)
+    if sync is None or raw is None:
         return None, 0.0
-    return sync, lease_s
+    try:
+        lease_s = float(raw)
+    except ValueError:
+        return None, 0.0
+    if not math.isfinite(lease_s) or lease_s <= 0:
+        return None, 0.0
+    return sync[:128], min(max(1.0, lease_s), _MAX_LEASE_S)
+
+
+def _restore_header(scope: Any) -> dict[str, Any] | None:
+    raw = _header(scope, RESTORE_HEADER)
+    if raw is None:
+        return None
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) and "lora_name" in data else None
 
 
 async def _respond(send: Any, status: int, body: dict[str, Any]) -> None:

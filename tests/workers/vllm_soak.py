@@ -97,6 +97,7 @@ def main() -> None:
     t = plan["timeouts"]
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
+    signal(f"pid.rank{rank}", {"pid": os.getpid()})
     pm = lora(AutoModelForCausalLM.from_pretrained(ckpt), target_modules="all-linear", lora_alpha=16, seed=plan["seed"])
     template = copy.deepcopy(pm)
     opt = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=0.5)

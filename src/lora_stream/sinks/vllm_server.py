@@ -32,7 +32,7 @@ from typing import Any
 from ..adapter import ADAPTER_PREFIX, AdapterStream
 from ..coordination import this_rank
 from ..errors import LoraStreamError, ReplicaError, ReplicaExcludedWarning, TransferError
-from ..lockstep import describe_error
+from ..lockstep import COMPLETION_GRACE_S, describe_error
 from ..stream import ParamStream
 from ..transaction import LOST_WAIT_S, Transaction, agreement_wait, fault_point
 from .adapter_loader import AdapterLoadError, adapter_path
@@ -96,13 +96,15 @@ class VLLMServerClient:
     def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 120.0) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
+        api_key = api_key.strip() if api_key else api_key  # a key read from a file keeps its newline
+        self._secret = api_key or None
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         #: ``(sync id, seconds)`` while a sink's sync holds this server: sent with every request, it is the sync's
         #: lease on the server (:mod:`lora_stream.vllm_lease`).
         self.lease: tuple[str, float] | None = None
-        #: A monotonic time no call may wait past (the sink's budget for this server until its next agreement), or
-        #: ``None``.
-        self.budget_until: float | None = None
+        #: Seconds this server's calls may still wait until the sink's next agreement (each call's time is taken
+        #: from it; local work between calls is not), or ``None``: no budget.
+        self.budget_s: float | None = None
         #: The server did not answer within its timeout or budget, or could not be reached, earlier in this sync:
         #: it is not called again until the sink resets this at its next sync.
         self.unresponsive = False
@@ -110,9 +112,19 @@ class VLLMServerClient:
     def remaining(self, timeout: float | None = None) -> float:
         """Seconds the next call may wait: ``timeout`` (or this client's), cut to the budget."""
         wait = timeout or self.timeout
-        if self.budget_until is not None:
-            wait = min(wait, self.budget_until - time.monotonic())
+        if self.budget_s is not None:
+            wait = min(wait, self.budget_s)
         return wait
+
+    def _redact(self, what: object) -> str:
+        """``what`` as text, with the API key replaced: no error, log or reason sent to the peers carries it."""
+        text = str(what)
+        return text.replace(self._secret, "<api key>") if self._secret else text
+
+    def spend(self, seconds: float) -> None:
+        """Take ``seconds`` spent waiting on this server from its budget."""
+        if self.budget_s is not None:
+            self.budget_s -= seconds
 
     def __repr__(self) -> str:  # never the headers: they hold the API key
         return f"VLLMServerClient({self.base_url!r}, timeout={self.timeout})"
@@ -125,6 +137,7 @@ class VLLMServerClient:
         timeout: float | None = None,
         *,
         budgeted: bool = True,
+        headers: dict[str, str] | None = None,
     ) -> Any:
         import requests
 
@@ -140,24 +153,26 @@ class VLLMServerClient:
             raise error
         wait = self.remaining(timeout) if budgeted else (timeout or self.timeout)
         if wait <= 0:
-            self.unresponsive = True
             error = ServerError(
                 f"vLLM server at {self.base_url}: no time left for {method} /{path} before the sync's next agreement"
             )
-            error.unresponsive = True
-            raise error
-        headers = dict(self.headers)
+            raise error  # the server may be fine: a later step with a budget of its own still calls it
+        headers = {**self.headers, **(headers or {})}
         if self.lease is not None:
             headers[SYNC_HEADER] = self.lease[0]
             headers[LEASE_HEADER] = f"{self.lease[1]:.3f}"
+        began = time.monotonic()
         try:
             response = requests.request(method, url, json=json, headers=headers, timeout=wait)
         except requests.RequestException as exc:
-            error = ServerError(f"vLLM server at {self.base_url} unreachable on {method} /{path}: {exc}")
+            error = ServerError(f"vLLM server at {self.base_url} unreachable on {method} /{path}: {self._redact(exc)}")
             error.unresponsive = isinstance(exc, (requests.Timeout, requests.ConnectionError))
             if error.unresponsive and self.lease is not None:
                 self.unresponsive = True  # within a sync: leave it to its lease from here on
             raise error from exc
+        finally:
+            if budgeted:
+                self.spend(time.monotonic() - began)
         if response.status_code == 409 and EXPIRED in response.text:
             raise LeaseExpiredError(f"vLLM server at {self.base_url} on {method} /{path}: {response.text[:300]}")
         if response.status_code == 409 and BUSY in response.text:
@@ -256,12 +271,28 @@ class VLLMServerClient:
     def unload_lora_adapter(self, name: str) -> None:
         self._request("POST", "v1/unload_lora_adapter", {"lora_name": name})
 
-    def load_lora_adapter(self, name: str, path: str) -> None:
+    def load_lora_adapter(self, name: str, path: str, *, restore: str | bool | None = False) -> None:
         """``POST /v1/load_lora_adapter`` in place: vLLM builds the adapter staged under ``path``, checks it, and
         only then replaces the version it serves under ``name`` (same adapter id). Needs the server's
-        ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``."""
+        ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``.
+
+        ``restore``: what the server's lease puts back if the sync's trainer vanishes before deciding (the previous
+        version's staged path, or ``None``: unload ``name``); ``False`` (a swap back to the previous version
+        itself): nothing."""
+        extra = None
+        if restore is not False:  # tell the server's lease what to put back if this sync's trainer vanishes
+            import json
+
+            from ..vllm_lease import RESTORE_HEADER
+
+            extra = {RESTORE_HEADER: json.dumps({"lora_name": name, "lora_path": restore})}
         try:
-            self._request("POST", "v1/load_lora_adapter", {"lora_name": name, "lora_path": path, "load_inplace": True})
+            self._request(
+                "POST",
+                "v1/load_lora_adapter",
+                {"lora_name": name, "lora_path": path, "load_inplace": True},
+                headers=extra,
+            )
         except ServerError as exc:
             if " 404 " in str(exc) or "Not Found" in str(exc):
                 raise ServerError(
@@ -357,6 +388,8 @@ class _Replica:
         self.failure: BaseException | None = None
         #: It was excluded from the previous sync: the next one readmits it with the full current weights.
         self.was_excluded = False
+        #: Whether the server was asked once whether it keeps lora_stream's lease.
+        self.lease_checked = False
 
 
 def is_replica_failure(error: BaseException) -> bool:
@@ -431,9 +464,9 @@ class VLLMServerSink:
 
     **Timeouts and the deadline.** Every rank waits for the others at each agreement :meth:`wait_s` at most (the
     stream's ``timeout``, raised to cover what a feeding rank may spend between two agreements); each server gets
-    at most ``timeout + prefix_cache_timeout`` of calls between two agreements, then it counts as unresponsive and
-    is left to its lease. So once a sync stops making progress, every rank returns or raises within
-    :meth:`deadline_s`.
+    at most ``timeout + prefix_cache_timeout`` seconds of calls between two agreements, and a server that does not
+    answer within ``timeout`` is not called again in that sync: it is left to its lease. So once a sync stops
+    making progress, every rank returns or raises within :meth:`deadline_s`.
     """
 
     def __init__(
@@ -537,23 +570,28 @@ class VLLMServerSink:
     def wait_s(self, stream: ParamStream) -> float:
         """Seconds every trainer rank waits for the others at each agreement of a sync, the stream's exchanges
         included: the stream's ``timeout``, or more when a feeding rank's own steps between two agreements may take
-        longer. Each server a rank feeds gets at most ``timeout + prefix_cache_timeout`` of calls between two
-        agreements (then it counts as unresponsive and is left to its lease), so a feeding rank is back at the next
-        agreement within ``servers it feeds x (timeout + prefix_cache_timeout)`` plus a margin, and no rank gives up
-        on one that is still within its bounds. The same on every rank."""
+        longer. Each server a rank feeds gets at most ``timeout + prefix_cache_timeout`` seconds of calls between
+        two agreements, plus, after the pass, one ``timeout`` for its update's answer; so a feeding rank is back at
+        the next agreement within ``servers it feeds x (2 x timeout + prefix_cache_timeout)`` plus a margin (10 s),
+        and no rank gives up on one that is still within its bounds. The same on every rank."""
         world = _world_size()
         fed = -(-len(self.replicas) // world) if self.spread else len(self.replicas)
-        steps = fed * (self.timeout + self.prefix_cache_timeout) + _MARGIN_S
+        # Per server between two agreements: its budget of calls, and (after the pass) the wait for its update's
+        # answer, which the data plane's timeout bounds.
+        steps = fed * (2 * self.timeout + self.prefix_cache_timeout) + _MARGIN_S
         return max(stream.timeout.total_seconds(), steps)
 
     def deadline_s(self, stream: ParamStream) -> float:
         """The longest any rank can take, once a sync stops making progress (a rank, a server or the network
         stalled), to return or raise: one :meth:`wait_s` at the agreement that finds it, plus the wind-down -- the
-        remaining agreements (:data:`~lora_stream.transaction.LOST_WAIT_S` each once a peer is lost) and, on a
-        feeding rank, one ``timeout + prefix_cache_timeout`` budget per server it rolls back and resumes."""
+        remaining agreements (:data:`~lora_stream.transaction.LOST_WAIT_S` each once a peer is lost, and at most
+        :data:`~lora_stream.lockstep.COMPLETION_GRACE_S` for an exchange a peer completed just as this rank gave up)
+        and, on a feeding rank, the budgets of rolling back (``timeout + prefix_cache_timeout``) and resuming
+        (``timeout``) each server it feeds."""
         world = _world_size()
         fed = -(-len(self.replicas) // world) if self.spread else len(self.replicas)
-        return self.wait_s(stream) + fed * (self.timeout + self.prefix_cache_timeout) + 4 * LOST_WAIT_S + _MARGIN_S
+        wind_down = fed * (2 * self.timeout + self.prefix_cache_timeout)  # each server's abort and resume budgets
+        return self.wait_s(stream) + wind_down + 4 * LOST_WAIT_S + COMPLETION_GRACE_S + _MARGIN_S
 
     def _sync(self, stream: ParamStream, version: str | None) -> SyncRecord:
         start = time.perf_counter()
@@ -564,6 +602,8 @@ class VLLMServerSink:
             r.was_excluded, r.failure, r.state = r.failure is not None, None, _ServerUpdate()
             r.client.lease = (sync_id, self.lease)
             r.client.unresponsive = False
+            if r.engine is not None:  # where the previous sync's transfer stood is not this one's
+                r.engine.started, r.engine.pending, r.engine.stalled = False, None, False
         tx = Transaction.for_stream(stream, self.name)
         keeper = _LeaseKeeper(mine, self.lease)
         try:
@@ -572,13 +612,12 @@ class VLLMServerSink:
             keeper.stop()
             for r in mine:
                 r.client.lease = None
-                r.client.budget_until = None
+                r.client.budget_s = None
 
     def _phase(self, mine: list[_Replica]) -> None:
         """A new stretch between two agreements: every server this rank feeds gets a fresh budget of calls."""
-        until = time.monotonic() + self.timeout + self.prefix_cache_timeout
         for r in mine:
-            r.client.budget_until = until
+            r.client.budget_s = self.timeout + self.prefix_cache_timeout
 
     def _transact(
         self,
@@ -616,8 +655,14 @@ class VLLMServerSink:
                 try:
                     from ..transfer.gloo_trainer import send_to_engines
 
-                    on_failure = self._drop_in_transfer if self.on_replica_failure == "exclude" else None
-                    send_to_engines([r.engine for r in self._live(mine)], source, on_failure=on_failure)
+                    sending = self._live(mine)
+                    # send_to_engines names a failed engine by its position in the list it was given.
+                    on_failure = (
+                        (lambda i, e: self._drop_in_transfer(sending[i].index, e))
+                        if self.on_replica_failure == "exclude"
+                        else None
+                    )
+                    send_to_engines([r.engine for r in sending], source, on_failure=on_failure)
                 except BaseException as exc:
                     # Every worker that received data must hear the outcome: one still waiting for chunks fails
                     # when its data plane closes (and rolls back itself, ending vLLM's session); one that loaded
@@ -752,14 +797,17 @@ class VLLMServerSink:
             replica.client.unresponsive = True  # a chunk it never took: left to its lease
             state.session = True
             return
+        began = time.monotonic()
         try:
-            pending.result(timeout=replica.client.remaining())
+            pending.result(timeout=max(0.0, replica.client.remaining()))
             state.session = True  # loaded, and waiting for the decision
         except concurrent.futures.TimeoutError:
             replica.client.unresponsive = True
             state.session = True
         except BaseException:
             state.session = False  # the update failed: the workers rolled it back and vLLM ended the session
+        finally:
+            replica.client.spend(time.monotonic() - began)
 
     def _pause(self, replica: _Replica) -> None:
         if self.pause is not None:
@@ -772,9 +820,10 @@ class VLLMServerSink:
     def _load_adapter(self, replica: _Replica, path: str) -> None:
         replica.state.adapter_loaded = True
         replica.state.adapter_path = path
-        replica.client.load_lora_adapter(self.lora_name, path)
+        replica.client.load_lora_adapter(self.lora_name, path, restore=replica.serving_path)
 
     def _commit(self, replica: _Replica, version: str | None, adapter: dict[str, Any] | None) -> None:
+        replica.state.version = version
         replica.client.update_weights({"command": "commit"})
         replica.state.committed = True
         replica.client.finish_weight_update(version)
@@ -802,8 +851,12 @@ class VLLMServerSink:
         the prefix cache reset. A server that stopped answering is left to its lease, which does the same."""
         state = replica.state
         client = replica.client
+        client.budget_s = self.timeout + self.prefix_cache_timeout  # the abort's own budget, whatever came before
         try:
             if state.committed:
+                if state.session and not client.unresponsive:  # committed, but finishing failed: end the session
+                    client.finish_weight_update(state.version)
+                    state.session = False
                 return
             if replica.engine is not None and not state.loaded:
                 self._settle_transfer(replica)  # the pass failed before this server's transfer ended
@@ -846,7 +899,7 @@ class VLLMServerSink:
                     failures.append(f"{r.url} stopped answering before generation could be resumed")
                 continue
             try:
-                r.client.budget_until = time.monotonic() + self.timeout  # its own budget, whatever came before
+                r.client.budget_s = self.timeout  # its own budget, whatever came before
                 r.client.resume()
                 r.state.paused = False
             except LeaseExpiredError:
@@ -927,6 +980,18 @@ class VLLMServerSink:
 
     def _preflight(self, stream: ParamStream, replica: _Replica) -> dict[str, str]:
         models = replica.client.check_access()
+        if not replica.lease_checked:
+            status = replica.client.lease_status()
+            replica.lease_checked = True
+            if status is None or status.get("disabled"):
+                why = "it runs without it" if status is None else str(status["disabled"])
+                warnings.warn(
+                    f"lora_stream: the vLLM server at {replica.url} keeps no weight-update lease ({why}): if this "
+                    "trainer vanishes mid-sync, that server stays paused or in its update until someone resumes it "
+                    "(install lora_stream in the server's environment; see docs/guarantees.md)",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
         if isinstance(stream, AdapterStream):
             validate_adapter(stream, replica.client.max_lora_rank(), f"the server at {replica.url}")
             if self.checkpoint is not False:
@@ -982,6 +1047,7 @@ class _ServerUpdate:
         self.adapter_path: str | None = None
         self.loaded = False  # every chunk reached the workers, which loaded and checked it
         self.committed = False
+        self.version: str | None = None
 
 
 class _LeaseKeeper:
@@ -1003,8 +1069,8 @@ class _LeaseKeeper:
     def _run(self) -> None:
         while not self._stop.wait(self.period):
             for r in self.mine:
-                if r.client.unresponsive:
-                    continue
+                if r.client.unresponsive or r.failure is not None:
+                    continue  # left to its lease, or excluded: it must heal, not be held
                 try:
                     r.client.heartbeat(timeout=self.period)
                 except Exception:  # the sync's own calls find out what is wrong with the server

