@@ -64,7 +64,7 @@ def test_a_trainer_rank_dying_or_slower_than_the_wait_at_every_point_leaves_ever
     try:
         for s in servers:
             s.wait_ready()
-        report = Soak(servers, checkpoint, tmp_path, seed=SEED + 1).run(plan=[plan[-1] | {"k": -1}] + plan)
+        report = Soak(servers, checkpoint, tmp_path, seed=SEED + 1).run(plan=[plan[-1] | {"k": -1}, *plan])
     finally:
         for s in servers:
             s.stop()

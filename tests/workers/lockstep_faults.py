@@ -102,7 +102,7 @@ def scenario_fleet() -> None:
         if r.index % 3 != 2:  # two thirds of each rank's servers failed, with long reasons
             r.failure = RuntimeError(f"server {r.index} failed: " + "y" * 400)
     tx = Transaction(Coordinator(None, "fleet", datetime.timedelta(seconds=30)), "fleet")
-    excluded, readmitted = sink._agree_on_fleet(tx, mine)
+    excluded, _ = sink._agree_on_fleet(tx, mine)
     tx.vote("after the fleet")  # one more agreement: it must pair
     report(
         rank=rank,
