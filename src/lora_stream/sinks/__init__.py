@@ -24,7 +24,7 @@ from .reload import LoadReport, ReloadBracket, VLLMLoadError
 from .source import SyncSource
 from .vllm_colocated import WORKER_EXTENSION, VLLMColocatedSink
 from .vllm_lora import VLLMLoRASink
-from .vllm_server import ServerError, VLLMServerClient, VLLMServerSink
+from .vllm_server import LeaseExpiredError, ServerError, VLLMServerClient, VLLMServerSink
 
 __all__ = [
     "WORKER_EXTENSION",
@@ -36,6 +36,7 @@ __all__ = [
     "LoadReport",
     "ReloadBracket",
     "SafetensorsSink",
+    "LeaseExpiredError",
     "ServerError",
     "Sink",
     "SyncRecord",
