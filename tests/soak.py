@@ -122,7 +122,7 @@ class Client:
         self.errors = 0
         self._run = threading.Event()
         self._quit = threading.Event()
-        self._idle = [threading.Event() for _ in urls]
+        self._idle = [threading.Event() for _ in urls]  # no urls: a client that sends nothing
         self._threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(len(urls))]
         for t in self._threads:
             t.start()
@@ -210,15 +210,17 @@ class Soak:
         kinds: tuple[str, ...] = FAULTS,
         log: Any = None,
         plan: list[dict[str, Any]] | None = None,
+        client: bool = True,
     ) -> SoakReport:
-        """``rounds`` random rounds of ``kinds`` (:func:`make_plan`), or exactly ``plan``."""
+        """``rounds`` random rounds of ``kinds`` (:func:`make_plan`), or exactly ``plan``; ``client=False``: no
+        client generating meanwhile (the servers' state is still checked after every round)."""
         if plan is None:
             plan = make_plan(self.seed, rounds, kinds)
         served = [[completion(u)] for u in self.urls]  # each server's outputs, per committed version, initial first
         versions: list[str | None] = [s.version() for s in self.servers]
         self._fresh_version = versions[0]  # what a freshly started server reports ("default" with vLLM 0.32)
         initial = [served[i][0] for i in range(2)]
-        client = Client(self.urls)
+        client = Client(self.urls if client else [])
         left = list(plan)
         try:
             while left:

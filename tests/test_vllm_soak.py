@@ -16,6 +16,8 @@ from soak import FAULTS, POINTS, Soak, soak_servers
 #: Rounds in CI: each fault kind once, then random ones, the last one plain. ``LORA_STREAM_SOAK_ROUNDS`` overrides.
 ROUNDS = int(os.environ.get("LORA_STREAM_SOAK_ROUNDS", "9"))
 SEED = int(os.environ.get("LORA_STREAM_SOAK_SEED", "31"))
+#: The every-point test's timeouts: an agreement waits 24 s (2 x 6 + 2 + 10), a slow rank sleeps 28 s.
+SHORT = {"stream": 10.0, "sink": 6.0, "prefix_cache": 2.0, "lease": 6.0}
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,8 @@ def test_every_round_of_a_soak_with_random_faults_ends_with_every_server_on_its_
 def test_a_trainer_rank_dying_or_slower_than_the_wait_at_every_point_leaves_every_server_healed_and_in_sync(
     checkpoint: str, tmp_path: Path
 ) -> None:
-    """Every transaction point, in turn: one rank raises there (the other rank's server, which may hold every chunk
+    """Every transaction point, in turn (no client, shorter timeouts: this test is about the servers' state, which
+    is checked after every round): one rank raises there (the other rank's server, which may hold every chunk
     by then, is rolled back too), the feeding rank of one server dies there (its server heals itself within its
     lease, and a restarted trainer's first sync commits), then a rank sleeps there past the agreement's wait (both
     raise within the deadline)."""
@@ -64,11 +67,11 @@ def test_a_trainer_rank_dying_or_slower_than_the_wait_at_every_point_leaves_ever
     try:
         for s in servers:
             s.wait_ready()
-        report = Soak(servers, checkpoint, tmp_path, seed=SEED + 1).run(plan=[plan[-1] | {"k": -1}, *plan])
+        soak = Soak(servers, checkpoint, tmp_path, seed=SEED + 1, timeouts=SHORT)
+        report = soak.run(plan=[plan[-1] | {"k": -1}, *plan], client=False)
     finally:
         for s in servers:
             s.stop()
     text = json.dumps(report.as_json(), indent=1)
     assert not report.problems, text
     assert report.launches == len(POINTS) + 1, text  # one trainer launch after each death
-    assert report.uncommitted_answers == 0, text

@@ -107,6 +107,7 @@ class Server:
     def restart(self) -> Server:
         """Start the same server again, at the same address, after :meth:`kill` or :meth:`stop`."""
         self.stop()
+        self.log = tempfile.TemporaryFile("w+")  # the new process's output alone, for a failure's message
         self.proc = subprocess.Popen(
             self.cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
         )
