@@ -46,6 +46,21 @@ def report_aborted(exc: Any, start: float) -> None:
     finish(3)
 
 
+def count_exchanges() -> list[int]:
+    """Count this process's status exchanges (the stream's and the sink's agreements): ``[n]``, updated in place."""
+    from lora_stream.lockstep import Lockstep
+
+    count = [0]
+    statuses = Lockstep.statuses
+
+    def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        count[0] += 1
+        return statuses(self, *args, **kwargs)
+
+    Lockstep.statuses = counted  # type: ignore[method-assign]
+    return count
+
+
 def report(**fields: Any) -> None:
     """A test worker's result, as one ``RESULT {json}`` line that the test parses (see :func:`results_of`)."""
     import json

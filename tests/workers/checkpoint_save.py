@@ -23,10 +23,19 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from helpers import assert_matches, finish, lora, oracle, report, tiny_llama, zero3_engine, zero3_whole_into
+from helpers import (
+    assert_matches,
+    count_exchanges,
+    finish,
+    lora,
+    oracle,
+    report,
+    tiny_llama,
+    zero3_engine,
+    zero3_whole_into,
+)
 
 from lora_stream import LoraStreamError, ParamStream, SafetensorsSink, StreamAbortedError
-from lora_stream.lockstep import Lockstep
 from lora_stream.sinks.checkpoint import NO_RENAME_EXCHANGE_ENV
 from lora_stream.transaction import set_fault_hook
 
@@ -120,19 +129,6 @@ FAULTS = [
     ("synced", 0, "publish"),
     ("renamed", 0, "publish"),
 ]
-
-
-def count_exchanges() -> list[int]:
-    """Count this process's status exchanges (the stream's and the sink's agreements): ``[n]``, updated in place."""
-    count = [0]
-    statuses = Lockstep.statuses
-
-    def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        count[0] += 1
-        return statuses(self, *args, **kwargs)
-
-    Lockstep.statuses = counted  # type: ignore[method-assign]
-    return count
 
 
 def faults(how: str, out: Path) -> None:

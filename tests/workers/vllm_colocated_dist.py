@@ -31,6 +31,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from helpers import (  # noqa: E402
     assert_vllm_serves,
+    count_exchanges,
     lora,
     oracle,
     report,
@@ -151,21 +152,6 @@ POINTS = ("prepare", "group:1", "reload-check", "verify", "prefix-cache", "commi
 #: Before and in the pass: "snapshot" is the engine's snapshot, when the sync begins the reload (rank 1's pass has
 #: not started, rank 0's has: rank 0 learns of the failure in its first group's exchange).
 EARLY = ("prepare", "snapshot", "group:0", "group:1")
-
-
-def count_exchanges() -> list[int]:
-    """Count this process's status exchanges (the stream's and the sink's agreements): ``[n]``, updated in place."""
-    from lora_stream.lockstep import Lockstep
-
-    count = [0]
-    statuses = Lockstep.statuses
-
-    def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        count[0] += 1
-        return statuses(self, *args, **kwargs)
-
-    Lockstep.statuses = counted  # type: ignore[method-assign]
-    return count
 
 
 def faults(rank: int, engine, sink, llm, step, expected, points) -> None:  # type: ignore[no-untyped-def]

@@ -28,17 +28,12 @@ import time
 import deepspeed
 import torch
 import torch.distributed as dist
-from helpers import assert_vllm_serves, finish, lora, server_generate, zero3_whole_into
+from helpers import ZERO3_CONFIG, assert_vllm_serves, finish, lora, server_generate, zero3_whole_into
 
 from lora_stream import ParamStream, VLLMServerSink
 from lora_stream.transaction import set_fault_hook
 
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-DS = {
-    "train_micro_batch_size_per_gpu": 1,
-    "zero_allow_untested_optimizer": True,
-    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-}
 IDS = torch.tensor([[1, 17, 42, 99, 5, 7, 300]])
 MARKERS = ""
 
@@ -101,7 +96,7 @@ def main() -> None:
     pm = lora(AutoModelForCausalLM.from_pretrained(ckpt), target_modules="all-linear", lora_alpha=16, seed=plan["seed"])
     template = copy.deepcopy(pm)
     opt = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=0.5)
-    engine, *_ = deepspeed.initialize(model=pm, optimizer=opt, config=DS)
+    engine, *_ = deepspeed.initialize(model=pm, optimizer=opt, config=ZERO3_CONFIG)
     sink = VLLMServerSink(
         urls,
         rank=rank,
