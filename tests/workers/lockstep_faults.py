@@ -47,7 +47,8 @@ def scenario_late() -> None:
             lost=exc.lost,
             seconds=time.monotonic() - start,
         )
-    statuses, _ = lock().statuses(Status.OK, "third")
+    # Rank 0 is here while rank 1 still sleeps: wait long enough for it.
+    statuses, _ = Lockstep(None, "late", datetime.timedelta(seconds=60)).statuses(Status.OK, "third")
     report(rank=rank, event="third", outcome="ok", statuses=statuses)
 
 
