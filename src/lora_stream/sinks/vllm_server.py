@@ -973,6 +973,7 @@ class VLLMServerSink:
 
             def check(r: _Replica = r) -> None:
                 aliases.update(self._preflight(stream, r))
+                self._check_lease(r)
                 self._ensure_engine(r)
 
             self._on(r, check)
@@ -980,18 +981,6 @@ class VLLMServerSink:
 
     def _preflight(self, stream: ParamStream, replica: _Replica) -> dict[str, str]:
         models = replica.client.check_access()
-        if not replica.lease_checked:
-            status = replica.client.lease_status()
-            replica.lease_checked = True
-            if status is None or status.get("disabled"):
-                why = "it runs without it" if status is None else str(status["disabled"])
-                warnings.warn(
-                    f"lora_stream: the vLLM server at {replica.url} keeps no weight-update lease ({why}): if this "
-                    "trainer vanishes mid-sync, that server stays paused or in its update until someone resumes it "
-                    "(install lora_stream in the server's environment; see docs/guarantees.md)",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
         if isinstance(stream, AdapterStream):
             validate_adapter(stream, replica.client.max_lora_rank(), f"the server at {replica.url}")
             if self.checkpoint is not False:
@@ -1000,6 +989,26 @@ class VLLMServerSink:
         if self.checkpoint is False:
             return stream.tied_aliases()  # offered; the worker loads each only if its model holds it
         return preflight(stream.metadata(), stream.tied_aliases(), self._checkpoint(replica, models))
+
+    def _check_lease(self, replica: _Replica) -> None:
+        """Once per server, at its first sync: warn if it keeps no weight-update lease. Best effort: a server that
+        cannot say is asked again at the next sync; the sync itself goes on."""
+        if replica.lease_checked:
+            return
+        try:
+            status = replica.client.lease_status()
+        except ServerError:
+            return
+        replica.lease_checked = True
+        if status is None or status.get("disabled"):
+            why = "it runs without it" if status is None else str(status["disabled"])
+            warnings.warn(
+                f"lora_stream: the vLLM server at {replica.url} keeps no weight-update lease ({why}): if this "
+                "trainer vanishes mid-sync, that server stays paused or in its update until someone resumes it "
+                "(install lora_stream in the server's environment; see docs/guarantees.md)",
+                RuntimeWarning,
+                stacklevel=5,
+            )
 
     def _checkpoint(self, replica: _Replica, models: dict[str, Any]) -> EngineCheckpoint:
         if replica.ckpt is None:
