@@ -356,6 +356,32 @@ def save_tokenizer(path: str, vocab: int = 1000) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2").save_pretrained(path)
 
 
+def greedy_completion(
+    base_url: str, prompt: str, *, max_tokens: int, model: str | None = None, timeout: float = 120.0
+) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """One greedy completion of ``prompt`` (``ignore_eos``) from a vLLM server: its token ids and their logprobs."""
+    import requests
+
+    if model is None:
+        model = requests.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+    r = requests.post(
+        f"{base_url}/v1/completions",
+        timeout=timeout,
+        json={
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "logprobs": 1,
+            "return_tokens_as_token_ids": True,
+            "ignore_eos": True,
+        },
+    )
+    r.raise_for_status()
+    lp = r.json()["choices"][0]["logprobs"]
+    return tuple(int(t.split(":")[1]) for t in lp["tokens"]), tuple(float(x) for x in lp["token_logprobs"])
+
+
 def server_generate(
     base_url: str, api_key: str | None = None, model: str | None = None, dp_rank: int | None = None
 ) -> list[tuple[list[int], list[float]]]:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import requests
+from helpers import greedy_completion
 from launch import RankResult, describe, launch
 from vllm_server import Server
 
@@ -88,23 +89,7 @@ def rounds_at_every_point(kind: str, rank: int, start: int = 0) -> list[dict[str
 
 
 def completion(url: str, timeout: float = 60.0) -> tuple[tuple[int, ...], tuple[float, ...]]:
-    model = requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
-    r = requests.post(
-        f"{url}/v1/completions",
-        timeout=timeout,
-        json={
-            "model": model,
-            "prompt": PROMPT,
-            "max_tokens": 8,
-            "temperature": 0,
-            "logprobs": 1,
-            "return_tokens_as_token_ids": True,
-            "ignore_eos": True,
-        },
-    )
-    r.raise_for_status()
-    lp = r.json()["choices"][0]["logprobs"]
-    return tuple(int(t.split(":")[1]) for t in lp["tokens"]), tuple(float(x) for x in lp["token_logprobs"])
+    return greedy_completion(url, PROMPT, max_tokens=8, timeout=timeout)
 
 
 def _close(a: tuple[tuple[int, ...], tuple[float, ...]], b: tuple[tuple[int, ...], tuple[float, ...]]) -> bool:

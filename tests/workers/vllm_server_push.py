@@ -202,28 +202,13 @@ def traffic(rank: int, url: str, engine, sink) -> None:  # type: ignore[no-untyp
     import threading
 
     import requests
-    from helpers import PROMPTS
+    from helpers import PROMPTS, greedy_completion
 
     model = requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"] if rank == 0 else None
     prompt = PROMPTS[1]
 
     def once() -> tuple[tuple[int, ...], tuple[float, ...]]:
-        r = requests.post(
-            f"{url}/v1/completions",
-            timeout=120,
-            json={
-                "model": model,
-                "prompt": prompt,
-                "max_tokens": 24,
-                "temperature": 0,
-                "logprobs": 1,
-                "return_tokens_as_token_ids": True,
-                "ignore_eos": True,
-            },
-        )
-        r.raise_for_status()
-        lp = r.json()["choices"][0]["logprobs"]
-        return tuple(int(t.split(":")[1]) for t in lp["tokens"]), tuple(float(x) for x in lp["token_logprobs"])
+        return greedy_completion(url, prompt, max_tokens=24, model=model)
 
     seen: list[tuple[tuple[int, ...], tuple[float, ...]]] = []
     failures: list[str] = []
