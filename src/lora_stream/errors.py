@@ -58,6 +58,9 @@ class StreamAbortedError(LoraStreamError):
 class TransferError(LoraStreamError):
     """The server side of a weight transfer failed or went away mid-transfer; the sync did not complete."""
 
+    #: The server stopped taking chunks, or answering the update, within the timeout (it is left to its lease).
+    stalled: bool = False
+
 
 class ReplicaError(LoraStreamError):
     """Every server of a :class:`~lora_stream.VLLMServerSink` fleet failed the sync (with

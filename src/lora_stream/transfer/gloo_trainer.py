@@ -75,7 +75,7 @@ def _finish(work: Any, pending: concurrent.futures.Future[Any], timeout_s: float
                 raise TransferError(f"the server failed the update while receiving: {pending.exception()}")
             if time.monotonic() > deadline:
                 error = TransferError(f"a chunk broadcast did not complete within {timeout_s} s")
-                error.stalled = True  # type: ignore[attr-defined]
+                error.stalled = True
                 raise error
             time.sleep(0.0002)
         work.wait()
@@ -273,7 +273,7 @@ def send_to_engines(
     targets: list[_Target] = []
 
     def failed(target: _Target, exc: BaseException) -> None:
-        if getattr(exc, "stalled", False):
+        if isinstance(exc, TransferError) and exc.stalled:
             target.engine.stalled = True
         if on_failure is None:
             raise exc
@@ -377,7 +377,7 @@ def send_to_engines(
                 target.pending.result(timeout=timeout)
             except concurrent.futures.TimeoutError:
                 error = TransferError(f"the server did not answer the update within {timeout} s of its last chunk")
-                error.stalled = True  # type: ignore[attr-defined]
+                error.stalled = True
                 failed(target, error)
             except Exception as exc:
                 failed(target, TransferError(f"the server failed the update: {exc}"))
