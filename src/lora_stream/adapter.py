@@ -43,6 +43,7 @@ from .names import join
 from .plan import Planner, active_adapters, check_unmerged
 from .rules import lora_spec, rule_for
 from .stream import ParamStream
+from .witness import PlanWitness
 
 __all__ = ["ADAPTER_PREFIX", "AdapterStream"]
 
@@ -56,8 +57,8 @@ class _AdapterPlanner(Planner):
     """The merged stream's walk (through :class:`~lora_stream.plan.Planner`'s seam), emitting only each LoRA
     layer's two factors; base weights are never touched (``base_weights=False``)."""
 
-    def __init__(self, gatherer: Gatherer, dtype: torch.dtype | None) -> None:
-        super().__init__(gatherer, dtype, DEFAULT_MERGE_BLOCK_BYTES, buffers=False, base_weights=False)
+    def __init__(self, gatherer: Gatherer, dtype: torch.dtype | None, witness: PlanWitness | None = None) -> None:
+        super().__init__(gatherer, dtype, DEFAULT_MERGE_BLOCK_BYTES, buffers=False, base_weights=False, witness=witness)
         self.adapters: set[str] = set()
         #: module path in the base model (the checkpoint name without ``base_model.model.``) -> its LoRA rank.
         self.ranks: dict[str, int] = {}
@@ -209,7 +210,7 @@ class AdapterStream(ParamStream):
     def _plan(
         self, model: nn.Module, dtype: torch.dtype | None, renames: Any, block_bytes: int, layout: Any
     ) -> tuple[list[Unit], dict[str, str]]:
-        planner = _AdapterPlanner(self.gatherer, dtype)
+        planner = _AdapterPlanner(self.gatherer, dtype, self._witness)
         planner.visit(model, "", "")
         if not planner.units:
             raise UnsupportedAdapterError(

@@ -12,6 +12,7 @@ __all__ = [
     "UnsupportedModelError",
     "NameCollisionError",
     "RenameError",
+    "StalePlanError",
     "StreamAbortedError",
     "TransferError",
 ]
@@ -38,6 +39,19 @@ class NameCollisionError(LoraStreamError):
 
 class RenameError(LoraStreamError):
     """A user-supplied rename returned something that is not a usable name."""
+
+
+class StalePlanError(LoraStreamError):
+    """The model changed since the stream was planned: another active adapter, adapters disabled or merged in
+    place, a new scaling, a parameter replaced (:mod:`lora_stream.witness`).
+
+    Raised at the start of a pass, and by every sink's pre-flight, before anything is gathered or sent; ``changes``
+    lists what changed. Build a new stream for the model as it is now.
+    """
+
+    def __init__(self, message: str, *, changes: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.changes = list(changes or [])
 
 
 class StreamAbortedError(LoraStreamError):

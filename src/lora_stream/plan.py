@@ -33,6 +33,7 @@ from .merge import (
 )
 from .names import NameNormalizer, join, wrapped_child_attr
 from .rules import LayerRule, lora_spec, lycoris_spec, rule_for
+from .witness import PlanWitness
 
 if TYPE_CHECKING:
     from .gatherers.base import Gatherer
@@ -71,6 +72,8 @@ class Planner:
         block_bytes: a merge's float32 block size.
         buffers: emit persistent buffers too (the checkpoint layout).
         base_weights: emit modules' own parameters and buffers (``False``: only what the hooks emit).
+        witness: where the walk records what it read from the model (:class:`~lora_stream.witness.PlanWitness`), so
+            that every pass can check it again; a fresh one by default (:attr:`witness`).
     """
 
     def __init__(
@@ -81,8 +84,11 @@ class Planner:
         buffers: bool = False,
         *,
         base_weights: bool = True,
+        witness: PlanWitness | None = None,
     ) -> None:
         self.g = gatherer
+        #: Every fact the walk read from the model (structure, parameter objects and shapes, adapter state).
+        self.witness = witness if witness is not None else PlanWitness()
         self.dtype = dtype
         self.block_bytes = block_bytes
         self.buffers = buffers
@@ -99,6 +105,7 @@ class Planner:
         #: Parameters an active adapter changes (id -> source name): a later module tied to one would be served the
         #: merged weight, which the trainer's forward never applies there.
         self.adapted_params: dict[int, str] = {}
+        self._where = ""
 
     # -- outputs ---------------------------------------------------------------------------------------------------
     def target(self, hf: str, src: str, p: ParamRef, merge: Merge | None) -> Target:
@@ -145,6 +152,8 @@ class Planner:
     ) -> None:
         if not self.base_weights:
             return  # the seam's base_weights=False: module parameters and buffers are someone else's
+        g = self.g
+        self.witness.params(module, src, lambda: g.module_params(module), g.full_shape, g.full_dtype)
         adapted = set(merges or {})
         merges = dict(merges or {})
         if "weight" not in merges:
@@ -201,10 +210,14 @@ class Planner:
         if id(module) in self.seen_modules:
             return
         self.seen_modules.add(id(module))
+        self.witness.module(module, src)
+        self._where = src  # names the adapter factors param() reaches inside this module
         if isinstance(module, self.cls["tuner"]):
+            self.witness.tuner(module, src)
             self.visit_tuner(module, hf, src)
             return
         if isinstance(module, self.cls["aux"]):
+            self.witness.wrapper(module, src)
             self.visit_wrapper(module, hf, src)
             return
         _check_peft_model(module, src)
@@ -299,6 +312,9 @@ class Planner:
                     "nested ParamWrappers only"
                 )
             wrappers.append((module, msrc, rule))
+            if module is not layer:  # the outermost one was recorded by visit()
+                self.witness.module(module, msrc)
+                self.witness.tuner(module, msrc)
             module, msrc = module.base_layer, join(msrc, "base_layer")
         own = dict(self.g.module_params(module))
         merges: dict[str, Merge] = {}
@@ -398,7 +414,10 @@ class Planner:
         LoRA factor in a unit of its own)."""
         while (attr := wrapped_child_attr(module)) is not None:
             module = module._modules[attr]  # type: ignore[assignment]
-        return self.g.param(module, name)
+        g = self.g
+        ref = g.param(module, name)
+        self.witness.param(module, name, self._where, lambda: g.param(module, name), g.full_shape, g.full_dtype)
+        return ref
 
 
 def check_unmerged(layer: Any, src: str) -> None:
@@ -444,12 +463,14 @@ def plan_model(
     normalizer: NameNormalizer,
     block_bytes: int,
     layout: Layout = "checkpoint",
+    witness: PlanWitness | None = None,
 ) -> tuple[list[Unit], dict[str, str]]:
     """Plan the stream of ``model``: its units, in registration order, each with the :class:`Step` s that turn its
-    targets into outputs, and the tied aliases (output name not yielded -> output name of the tensor it shares)."""
+    targets into outputs, and the tied aliases (output name not yielded -> output name of the tensor it shares).
+    What the walk read from the model is recorded in ``witness``."""
     if layout not in ("checkpoint", "memory"):
         raise ValueError(f"layout must be 'checkpoint' or 'memory', got {layout!r}")
-    planner = Planner(gatherer, dtype, block_bytes, buffers=layout == "checkpoint")
+    planner = Planner(gatherer, dtype, block_bytes, buffers=layout == "checkpoint", witness=witness)
     planner.visit(model, "", "")
     units = planner.units
     fmt = CheckpointFormat(planner.root if layout == "checkpoint" else None)

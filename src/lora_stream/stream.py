@@ -27,6 +27,7 @@ from .lockstep import FLAG_CAPACITY, Lockstep, Status, describe_error
 from .merge import DEFAULT_MERGE_BLOCK_BYTES, FullTensor
 from .names import NameNormalizer, Renames
 from .plan import Target, plan_model
+from .witness import PlanWitness
 
 __all__ = ["ParamMeta", "PassState", "StreamStats", "ParamStream", "StreamPass", "stream_merged_params"]
 
@@ -282,12 +283,18 @@ class ParamStream:
         self.model = model
         self.gatherer: Gatherer = gatherer if gatherer is not None else auto_gatherer(model)
         g = self.gatherer
+        #: What the plan read from the model; every pass checks it again (:meth:`check_plan`).
+        self._witness = PlanWitness()
         units, self._aliases = self._plan(model, dtype, renames, merge_block_bytes, layout)
         self.layout: Layout = layout
         self._groups = partition(units, group_by, budget_bytes, g.gather_bytes)
         self._meta = [ParamMeta(o.name, o.dtype, o.shape) for grp in self._groups for o in grp.outputs]
-        # What ranks compare in every status exchange: fixed by the plan, so computed once.
-        self._digest = ";".join(f"{m.name}:{m.dtype}:{m.shape}" for m in self._meta) + f"|{self.groups()!r}"
+        # What ranks compare in every status exchange: fixed by the plan, so computed once. The adapter state the
+        # plan read is part of it: ranks set to different adapters must not serve a mix.
+        self._digest = (
+            ";".join(f"{m.name}:{m.dtype}:{m.shape}" for m in self._meta)
+            + f"|{self.groups()!r}|{self._witness.digest()}"
+        )
         self.group_by = group_by
         self.budget_bytes = budget_bytes
         self.timeout = datetime.timedelta(seconds=timeout)
@@ -311,7 +318,20 @@ class ParamStream:
             normalizer=NameNormalizer(renames),
             block_bytes=block_bytes,
             layout=layout,
+            witness=self._witness,
         )
+
+    def plan_changes(self) -> list[str]:
+        """What changed in the model since this stream was planned (empty: nothing): another active adapter,
+        adapters disabled or merged in place, a new scaling, a module or parameter replaced or reshaped. Reads
+        attributes only; no tensor data, no communication (about 1 us per planned module)."""
+        return self._witness.changes()
+
+    def check_plan(self) -> None:
+        """Raise :class:`~lora_stream.StalePlanError` if the model changed since this stream was planned
+        (:meth:`plan_changes`). Every pass runs it before its first gather, and every sink in its pre-flight, so
+        a reused stream never yields a stale merge; the ranks learn of it through their status exchange."""
+        self._witness.check(self._where())
 
     # -- the WeightSource channels ----------------------------------------------------------------------------------
     def metadata(self) -> list[ParamMeta]:
@@ -485,6 +505,7 @@ class ParamStream:
         # group when it starts gathering it, inside the current group: then it keeps its own collective.
         agreement = getattr(g, "agreement", None) if lock is not None and prefetch is None else None
         try:
+            self.check_plan()  # before any exchange: a stale plan fails here, and the peers learn it below
             for gi, group in enumerate(self._groups):
                 if lock is not None:
                     flags = agreement(group.params) if agreement is not None else None

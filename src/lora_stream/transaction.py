@@ -109,6 +109,8 @@ class Transaction:
         self.error: BaseException | None = None
         #: A peer could not be heard from in this sync (see the module docstring).
         self.lost = False
+        #: The stream the sync reads (set by :meth:`for_stream`): its plan is checked again in :meth:`prepare`.
+        self.stream: Any = None
 
     def _record(self, exc: BaseException) -> None:
         if getattr(exc, "lost", False):
@@ -135,9 +137,11 @@ class Transaction:
         group when there is one: under DDP the ranks may share one engine (``external_launcher``, a server), so a
         rank that refused must stop the others too. Every rank of that group must then call ``sync``."""
         if stream.gatherer.collective:
-            return cls(stream.coordinator, what, lockstep=True)
-        coordinator = Coordinator(None, stream.coordinator.digest, stream.agreement_timeout)
-        return cls(coordinator, what, lockstep=False)
+            tx = cls(stream.coordinator, what, lockstep=True)
+        else:
+            tx = cls(Coordinator(None, stream.coordinator.digest, stream.agreement_timeout), what, lockstep=False)
+        tx.stream = stream
+        return tx
 
     @property
     def ok(self) -> bool:
@@ -147,11 +151,15 @@ class Transaction:
     def prepare(self, check: Callable[[], T]) -> T:
         """Run this rank's pre-flight ``check`` and agree; return its result on every rank, or raise on every rank.
 
-        Nothing may have reached an engine yet: a refusal here leaves every engine untouched.
+        Nothing may have reached an engine yet: a refusal here leaves every engine untouched. The stream's plan is
+        checked first (:meth:`ParamStream.check_plan <lora_stream.ParamStream.check_plan>`): a model whose adapters
+        changed since is refused before any engine is contacted.
         """
         result: T | None = None
         try:
             fault_point("prepare")
+            if self.stream is not None:
+                self.stream.check_plan()
             result = check()
         except BaseException as exc:
             self.error = exc
