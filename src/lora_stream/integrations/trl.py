@@ -20,6 +20,7 @@ remain). A subclass of ``GRPOTrainer`` would not reach users' own subclasses or 
 from __future__ import annotations
 
 import datetime
+import logging
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,10 +31,13 @@ from ..adapter import AdapterStream
 from ..coordination import Coordinator
 from ..errors import LoraStreamError
 from ..lockstep import describe_error
+from ..redaction import redact
 from ..sinks.adapter_loader import AdapterLoadError
 from ..sinks.preflight import CheckpointMismatchError
 from ..sinks.record import SyncRecord
 from ..stream import ParamStream
+
+logger = logging.getLogger("lora_stream")
 
 __all__ = [
     "TESTED_TRL",
@@ -52,10 +56,11 @@ class UnsupportedTrlError(LoraStreamError):
     """The trainer's TRL is not one whose weight sync this hook knows how to replace (nothing was changed)."""
 
 
-@dataclass
+@dataclass(repr=False)
 class TrlSyncHook:
     """The installed hook: ``records`` holds one :class:`~lora_stream.SyncRecord` per sync (this rank's view);
-    :meth:`remove` restores TRL's own sync."""
+    :meth:`remove` restores TRL's own sync. Its ``repr`` shows the options with credentials redacted
+    (:func:`~lora_stream.redaction.redact`: ``api_key``, tokens, passwords, URL userinfo)."""
 
     trainer: Any
     stream_options: dict[str, Any]
@@ -70,6 +75,13 @@ class TrlSyncHook:
     #: The stream every sync reuses: planned once (at install, by the pre-flight), and with ``adapter=True`` its
     #: gatherer keeps its buffer between syncs (``AdapterStream``'s ``keep_bytes``). Dropped after a failed sync.
     _stream_in_use: ParamStream | None = None
+
+    def __repr__(self) -> str:  # never the options as given: sink_options may hold the server's api_key
+        return (
+            f"TrlSyncHook(trainer={type(self.trainer).__name__}, adapter={self.adapter!r}, "
+            f"lora_name={self.lora_name!r}, stream_options={redact(self.stream_options)!r}, "
+            f"sink_options={redact(self.sink_options)!r}, records={len(self.records)})"
+        )
 
     @property
     def generation(self) -> Any:
@@ -159,7 +171,13 @@ class TrlSyncHook:
     def _stream(self) -> ParamStream:
         model = self._model()
         stream = self._stream_in_use
-        if stream is None or stream.model is not model:  # first use, or accelerate wrapped the model since
+        changes = stream.plan_changes() if stream is not None and stream.model is model else []
+        if changes:
+            # The model's adapters changed since the stream was planned (set_adapter, disable_adapter, set_scale,
+            # ...): reusing the plan would sync the old adapter's merge. Every rank sees the same change; the plan
+            # digest makes ranks that disagree fail the first exchange.
+            logger.info("lora_stream: the model changed since the last sync (%s); planning it again", changes[0])
+        if stream is None or stream.model is not model or changes:  # first use, accelerate wrapped it, or changed
             self._drop_stream()
             if self.adapter:
                 stream = AdapterStream(model, **self.stream_options)
@@ -444,21 +462,34 @@ def use_lora_stream(
 
 
 def _check_same_options(hook: TrlSyncHook, options: dict[str, Any]) -> None:
-    installed = {
+    installed: dict[str, Any] = {
         "adapter": hook.adapter,
         "lora_name": hook.lora_name,
         "stream_options": hook.stream_options,
         "sink_options": hook.sink_options,
     }
-    differ = [k for k in options if options[k] != installed[k]]
+    differ = [k for k in options if options[k] != installed[k]]  # the real values; only the message redacts
     if differ:
-        asked = ", ".join(f"{k}={options[k]!r}" for k in differ)
-        has = ", ".join(f"{k}={installed[k]!r}" for k in differ)
+        # Shown redacted (sink_options may hold the server's api_key): which keys of a dict differ is named, so
+        # that a difference in a redacted value is still told.
+        asked = ", ".join(f"{k}={redact(options[k])!r}" for k in differ)
+        has = ", ".join(f"{k}={redact(installed[k])!r}" for k in differ)
+        keys = [
+            f"{k}[{key!r}]"
+            for k in differ
+            if isinstance(options[k], dict) and isinstance(installed[k], dict)
+            for key in sorted({*options[k], *installed[k]}, key=str)
+            if options[k].get(key, _MISSING) != installed[k].get(key, _MISSING)
+        ]
         raise ValueError(
-            f"use_lora_stream: this trainer's hook is installed already with {has}; this call asks for {asked}, "
-            "which a second call cannot change. To switch, call hook.remove() first, then "
+            f"use_lora_stream: this trainer's hook is installed already with {has}; this call asks for {asked}"
+            + (f" (they differ in {', '.join(keys)})" if keys else "")
+            + ", which a second call cannot change. To switch, call hook.remove() first, then "
             f"use_lora_stream(trainer, {asked})"
         )
+
+
+_MISSING = object()
 
 
 def _install_agreement(stream_options: dict[str, Any]) -> Coordinator:

@@ -6,6 +6,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..redaction import REDACTED, is_sensitive, redact_text
+
 __all__ = ["AdapterSyncRecord", "SyncRecord"]
 
 logger = logging.getLogger("lora_stream")
@@ -18,6 +20,10 @@ class SyncRecord:
     ``peak_gathered_bytes`` is the largest group the trainer held whole for it (the memory bound in action);
     ``peak_group_bytes`` the largest group of output tensors handed to the engine at once. A record exists only
     for a sync that committed on every rank.
+
+    A record holds no credential: the servers' addresses, the reasons and the stages are stored redacted
+    (:func:`~lora_stream.redaction.redact_text`: URL userinfo, bearer keys, ``api_key=...``), so that its ``repr``,
+    :func:`dataclasses.asdict` and its log line can be shown anywhere.
     """
 
     sink: str
@@ -45,6 +51,15 @@ class SyncRecord:
     #: lease resumes it, :mod:`lora_stream.vllm_lease`): what failed, or ``None``.
     resume_failure: str | None = None
 
+    def __post_init__(self) -> None:
+        # Addresses may carry userinfo (http://user:password@host), reasons an error's text: redacted once, here.
+        object.__setattr__(self, "replicas", tuple(redact_text(u) for u in self.replicas))
+        object.__setattr__(self, "readmitted", tuple(redact_text(u) for u in self.readmitted))
+        object.__setattr__(self, "excluded", {redact_text(u): redact_text(why) for u, why in self.excluded.items()})
+        if self.resume_failure is not None:
+            object.__setattr__(self, "resume_failure", redact_text(self.resume_failure))
+        object.__setattr__(self, "stages", _redacted_stages(self.stages))
+
     @property
     def gbps(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
@@ -63,6 +78,23 @@ class SyncRecord:
             self.peak_group_bytes / 2**20,
             self.peak_gathered_bytes / 2**20,
         )
+
+
+def _redacted_stages(value: Any) -> Any:
+    """``stages`` as plain data (JSON-able as before) with keys and values redacted: ``stages["replicas"]`` is
+    keyed by server address; a credential-like key's value becomes the text ``"<redacted>"``."""
+    if isinstance(value, str):
+        return redact_text(value)
+    if isinstance(value, dict):
+        return {
+            (redact_text(k) if isinstance(k, str) else k): (
+                REDACTED if is_sensitive(k) and v is not None and v != "" else _redacted_stages(v)
+            )
+            for k, v in value.items()
+        }
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_redacted_stages(v) for v in value)
+    return value
 
 
 @dataclass(frozen=True)
