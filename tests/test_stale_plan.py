@@ -166,3 +166,25 @@ def test_a_reused_sharded_stream_raises_on_every_rank_after_each_change(kind: st
     one = [find_event(events, "one-rank", describe(results)) for events in ranks]
     assert one[1]["outcome"] == "stale", one
     assert one[0]["outcome"] == "aborted" and one[0]["failed"] == [1] and "StalePlanError" in one[0]["message"], one
+
+
+def test_the_trl_hook_plans_again_when_the_adapter_state_changed_and_says_so_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import logging
+    from types import SimpleNamespace
+
+    from lora_stream.integrations.trl import TrlSyncHook
+
+    model = _two_adapters()
+    hook = TrlSyncHook(SimpleNamespace(model_wrapped=None, model=model), {"layout": "memory"}, {})
+    first = hook._stream()
+    assert hook._stream() is first  # reused while nothing changed
+    model.set_adapter("b")
+    with caplog.at_level(logging.INFO, logger="lora_stream"):
+        second = hook._stream()
+        assert hook._stream() is second
+    replans = [r for r in caplog.records if "planning it again" in r.getMessage()]
+    assert len(replans) == 1 and "active_adapters" in replans[0].getMessage(), caplog.records
+    assert second is not first
+    assert_matches(second, _forward_weights(model), tol=1e-6)  # b's merge, not a's

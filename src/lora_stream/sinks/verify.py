@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ __all__ = [
     "VerificationError",
     "VerifyPolicy",
     "engine_logprobs",
+    "model_vocab_size",
     "probe_ids",
     "tolerance",
     "trainer_logprobs",
@@ -77,6 +78,10 @@ class Verification:
     tolerance: float
     tokens: int
     seconds: float
+    #: Seconds of each check (server sinks): ``trainer_s`` (the trainer's forward), ``probe_before_s`` /
+    #: ``probe_s`` (the probe through the served weights before and after loading), ``digest_s`` (vLLM's digest of
+    #: every served tensor), ``verify_call_s`` (the whole verify call to a server).
+    stages: dict[str, float] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -126,6 +131,20 @@ def tolerance(engine_dtype: torch.dtype, trainer_dtype: torch.dtype, layers: int
     u = max(_UNIT_ROUNDOFF.get(engine_dtype, 2.0**-8), _UNIT_ROUNDOFF.get(trainer_dtype, 2.0**-8))
     derived = 2.0 * _ROUNDINGS_PER_LAYER * u * math.sqrt(max(layers, 1)) * max(logit_scale, 1.0)
     return max(derived, _FLOAT32_FLOOR)
+
+
+def model_vocab_size(model: torch.nn.Module) -> int:
+    """The vocabulary size of the trainer's model (its ``config.vocab_size``, looked for through wrappers; else its
+    input embedding's rows), without communication: the same on every rank."""
+    for m in model.modules():
+        config = getattr(m, "config", None)
+        size = getattr(config, "vocab_size", None)
+        if isinstance(size, int) and size > 0:
+            return size
+    for m in model.modules():
+        if isinstance(m, torch.nn.Embedding):
+            return int(m.num_embeddings)
+    raise LoraStreamError("verify=: the trainer's model has no config.vocab_size and no embedding to size the probe")
 
 
 def trainer_logprobs(model: torch.nn.Module, ids: list[int]) -> tuple[torch.Tensor, float]:

