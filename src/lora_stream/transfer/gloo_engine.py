@@ -423,7 +423,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                 nxt = post(c + 1) if c + 1 < len(plan.chunks) else None
                 if hasher is not None:
                     t = clock()
-                    hasher.update(memoryview(buffer.cpu().numpy()))
+                    hasher.update(buffer.cpu().numpy().data)  # the bytes in place, not a copy
                     self._received_digest_s += clock() - t
                 t = clock()
                 views = unpack(buffer, plan, c, update_info.shapes, dtypes)
