@@ -9,8 +9,9 @@ the time goes: the trainer's stages and the server worker's own (from `SyncRecor
 also sets up the transfer group, is reported separately. The floor, measured in the same run: a raw gloo broadcast
 of the same bytes in the same chunks between two processes of this machine, with a copy into a destination on the
 receiver (`broadcast_floor.py`). Then what the transaction costs, variants interleaved: no pause and no rollback,
-the pause alone, and the default (pause and rollback), with the server's peak RSS growth (process and children,
-sampled every 5 ms). Writes benchmarks/results/server.json.
+the pause alone, the default (pause and rollback), and the default with ``verify=True`` (each check's seconds from
+``record.verification.stages``), with the server's peak RSS growth (process and children, sampled every 5 ms).
+Writes benchmarks/results/server.json.
 """
 
 from __future__ import annotations
@@ -30,8 +31,13 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import add_model_args, free_port, llama_config, start_vllm_server, wait_vllm_server  # noqa: E402
 
-#: Variants of the transaction-cost table: name -> (pause, rollback).
-TX_VARIANTS = {"plain": (None, False), "pause": ("wait", False), "pause+rollback": ("wait", True)}
+#: Variants of the transaction-cost table: name -> (pause, rollback, verify).
+TX_VARIANTS = {
+    "plain": (None, False, False),
+    "pause": ("wait", False, False),
+    "pause+rollback": ("wait", True, False),
+    "pause+rollback+verify": ("wait", True, True),
+}
 
 
 class TreeRss(threading.Thread):
@@ -100,15 +106,18 @@ def main() -> None:
 
             tree = psutil.Process(server.pid)
             costs: dict[str, list[tuple[float, int]]] = {v: [] for v in TX_VARIANTS}
+            checks: list[dict[str, float]] = []
             for i in range(args.syncs):
-                for v, (pause, rollback) in TX_VARIANTS.items():
-                    sink.pause, sink.rollback = pause, rollback
+                for v, (pause, rollback, verify) in TX_VARIANTS.items():
+                    sink.pause, sink.rollback, sink.verify = pause, rollback, verify
                     sampler = TreeRss(tree)
                     sampler.start()
                     t = time.perf_counter()
-                    sink.sync(stream, version=f"{v}-{i}")
+                    record = sink.sync(stream, version=f"{v}-{i}")
                     seconds = time.perf_counter() - t
                     costs[v].append((seconds, sampler.stop()))
+                    if record.verification is not None:
+                        checks.append(dict(record.verification.stages))
             from lora_stream.transfer.packing import plan_chunks
 
             meta = stream.metadata()
@@ -176,6 +185,8 @@ def main() -> None:
         g = statistics.median(r for _, r in costs[v]) / 2**20
         tx_rows.append({"variant": v, "median_s": m, "ratio": m / base, "server_rss_growth_mib": g})
         print(f"  {v:22} {m:9.3f} {m / base:8.2f} {g:27.0f}")
+    verify_stages = {k: statistics.median(c.get(k, 0.0) for c in checks) for k in (checks[0] if checks else {})}
+    print("  verify=True, each check (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in verify_stages.items()))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(
         json.dumps(
@@ -192,6 +203,7 @@ def main() -> None:
                 "ours_s": ours,
                 "ours_less_produce_s": transport,
                 "transaction": tx_rows,
+                "verify_stages_s": verify_stages,
             },
             indent=1,
         )

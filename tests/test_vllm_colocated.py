@@ -357,6 +357,40 @@ def test_verification_catches_a_corrupted_sync_and_rolls_it_back(untied, corrupt
     assert record.verification.max_abs_diff <= record.verification.tolerance
 
 
+def test_verification_catches_a_sync_that_changed_nothing_while_the_trainer_moved(untied) -> None:  # type: ignore[no-untyped-def]
+    """A sync that reloads the previous version's tensors while the trainer moved by less than the tolerance: the
+    probe alone passes it; "it changed" does not."""
+    from contextlib import closing
+
+    from lora_stream.sinks.verify import VerificationError
+
+    path, llm = untied
+    pm = _two_versions(path)
+    sink = VLLMColocatedSink(llm, verify=True)
+    sink.sync(ParamStream(pm, group_by="layer"), version="v1")
+    previous = {n: t.clone() for n, t in ParamStream(pm, group_by="layer")}
+    before = vllm_generate(llm)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.mul_(1 + 1e-4)  # a small step: the probe moves by far less than the float32 tolerance
+
+    class Stale(ParamStream):
+        def iter_groups(self):  # type: ignore[no-untyped-def,override]
+            inner = super().iter_groups()
+            with closing(inner):
+                for names, tensors in inner:
+                    yield names, [previous[n] for n in names]
+
+    with pytest.raises(VerificationError, match="did not change, bit for bit") as info:
+        sink.sync(Stale(pm, group_by="layer"), version="v2")
+    assert 0 < info.value.max_abs_diff < info.value.tolerance  # the move: below what the probe alone catches
+    assert vllm_generate(llm) == before and sink.version == "v1"
+    record = sink.sync(ParamStream(pm, group_by="layer"), version="v2")
+    assert record.verification.passed and sink.version == "v2"
+    assert {"trainer_s", "probe_s"} <= set(record.verification.stages)
+
+
 def test_without_rollback_nothing_is_kept_and_a_failure_says_the_engine_is_mixed(untied) -> None:  # type: ignore[no-untyped-def]
     from lora_stream.transaction import set_fault_hook
 

@@ -17,6 +17,7 @@ the tolerance (a very small LoRA delta lost after one tiny step), or one that th
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from ..errors import LoraStreamError
 
 __all__ = [
     "PROBE_LENGTH",
+    "ProbeHistory",
     "Verification",
     "VerificationError",
     "VerifyPolicy",
@@ -186,6 +188,66 @@ def engine_logprobs(llm: Any, ids: list[int], lora_request: Any = None) -> torch
     return torch.tensor(values)
 
 
+class ProbeHistory:
+    """The "it changed" check of a sink's verification: a sync whose served probe equals, bit for bit, what the
+    engine served before it loaded, while the trainer's probe moved since the previous sync by more than one
+    rounding of the served dtype (``u * logit scale``), did not reach the engine's weights. A move that small may
+    vanish in the served dtype, so it is not held against the engine; a larger one below the tolerance is exactly
+    what the tolerance alone would let through.
+
+    A sink keeps one: :meth:`wants_before` (whether to probe the engine before loading this sync), :meth:`check`
+    after loading, :meth:`propose` with the trainer's probe, :meth:`committed` when the sync commits. The previous
+    sync must have been verified and committed; otherwise what the trainer computed then is unknown and nothing is
+    checked.
+    """
+
+    def __init__(self) -> None:
+        self._last: tuple[int, torch.Tensor] | None = None
+        self._pending: tuple[int, torch.Tensor] | None = None
+
+    def wants_before(self, index: int) -> bool:
+        """Whether sync ``index`` (committed syncs before it) can be checked: the previous one was verified."""
+        return self._last is not None and self._last[0] == index - 1
+
+    def check(
+        self,
+        index: int,
+        before: Any,
+        after: Any,
+        trainer: torch.Tensor,
+        scale: float,
+        dtype: torch.dtype,
+        limit: float,
+        rank: int,
+        where: str,
+    ) -> None:
+        """Raise :class:`VerificationError` if sync ``index`` served ``after`` equal to ``before`` while the trainer
+        moved (see the class)."""
+        if before is None or after is None or not self.wants_before(index):
+            return
+        assert self._last is not None
+        moved = float((trainer.double() - self._last[1].double()).abs().max())
+        if moved <= _UNIT_ROUNDOFF.get(dtype, 2.0**-8) * max(scale, 1.0):
+            return
+        if torch.equal(torch.as_tensor(before, dtype=torch.float64), torch.as_tensor(after, dtype=torch.float64)):
+            raise VerificationError(
+                f"rank {rank}: verification failed{where}: what the engine serves did not change, bit for bit, while "
+                f"the trainer's probe moved by {moved:.4g} nats since the previous sync; the update did not reach "
+                "its weights, so the sync is rolled back",
+                max_abs_diff=moved,
+                tolerance=limit,
+            )
+
+    def propose(self, index: int, trainer: torch.Tensor) -> None:
+        """The trainer's probe of sync ``index``, now deciding."""
+        self._pending = (index, trainer.detach().clone())
+
+    def committed(self, index: int) -> None:
+        """Sync ``index`` committed: its trainer probe, if it was verified, is the next sync's reference."""
+        pending, self._pending = self._pending, None
+        self._last = pending if pending is not None and pending[0] == index else None
+
+
 def compare(
     engine: torch.Tensor, trainer: torch.Tensor, limit: float, seconds: float, rank: int, where: str
 ) -> Verification:
@@ -205,18 +267,41 @@ def compare(
     return result
 
 
+def engine_probe_ids(llm: Any) -> list[int]:
+    """The probe for the in-process engine ``llm`` (sized by its vocabulary)."""
+    return probe_ids(int(llm.llm_engine.model_config.get_vocab_size()))
+
+
 def verify_engine(
-    llm: Any, model: torch.nn.Module, *, limit: float | None, rank: int, where: str, lora_request: Any = None
+    llm: Any,
+    model: torch.nn.Module,
+    *,
+    limit: float | None,
+    rank: int,
+    where: str,
+    lora_request: Any = None,
+    history: ProbeHistory | None = None,
+    index: int = 0,
+    before: torch.Tensor | None = None,
 ) -> Verification:
     """The probe through the trainer's ``model`` (a collective under ZeRO-3/FSDP: every rank calls this) and through
     the in-process engine ``llm`` (through ``lora_request`` when given), then compared with ``limit`` or, when it
-    is ``None``, the :func:`tolerance` of the dtypes involved. Raises :class:`VerificationError` beyond it."""
+    is ``None``, the :func:`tolerance` of the dtypes involved; with ``history``, the "it changed" check of sync
+    ``index`` against ``before`` (the engine's probe before loading). Raises :class:`VerificationError`."""
     start = time.perf_counter()
     config = llm.llm_engine.model_config
-    ids = probe_ids(int(config.get_vocab_size()))
+    ids = engine_probe_ids(llm)
+    t = time.perf_counter()
     trainer, scale = trainer_logprobs(model, ids)
+    trainer_s = time.perf_counter() - t
+    t = time.perf_counter()
     engine = engine_logprobs(llm, ids, lora_request)
+    probe_s = time.perf_counter() - t
     if limit is None:
         layers = int(getattr(config.hf_text_config, "num_hidden_layers", 1) or 1)
         limit = tolerance(config.dtype, next(model.parameters()).dtype, layers, scale)
-    return compare(engine, trainer, limit, time.perf_counter() - start, rank, where)
+    result = compare(engine, trainer, limit, time.perf_counter() - start, rank, where)
+    if history is not None:
+        history.check(index, before, engine, trainer, scale, config.dtype, limit, rank, where)
+        history.propose(index, trainer)
+    return dataclasses.replace(result, stages={"trainer_s": trainer_s, "probe_s": probe_s})

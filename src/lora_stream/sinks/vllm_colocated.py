@@ -42,7 +42,16 @@ from .preflight import EngineCheckpoint, preflight
 from .record import SyncRecord
 from .reload import LoadReport, ReloadBracket, VLLMLoadError
 from .source import SyncSource
-from .verify import Verification, VerifyPolicy, check_policy, should_verify, verify_engine
+from .verify import (
+    ProbeHistory,
+    Verification,
+    VerifyPolicy,
+    check_policy,
+    engine_logprobs,
+    engine_probe_ids,
+    should_verify,
+    verify_engine,
+)
 
 __all__ = ["PrefixCacheError", "VLLMColocatedSink", "VLLMLoadError", "WORKER_EXTENSION", "reset_prefix_cache"]
 
@@ -136,6 +145,7 @@ class VLLMColocatedSink:
         self.prefix_cache_timeout = prefix_cache_timeout
         self.version: str | None = None
         self._syncs = 0
+        self._history = ProbeHistory()
 
     @property
     def in_process(self) -> bool:
@@ -164,7 +174,9 @@ class VLLMColocatedSink:
         source = SyncSource(stream, tx.prepare(lambda: self.preflight(stream)), version)
         stages: dict[str, Any] = {}
         opened = False
+        before = None
         with tx.attempt():
+            before = probe_before(self, stages)
             t = time.perf_counter()
             self._begin()
             opened = True
@@ -183,7 +195,7 @@ class VLLMColocatedSink:
             error = report.error() if self.check_consumed else None
             if error is not None:
                 raise error
-        verification = verify_reset_and_vote(tx, source, self, stream, " (colocated engine)")
+        verification = verify_reset_and_vote(tx, source, self, stream, " (colocated engine)", before=before)
         tx.conclude(lambda: self._commit(version), lambda error: self._abort(error, opened))
         stages["kept_bytes"] = self._kept_bytes
         record = dataclasses.replace(
@@ -203,6 +215,7 @@ class VLLMColocatedSink:
         else:
             self._kept_bytes = sum(int(n) for n in self._rpc("lora_stream_commit"))
         self.version = version
+        self._history.committed(self._syncs)
         self._syncs += 1
 
     def _abort(self, error: BaseException, opened: bool) -> None:
@@ -267,12 +280,31 @@ class VLLMColocatedSink:
         return engine_rpc(self.llm, method, *args)
 
 
+def probe_before(sink: Any, stages: dict[str, Any], lora_request: Any = None) -> Any:
+    """What the in-process engine serves before a verified sync loads (its probe, through ``lora_request`` when
+    given), for the "it changed" check; ``None`` when this sync is not verified or cannot be checked (the previous
+    one was not verified). The same decision on every rank (it depends on committed syncs only)."""
+    if not should_verify(sink.verify, sink._syncs) or not sink._history.wants_before(sink._syncs):
+        return None
+    t = time.perf_counter()
+    before = engine_logprobs(sink.llm, engine_probe_ids(sink.llm), lora_request)
+    stages["probe_before_s"] = time.perf_counter() - t
+    return before
+
+
 def verify_reset_and_vote(
-    tx: Transaction, source: SyncSource, sink: Any, stream: ParamStream, where: str, lora_request: Any = None
+    tx: Transaction,
+    source: SyncSource,
+    sink: Any,
+    stream: ParamStream,
+    where: str,
+    lora_request: Any = None,
+    before: Any = None,
 ) -> Verification | None:
     """The end of a sync into an in-process engine, before its commit or abort: the verification when ``sink.verify``
-    asks for this sync (after a vote, since its forward is a collective), the prefix-cache reset, and the vote.
-    ``sink`` has ``llm``, ``verify``, ``verify_tolerance``, ``prefix_cache_timeout`` and ``_syncs``.
+    asks for this sync (after a vote, since its forward is a collective; with the "it changed" check against
+    ``before``, :func:`probe_before`), the prefix-cache reset, and the vote. ``sink`` has ``llm``, ``verify``,
+    ``verify_tolerance``, ``prefix_cache_timeout``, ``_syncs`` and ``_history``.
 
     Every rank runs as many exchanges on every path: once a vote saw a failure, no rank votes again."""
     verification: Verification | None = None
@@ -291,6 +323,9 @@ def verify_reset_and_vote(
                 rank=this_rank(),
                 where=where,
                 lora_request=lora_request,
+                history=sink._history,
+                index=sink._syncs,
+                before=before,
             )
             fault_point("verify")
     with tx.attempt() as go:

@@ -35,8 +35,15 @@ from .adapter_loader import AdapterLoadError, StagedAdapter, adapter_path, stage
 from .preflight import adapter_preflight
 from .record import AdapterSyncRecord
 from .source import SyncSource
-from .verify import VerifyPolicy, check_policy
-from .vllm_colocated import engine_checkpoint, engine_rpc, local_model_runner, reset_prefix_cache, verify_reset_and_vote
+from .verify import ProbeHistory, VerifyPolicy, check_policy
+from .vllm_colocated import (
+    engine_checkpoint,
+    engine_rpc,
+    local_model_runner,
+    probe_before,
+    reset_prefix_cache,
+    verify_reset_and_vote,
+)
 
 __all__ = ["VLLMLoRASink", "stable_lora_id"]
 
@@ -91,6 +98,7 @@ class VLLMLoRASink:
         self.verify = check_policy(verify)
         self.verify_tolerance = verify_tolerance
         self._syncs = 0
+        self._history = ProbeHistory()
         engine = llm.llm_engine
         self.llm = llm
         self.lora_config = engine.vllm_config.lora_config
@@ -156,7 +164,10 @@ class VLLMLoRASink:
         source = SyncSource(stream, {}, version)
         tensors: dict[str, torch.Tensor] = {}
         installed = False
+        before = None
         with tx.attempt():
+            served = self._request(load_inplace=False) if self._synced else None
+            before = probe_before(self, {}, served)  # what is served now, for the "it changed" check
             with source.batches() as batches:  # a failure here ends the pass for every rank, with its reason
                 for names, group in batches:
                     for n, t in zip(names, group):
@@ -167,7 +178,7 @@ class VLLMLoRASink:
             installed = True
             fault_point("reload-check")
         verification = verify_reset_and_vote(
-            tx, source, self, stream, " (adapter)", lora_request=self._request(load_inplace=False)
+            tx, source, self, stream, " (adapter)", lora_request=self._request(load_inplace=False), before=before
         )
         tx.conclude(lambda: self._commit(version), lambda error: self._restore(error) if installed else None)
         seconds = time.perf_counter() - start
@@ -180,6 +191,7 @@ class VLLMLoRASink:
     def _commit(self, version: str | None) -> None:
         self._synced = True
         self.version = version
+        self._history.committed(self._syncs)
         self._syncs += 1
 
     def close(self) -> None:

@@ -45,7 +45,7 @@ from .record import AdapterSyncRecord, SyncRecord
 from .reload import LOAD_ERROR_TAG, VLLMLoadError
 from .source import SyncSource
 from .verify import (
-    _UNIT_ROUNDOFF,
+    ProbeHistory,
     Verification,
     VerificationError,
     VerifyPolicy,
@@ -572,8 +572,7 @@ class VLLMServerSink:
         self.verify_tolerance = verify_tolerance
         #: Committed syncs (what ``verify=N`` counts).
         self._syncs = 0
-        #: The trainer's probe at the latest committed sync, if it was verified: ``(its index, log-probabilities)``.
-        self._last_probe: tuple[int, list[float]] | None = None
+        self._history = ProbeHistory()
 
     @property
     def client(self) -> VLLMServerClient:
@@ -736,12 +735,11 @@ class VLLMServerSink:
             # 3. verify (opt-in), still paused: the trainer's forward is a collective, so the ranks first agree
             #    that every server loaded; then every rank runs it, and each feeding rank probes its servers.
             verification: Verification | None = None
-            trainer_probe: list[float] | None = None
             if ids is not None and tx.vote("after loading", known=source.ended_early):
                 self._phase(mine)
                 digests: list[str] = []
                 with tx.attempt():
-                    verification, trainer_probe, digests = self._verify(stream, ids, mine)
+                    verification, digests = self._verify(stream, ids, mine)
                     fault_point("verify")
                 self._agree_on_weights(tx, digests)
             with tx.attempt() as go:
@@ -764,7 +762,7 @@ class VLLMServerSink:
                 # Raises on every rank alike after a failure (the votes told every rank), so the agreement below
                 # runs on the committed path only, on every rank.
                 tx.conclude(lambda: None, lambda error: self._abort(mine, error))
-                self._last_probe = (self._syncs, trainer_probe) if trainer_probe is not None else None
+                self._history.committed(self._syncs)
                 self._syncs += 1
             finally:
                 resume_failures = self._resume(mine, tx.error)
@@ -892,13 +890,14 @@ class VLLMServerSink:
     # -- verification (verify=) ---------------------------------------------------------------------------------------
     def _verify(
         self, stream: ParamStream, ids: list[int], mine: list[_Replica]
-    ) -> tuple[Verification | None, list[float], list[str]]:
+    ) -> tuple[Verification | None, list[str]]:
         """The trainer's probe (its forward: a collective under ZeRO-3 / FSDP, so every rank runs it), then each
         server this rank feeds checked against it. Returns this rank's worst server verification (``None`` when it
-        feeds none), the trainer's probe, and the weight digest of each server that passed."""
+        feeds none) and the weight digest of each server that passed."""
         t = time.perf_counter()
         trainer, scale = trainer_logprobs(stream.model, ids)
         trainer_s = time.perf_counter() - t
+        self._history.propose(self._syncs, trainer)
         trainer_dtype = next(stream.model.parameters()).dtype
         results: list[tuple[Verification, str]] = []
         for r in self._live(mine):
@@ -915,7 +914,7 @@ class VLLMServerSink:
         worst = max((v for v, _ in results), key=lambda v: v.max_abs_diff, default=None)
         if worst is not None:
             worst = dataclasses.replace(worst, stages={"trainer_s": trainer_s, **worst.stages})
-        return worst, [float(x) for x in trainer], digests
+        return worst, digests
 
     def _verify_replica(
         self, replica: _Replica, ids: list[int], trainer: Any, scale: float, trainer_dtype: Any
@@ -970,7 +969,18 @@ class VLLMServerSink:
                 max_abs_diff=math.inf,
                 tolerance=limit,
             )
-        self._check_changed(replica, probed, trainer, scale, engine_dtype, limit)
+        for k, rep in probed.items():
+            self._history.check(
+                self._syncs,
+                rep.get("before"),
+                rep["after"],
+                trainer,
+                scale,
+                engine_dtype,
+                limit,
+                self.rank,
+                f"{where}, worker {k}",
+            )
         assert verification is not None
         worker_s = {
             key: max(float(rep["seconds"].get(key, 0.0)) for rep in reports.values()) for key in first["seconds"]
@@ -978,31 +988,6 @@ class VLLMServerSink:
         verification = dataclasses.replace(verification, stages={**worker_s, "verify_call_s": call_s})
         digest = hashlib.sha256(json.dumps(sorted((k, sorted(v)) for k, v in layouts.items())).encode()).hexdigest()
         return verification, digest
-
-    def _check_changed(
-        self, replica: _Replica, probed: dict[int, dict[str, Any]], trainer: Any, scale: float, dtype: Any, limit: float
-    ) -> None:
-        """Fail a sync that changed nothing the server serves while the trainer's policy moved since the previous
-        committed sync (verified too) by more than one rounding of the served dtype: an update that never reached
-        the weights (a skipped load, a stale tensor) can be smaller than the tolerance and still be wrong."""
-        import torch
-
-        previous = self._last_probe
-        if previous is None or previous[0] != self._syncs - 1:
-            return  # the previous sync was not verified: what the trainer computed then is unknown
-        moved = float((trainer.double() - torch.tensor(previous[1]).double()).abs().max())
-        resolution = _UNIT_ROUNDOFF.get(dtype, 2.0**-8) * max(scale, 1.0)
-        if moved <= resolution:
-            return
-        for k, rep in probed.items():
-            if rep.get("before") is not None and rep["before"] == rep["after"]:
-                raise VerificationError(
-                    f"rank {self.rank}: verification failed (the vLLM server at {replica.url}, worker {k}): what it "
-                    f"serves did not change, bit for bit, while the trainer's probe moved by {moved:.4g} nats since "
-                    "the previous sync; the update did not reach its weights, so the sync is rolled back",
-                    max_abs_diff=moved,
-                    tolerance=limit,
-                )
 
     def _agree_on_weights(self, tx: Transaction, digests: list[str]) -> None:
         """A fleet: every rank learns whether the servers fed by different ranks hold the same weights. One
