@@ -155,6 +155,8 @@ def test_a_reused_sharded_stream_raises_on_every_rank_after_each_change(kind: st
     ranks = [results_of(r.output) for r in results]
     for events in ranks:
         assert find_event(events, "first", describe(results))["outcome"] == "ok"
+        e = find_event(events, "after-forward", describe(results))
+        assert e["outcome"] == "ok" and e["same"], e
         for change in ("set_adapter", "merge_adapter", "set_scale"):
             e = find_event(events, change, describe(results))
             assert e["outcome"] == "stale" and e["yielded"] == 0, (change, e)
@@ -188,3 +190,16 @@ def test_the_trl_hook_plans_again_when_the_adapter_state_changed_and_says_so_onc
     assert len(replans) == 1 and "active_adapters" in replans[0].getMessage(), caplog.records
     assert second is not first
     assert_matches(second, _forward_weights(model), tol=1e-6)  # b's merge, not a's
+
+
+def test_an_adapter_deleted_and_added_again_under_its_name_is_refused() -> None:
+    model = _two_adapters()
+    model.set_adapter("b")
+    stream = ParamStream(model, layout="memory")
+    model.add_adapter("c", LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False))
+    model.set_adapter("c")
+    model.delete_adapter("b")
+    model.add_adapter("b", LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False))
+    model.set_adapter("b")
+    with pytest.raises(StalePlanError, match="lora_A"):
+        list(stream)

@@ -379,7 +379,7 @@ def test_verification_catches_a_sync_that_changed_nothing_while_the_trainer_move
         def iter_groups(self):  # type: ignore[no-untyped-def,override]
             inner = super().iter_groups()
             with closing(inner):
-                for names, tensors in inner:
+                for names, _ in inner:
                     yield names, [previous[n] for n in names]
 
     with pytest.raises(VerificationError, match="did not change, bit for bit") as info:

@@ -260,7 +260,9 @@ def test_a_server_with_two_data_parallel_replicas_serves_every_sync_from_both(ch
         s.wait_ready(timeout=480)
         model = lora(AutoModelForCausalLM.from_pretrained(checkpoint), target_modules="all-linear", lora_alpha=16)
         expected = merged_copy(model)
-        sink = VLLMServerSink(s.url, lora_name="policy", timeout=120)
+        # The merged sync (the second) is verified: both replicas' workers probe, report and must hold the same
+        # bytes; the probe skips the adapter layers --enable-lora put in.
+        sink = VLLMServerSink(s.url, lora_name="policy", timeout=120, verify=lambda i: i == 1)
         assert sink.client.world_size() == 2  # both replicas' workers are in the group
         sink.sync(AdapterStream(model), version="a1")  # first: the servers' base is still the trainer's base
         for dp in (0, 1):
@@ -269,6 +271,8 @@ def test_a_server_with_two_data_parallel_replicas_serves_every_sync_from_both(ch
         for dp in (0, 1):
             assert_vllm_serves(server_generate(s.url, dp_rank=dp), expected)
         assert s.version() == "v1" and record.replicas == (s.url,)
+        v = record.verification
+        assert v is not None and v.max_abs_diff <= v.tolerance and {"probe_s", "digest_s"} <= set(v.stages), v
     finally:
         if sink is not None:
             sink.close()

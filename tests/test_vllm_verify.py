@@ -57,6 +57,7 @@ def test_verify_catches_every_corrupted_sync_on_a_server_and_a_fleet_and_passes_
             assert e["versions"] == versions, (name, e)
         v = r0[name]
         assert v["max_abs_diff"] is not None and v["max_abs_diff"] <= v["tolerance"], v
+        assert v["kept_bytes"] and v["kept_bytes"] > 0, v  # what the server's workers kept to undo it
         assert {"trainer_s", "probe_s", "probe_before_s", "digest_s"} <= set(v["stages"]), v
 
     def failed(name: str, feeder: int, versions: dict[str, str], why_text: str) -> None:

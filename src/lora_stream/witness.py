@@ -174,12 +174,21 @@ class PlanWitness:
         self._add(f"module {src!r}: its parameter {type(module).__name__}.{name}", read, _same_params, _without_objects)
 
     def tuner(self, layer: Any, src: str) -> None:
-        """A peft tuner layer's adapter state (:func:`tuner_state`)."""
+        """A peft tuner layer's adapter state (:func:`tuner_state`), and the modules holding each adapter's
+        factors (``lora_A``, ``lora_B``, DoRA's magnitude, ...): an adapter deleted and added again under the same
+        name has new factor modules, which the plan's references would not follow."""
         self._add(f"module {src!r}: adapter state", lambda: tuner_state(layer))
+        for attr in getattr(layer, "adapter_layer_names", ()):
+            container = getattr(layer, attr, None)
+            if container is not None and hasattr(container, "_modules") and container._modules:
+                self.module(container, f"{src}.{attr}" if src else attr)
 
     def wrapper(self, wrapper: Any, src: str) -> None:
-        """A peft ``modules_to_save`` wrapper's state (:func:`wrapper_state`)."""
+        """A peft ``modules_to_save`` wrapper's state (:func:`wrapper_state`) and its copies."""
         self._add(f"module {src!r}: modules_to_save state", lambda: wrapper_state(wrapper))
+        saved = getattr(wrapper, "modules_to_save", None)
+        if saved is not None and hasattr(saved, "_modules"):
+            self.module(saved, f"{src}.modules_to_save" if src else "modules_to_save")
 
     # -- what a pass checks ----------------------------------------------------------------------------------------
     def digest(self) -> str:

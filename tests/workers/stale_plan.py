@@ -2,11 +2,12 @@
 
 Usage: stale_plan.py KIND  (``fsdp2`` or ``zero3``)
 
-One stream is planned, then after each change -- ``set_adapter("b")``, ``merge_adapter()``, ``disable_adapter()``,
-``set_scale`` -- on both ranks, a pass over the same stream must raise ``StalePlanError`` on both ranks and yield
-nothing; after the change is undone, the stream yields bitwise what it yielded before. A change on rank 1 alone
-raises ``StalePlanError`` there and ``StreamAbortedError`` naming rank 1 on rank 0. A stream planned after
-``set_adapter("b")`` yields peft's merge of ``b``. Each outcome is one RESULT {json} line.
+One stream is planned. A no-grad forward changes nothing: the stream still yields what it yielded. After each
+change -- ``set_adapter("b")``, ``merge_adapter()``, ``disable_adapter()``, ``set_scale`` -- on both ranks, a pass
+over the same stream must raise ``StalePlanError`` on both ranks and yield nothing; after the change is undone, the
+stream yields bitwise what it yielded before. A change on rank 1 alone raises ``StalePlanError`` there and
+``StreamAbortedError`` naming rank 1 on rank 0. A stream planned after ``set_adapter("b")`` yields peft's merge of
+``b``. Each outcome is one RESULT {json} line.
 """
 
 from __future__ import annotations
@@ -89,6 +90,18 @@ def main() -> None:
     stream = ParamStream(target, layout="memory", timeout=60)
     outcome, first, _ = _pass(stream)
     report(rank=rank, event="first", outcome=outcome, tensors=len(first))
+    # A forward without a backward (an eval or logprob pass; the verification's probe) is no change: FSDP2 leaves
+    # the root's parameters unsharded then, registered as other objects.
+    with torch.no_grad():
+        target(input_ids=torch.tensor([[1, 2, 3, 4]]))
+    outcome, again, exc = _pass(stream)
+    report(
+        rank=rank,
+        event="after-forward",
+        outcome=outcome,
+        message=str(exc)[:400] if exc is not None else None,
+        same=outcome == "ok" and all(torch.equal(again[n], first[n]) for n in first),
+    )
 
     def set_scale(scale: float) -> None:
         for layer in _layers(peft_model):

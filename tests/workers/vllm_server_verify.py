@@ -138,6 +138,7 @@ def main() -> None:
                 "max_abs_diff": None if v is None else v.max_abs_diff,
                 "tolerance": None if v is None else v.tolerance,
                 "stages": None if v is None else v.stages,
+                "kept_bytes": record.stages.get("worker", {}).get("kept_bytes"),
             }
             for u in urls:
                 committed[u] = served(u)

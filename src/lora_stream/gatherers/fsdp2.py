@@ -57,6 +57,26 @@ def _whole(p: Any) -> torch.Tensor:
     return full
 
 
+def _fsdp_params(model: nn.Module) -> dict[tuple[int, str], Any]:
+    """``(id(module), parameter name) -> FSDPParam`` for every parameter ``fully_shard`` manages (tied ones under
+    each of their names); empty where torch's FSDP2 internals differ (the registered parameters are used then)."""
+    out: dict[tuple[int, str], Any] = {}
+    try:
+        for m in model.modules():
+            get_state = getattr(m, "_get_fsdp_state", None)
+            if get_state is None:
+                continue
+            for group in get_state()._fsdp_param_groups:
+                for fsdp_param in group.fsdp_params:
+                    info = fsdp_param._module_info
+                    out[(id(info.module), info.param_name)] = fsdp_param
+                    for shared, shared_name in zip(info.shared_modules, info.shared_param_names):
+                        out[(id(shared), shared_name)] = fsdp_param
+    except (AttributeError, AssertionError, TypeError):  # another torch's FSDP2 internals
+        return {}
+    return out
+
+
 @dataclass
 class _Layout:
     """One group's place in the buffer, kept with the buffer (``keep_bytes``) so that a sync does not rebuild the
@@ -114,6 +134,20 @@ class Fsdp2Gatherer(ShardedGathererBase):
         self._buffer: torch.Tensor | None = None
         #: The layouts of the groups gathered into the buffer (kept only with ``keep_bytes``).
         self._layouts: dict[tuple[int, ...], _Layout] = {}
+        self._fsdp_params = _fsdp_params(model)
+
+    def module_params(self, module: nn.Module) -> list[tuple[str, Any]]:
+        """``module``'s own parameters, each as its sharded DTensor whatever FSDP's state: after a forward that was
+        not followed by a backward (an eval or no-grad pass), ``fully_shard`` leaves the root's parameters
+        (embeddings, final norm, ``lm_head``) unsharded, registered as other objects that the next reshard frees."""
+        return [(n, self._sharded(module, n, p)) for n, p in module._parameters.items() if p is not None]
+
+    def param(self, module: nn.Module, name: str) -> Any:
+        return self._sharded(module, name, super().param(module, name))
+
+    def _sharded(self, module: nn.Module, name: str, registered: Any) -> Any:
+        fsdp_param = self._fsdp_params.get((id(module), name))
+        return fsdp_param.sharded_param if fsdp_param is not None else registered
 
     @property
     def reuses_buffers(self) -> bool:

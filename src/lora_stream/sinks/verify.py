@@ -195,15 +195,19 @@ class ProbeHistory:
     vanish in the served dtype, so it is not held against the engine; a larger one below the tolerance is exactly
     what the tolerance alone would let through.
 
-    A sink keeps one: :meth:`wants_before` (whether to probe the engine before loading this sync), :meth:`check`
-    after loading, :meth:`propose` with the trainer's probe, :meth:`committed` when the sync commits. The previous
-    sync must have been verified and committed; otherwise what the trainer computed then is unknown and nothing is
-    checked.
+    It applies only where both ends are known: the previous sync was verified and committed (so the trainer's probe
+    then is known), and the engine still serves what that commit left (its probe before loading equals the one
+    recorded then, bit for bit; a failed sync that was not rolled back, ``rollback=False``, leaves it elsewhere). So
+    ``verify=N`` with N > 1 never applies it.
+
+    A sink keeps one: :meth:`wants_before` (whether probing the engine before loading is worth it), :meth:`check`
+    after loading, :meth:`propose` with the trainer's and each engine's probe, :meth:`committed` when the sync
+    commits. ``key`` names the engine (a server's address; one in-process engine: ``"engine"``).
     """
 
     def __init__(self) -> None:
-        self._last: tuple[int, torch.Tensor] | None = None
-        self._pending: tuple[int, torch.Tensor] | None = None
+        self._last: tuple[int, torch.Tensor, dict[str, torch.Tensor]] | None = None
+        self._pending: tuple[int, torch.Tensor, dict[str, torch.Tensor]] | None = None
 
     def wants_before(self, index: int) -> bool:
         """Whether sync ``index`` (committed syncs before it) can be checked: the previous one was verified."""
@@ -212,6 +216,7 @@ class ProbeHistory:
     def check(
         self,
         index: int,
+        key: str,
         before: Any,
         after: Any,
         trainer: torch.Tensor,
@@ -221,15 +226,19 @@ class ProbeHistory:
         rank: int,
         where: str,
     ) -> None:
-        """Raise :class:`VerificationError` if sync ``index`` served ``after`` equal to ``before`` while the trainer
-        moved (see the class)."""
+        """Raise :class:`VerificationError` if sync ``index`` left engine ``key`` serving ``after`` equal to
+        ``before`` while the trainer moved (see the class)."""
         if before is None or after is None or not self.wants_before(index):
             return
         assert self._last is not None
-        moved = float((trainer.double() - self._last[1].double()).abs().max())
+        _, previous, served = self._last
+        before_t = torch.as_tensor(before, dtype=torch.float64)
+        if key not in served or not torch.equal(before_t, served[key]):
+            return  # the engine is not where the last commit left it: what it should serve now is unknown
+        moved = float((trainer.double() - previous.double()).abs().max())
         if moved <= _UNIT_ROUNDOFF.get(dtype, 2.0**-8) * max(scale, 1.0):
             return
-        if torch.equal(torch.as_tensor(before, dtype=torch.float64), torch.as_tensor(after, dtype=torch.float64)):
+        if torch.equal(before_t, torch.as_tensor(after, dtype=torch.float64)):
             raise VerificationError(
                 f"rank {rank}: verification failed{where}: what the engine serves did not change, bit for bit, while "
                 f"the trainer's probe moved by {moved:.4g} nats since the previous sync; the update did not reach "
@@ -238,12 +247,15 @@ class ProbeHistory:
                 tolerance=limit,
             )
 
-    def propose(self, index: int, trainer: torch.Tensor) -> None:
-        """The trainer's probe of sync ``index``, now deciding."""
-        self._pending = (index, trainer.detach().clone())
+    def propose(self, index: int, trainer: torch.Tensor, key: str | None = None, served: Any = None) -> None:
+        """Sync ``index``, now deciding: the trainer's probe, and (``key``) what that engine serves after loading."""
+        if self._pending is None or self._pending[0] != index:
+            self._pending = (index, trainer.detach().double().clone(), {})
+        if key is not None and served is not None:
+            self._pending[2][key] = torch.as_tensor(served, dtype=torch.float64).clone()
 
     def committed(self, index: int) -> None:
-        """Sync ``index`` committed: its trainer probe, if it was verified, is the next sync's reference."""
+        """Sync ``index`` committed: its probes, if it was verified, are the next sync's reference."""
         pending, self._pending = self._pending, None
         self._last = pending if pending is not None and pending[0] == index else None
 
@@ -302,6 +314,6 @@ def verify_engine(
         limit = tolerance(config.dtype, next(model.parameters()).dtype, layers, scale)
     result = compare(engine, trainer, limit, time.perf_counter() - start, rank, where)
     if history is not None:
-        history.check(index, before, engine, trainer, scale, config.dtype, limit, rank, where)
-        history.propose(index, trainer)
+        history.check(index, "engine", before, engine, trainer, scale, config.dtype, limit, rank, where)
+        history.propose(index, trainer, "engine", engine)
     return dataclasses.replace(result, stages={"trainer_s": trainer_s, "probe_s": probe_s})

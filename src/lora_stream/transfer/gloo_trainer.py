@@ -112,6 +112,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
     #: The verification probe the workers run through the weights they serve before loading this sync's update
     #: (``None``: this sync is not verified), set by the sink per sync.
     probe_ids: list[int] | None = None
+    #: A verified sync: the workers digest every tensor they receive (set by the sink per sync).
+    digest_received: bool = False
     #: Seconds of the latest ``send_weights`` by stage: ``produce_s`` (waiting for the stream: gathers and merges),
     #: ``pack_s`` (copies into the packing buffers), ``send_wait_s`` (waiting for broadcasts), ``sent_bytes`` (what
     #: this rank broadcast, over every server it fed in the pass), ``http_s`` (the
@@ -196,6 +198,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             "adapter": None if adapter is None else {**adapter, "keep": self.adapter_keep},
             "rollback": self.keep_previous,
             "probe_ids": self.probe_ids,
+            "digest": self.digest_received,
         }
 
     def conclude(self, commit: bool, version: str | None) -> None:
