@@ -79,6 +79,12 @@ def test_verify_catches_every_corrupted_sync_on_a_server_and_a_fleet_and_passes_
     failed("server-stale", 0, {a.url: "v1"}, "did not change, bit for bit")
     ok("server-v2", {a.url: "v2"})
 
+    before = r0["versions-before-probe-error"]["versions"]
+    for feeder in (0, 1):
+        e = (r0, r1)[feeder]["fleet-probe-error"]
+        assert e["outcome"] == "raised" and "could not run" in e["message"], e
+        assert e["versions"] == before, e
+    assert all(r0["fleet-probe-error"]["outputs_unchanged"].values()), r0["fleet-probe-error"]
     ok("fleet-v3", {a.url: "v3", b.url: "v3"})
     assert r1["fleet-double"]["hits"] == 1 and r0["fleet-double"]["hits"] == 0
     failed("fleet-double", 1, {a.url: "v3", b.url: "v3"}, "differ from the trainer's forward")

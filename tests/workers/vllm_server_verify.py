@@ -7,7 +7,8 @@ receives (``gloo_trainer._start`` patched on the rank that feeds it): a module's
 previous sync's chunks sent again (the load "skipped"). In order:
   server (A, fed by rank 0):  v1 correct; double; drop (both fail, A keeps v1 and its outputs); a small step sent
                               stale (fails on "it changed"); v2 correct.
-  fleet (A by rank 0, B by rank 1): v3 correct; double on B only; a small step, stale on B only; one element of B
+  fleet (A by rank 0, B by rank 1): a probe the workers cannot run (fails, nothing changes);
+                              v3 correct; double on B only; a small step, stale on B only; one element of B
                               nudged below the probe's tolerance (the servers' digests differ); v4 correct.
 Every outcome is one RESULT {json} line, with the servers' versions and whether their outputs equal the last
 committed version's.
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from helpers import finish, lora, perturb_adapters, report, server_generate
 from transformers import AutoModelForCausalLM
 
+import lora_stream.sinks.vllm_server as vllm_server
 import lora_stream.transfer.gloo_trainer as gloo_trainer
 from lora_stream import ParamStream, VLLMServerSink
 from lora_stream.sinks.verify import probe_ids, tolerance, trainer_logprobs
@@ -160,6 +162,22 @@ def main() -> None:
     server.close()
 
     fleet = VLLMServerSink([url_a, url_b], rank=rank, timeout=60, verify=True)
+    # A probe the workers cannot run (token ids beyond the vocabulary): each reports the error instead of raising
+    # (an error would end vLLM's update session with the update still loaded), and the sync rolls back.
+    client_cls = vllm_server.VLLMServerClient
+    real_update = client_cls.update_weights
+
+    def beyond_vocabulary(self: Any, update_info: dict[str, Any]) -> None:
+        if update_info.get("command") == "verify":
+            update_info = {**update_info, "probe_ids": [5000] * 16}
+        real_update(self, update_info)
+
+    client_cls.update_weights = beyond_vocabulary  # type: ignore[method-assign]
+    versions_before = {u: _version(u) for u in fleet.urls}
+    committed[url_b] = served(url_b)  # B serves its checkpoint so far
+    sync(fleet, "fleet-probe-error", "x0")
+    report(rank=rank, event="versions-before-probe-error", versions=versions_before)
+    client_cls.update_weights = real_update  # type: ignore[method-assign]
     sync(fleet, "fleet-v3", "v3")
     sync(fleet, "fleet-double", "x4", "double", url_b)
     moved = small_step(model, ids, 2 * resolution, limit / 2)

@@ -949,6 +949,14 @@ class VLLMServerSink:
                 max_abs_diff=math.inf,
                 tolerance=0.0,
             )
+        failed = {k: rep["error"] for k, rep in reports.items() if "error" in rep}
+        if failed:
+            raise VerificationError(
+                f"rank {self.rank}: verification failed{where}: the probe could not run on worker(s) "
+                f"{sorted(failed)} ({next(iter(failed.values()))}); the sync is rolled back",
+                max_abs_diff=math.inf,
+                tolerance=0.0,
+            )
         first = next(iter(reports.values()))
         engine_dtype = getattr(torch, str(first["dtype"]), torch.bfloat16)
         limit = self.verify_tolerance

@@ -116,10 +116,6 @@ def _causal_attention(
     return output
 
 
-def _no_adapter(*args: Any, **kwargs: Any) -> None:
-    """Stands in for a punica wrapper's ``add_*`` (they add an adapter's term to their output in place)."""
-
-
 def probe_logprobs(model: torch.nn.Module, vllm_config: Any, ids: list[int], device: Any) -> list[float] | None:
     """The served model's log-probability of each probe token after the first (``len(ids) - 1`` values), from one
     forward of ``ids`` as a single prompt; ``None`` on a worker that holds no gathered logits (tensor parallelism).
@@ -139,14 +135,15 @@ def probe_logprobs(model: torch.nn.Module, vllm_config: Any, ids: list[int], dev
             impl = layer.impl
             impl.forward = functools.partial(_causal_attention, impl)  # this instance only, undone below
             patched.append((impl, "forward"))
-        # A server with --enable-lora wraps its layers for adapters; their punica wrapper holds the token-to-adapter
-        # map of the latest batch, which the probe is not. The probe is the base model's (what a merged sync
-        # serves to a request without an adapter): every adapter addition is skipped for the call.
-        for wrapper in {id(w): w for w in (getattr(m, "punica_wrapper", None) for m in model.modules()) if w}.values():
-            for name in dir(type(wrapper)):
-                if name.startswith("add_") and callable(getattr(wrapper, name, None)):
-                    setattr(wrapper, name, _no_adapter)
-                    patched.append((wrapper, name))
+        # A server with --enable-lora wraps its layers for adapters, and the wrappers read the token-to-adapter map
+        # of the latest batch (punica's indices), which the probe is not part of. The probe is the base model's
+        # (what a merged sync serves to a request without an adapter): each wrapper runs its base layer, which
+        # holds the served weights, for the call.
+        for m in model.modules():
+            base = getattr(m, "base_layer", None)
+            if isinstance(base, torch.nn.Module) and hasattr(m, "punica_wrapper"):
+                m.forward = base.forward
+                patched.append((m, "forward"))
         with torch.inference_mode(), set_forward_context(None, vllm_config, num_tokens=n, slot_mapping={}):
             hidden = model(input_ids=input_ids, positions=positions)
             logits = model.compute_logits(hidden)  # type: ignore[operator]

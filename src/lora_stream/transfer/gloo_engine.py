@@ -499,14 +499,22 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         if self.group is None:
             raise RuntimeError("lora_stream: verify outside an update: the weight transfer is not initialized")
         clock = time.perf_counter
-        t = clock()
-        after = self._probe(ids) if ids else None
-        probe_s = clock() - t
-        t = clock()
-        layout = self._layout()
-        digest = replica_digest(weight_digests(self.model, layout))
-        digest_s = clock() - t + self._received_digest_s
         config = self.model_config
+        try:
+            t = clock()
+            after = self._probe(ids) if ids else None
+            probe_s = clock() - t
+            t = clock()
+            layout = self._layout()
+            digest = replica_digest(weight_digests(self.model, layout))
+            digest_s = clock() - t + self._received_digest_s
+        except Exception as exc:
+            # Reported, never raised: an error from an update ends vLLM's update session, and the loaded update
+            # would then stay in place without the trainer's decision (its rollback refused). The trainer fails
+            # the verification with this reason and rolls the update back.
+            error = {"error": f"{type(exc).__name__}: {exc}"[:500], "layout": self._layout()}
+            self.group.store.set(VERIFY_KEY.format(rank=self._rank), json.dumps(error))
+            return
         report = {
             "before": self._probe_before,
             "after": after,
