@@ -99,6 +99,13 @@ def require(module: str) -> ModuleType:
     return pytest.importorskip(module)
 
 
+def unavailable(reason: str) -> None:
+    """Something the test needs is missing here: skip, or in CI (LORA_STREAM_REQUIRE_ALL=1) fail, as ``require``."""
+    if os.environ.get("LORA_STREAM_REQUIRE_ALL") == "1":
+        pytest.fail(f"required in CI: {reason}")
+    pytest.skip(reason)
+
+
 def tiny_llama(
     *,
     tie: bool = False,

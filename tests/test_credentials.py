@@ -21,6 +21,7 @@ from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import pytest
+from helpers import require, unavailable
 from launch import free_port
 from torch import nn
 
@@ -157,12 +158,13 @@ def test_the_trl_hooks_repr_shows_no_key(shown: list[Any]) -> None:
 
 
 def test_the_trl_hooks_options_differ_error_shows_no_key_and_compares_the_real_values(shown: list[Any]) -> None:
+    require("trl")
     from lora_stream.integrations.trl import UnsupportedTrlError, _check_version, use_lora_stream
 
     try:
         _check_version()
     except UnsupportedTrlError as exc:
-        pytest.skip(str(exc))
+        unavailable(str(exc))
     trainer, hook = _installed_hook()
     same = {"api_key": KEY, "checkpoint": False, "pause": "wait"}
     assert use_lora_stream(trainer, sink_options=same) is hook  # the same real values: the installed hook

@@ -20,7 +20,7 @@ import sys
 
 import pytest
 import torch
-from helpers import VLLM_ENV, lora, require, save_for_vllm, vllm_engine
+from helpers import VLLM_ENV, lora, require, save_for_vllm, unavailable, vllm_engine
 
 from lora_stream import ParamStream, VLLMColocatedSink
 
@@ -34,7 +34,7 @@ def _malloc_trim() -> None:
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (AttributeError, OSError):  # not glibc
-        pytest.skip("needs glibc's malloc_trim to measure freed memory")
+        unavailable("needs glibc's malloc_trim to measure freed memory")
 
 
 def settled_rss() -> int:
@@ -66,7 +66,7 @@ def packed_llama():  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     if not sys.platform.startswith("linux"):
-        pytest.skip("reads /proc/self/statm")
+        unavailable("reads /proc/self/statm")
     require("vllm")
     path = save_for_vllm(packed_llama(), str(tmp_path_factory.mktemp("packed")))
     return path, vllm_engine(path)
