@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import hashlib
-import json
 import logging
 import math
 import threading
@@ -913,15 +911,7 @@ class VLLMServerSink:
         results: list[tuple[Verification, str]] = []
         for r in self._live(mine):
             self._on(r, lambda r=r: results.append(self._verify_replica(r, ids, trainer, scale, trainer_dtype)))
-        digests = [d for _, d in results]
-        if len(set(digests)) > 1:
-            raise VerificationError(
-                f"rank {self.rank}: the vLLM servers {', '.join(r.url for r in self._live(mine))} do not hold the same "
-                "weights after this sync (their weight digests differ), although every one passed its probe; the sync "
-                "is rolled back",
-                max_abs_diff=math.inf,
-                tolerance=0.0,
-            )
+        digests = [d for _, d in results]  # compared across every server of the fleet by _agree_on_weights
         worst = max((v for v, _ in results), key=lambda v: v.max_abs_diff, default=None)
         if worst is not None:
             worst = dataclasses.replace(worst, stages={"trainer_s": trainer_s, **worst.stages})
@@ -1008,28 +998,31 @@ class VLLMServerSink:
             key: max(float(rep["seconds"].get(key, 0.0)) for rep in reports.values()) for key in first["seconds"]
         }
         verification = dataclasses.replace(verification, stages={**worker_s, "verify_call_s": call_s})
-        digest = hashlib.sha256(json.dumps(sorted((k, sorted(v)) for k, v in layouts.items())).encode()).hexdigest()
+        from ..transfer.engine_probe import replica_digest
+
+        digest = replica_digest({layout: ",".join(sorted(ds)) for layout, ds in layouts.items()})
         return verification, digest
 
     def _agree_on_weights(self, tx: Transaction, digests: list[str]) -> None:
-        """A fleet: every rank learns whether the servers fed by different ranks hold the same weights. One
-        exchange of 128 bits on every rank alike (each rank's servers' common digest, 64 of its bits each as
-        "is 1" and "is 0"; none from a rank whose servers failed or that feeds none): the servers agree iff no
-        bit is both."""
+        """A fleet: every rank learns whether its servers, and the servers fed by the other ranks, hold the same
+        weights. One exchange of 128 bits on every rank alike (64 bits of each server's digest, each as "is 1" and
+        "is 0"; none from a server that failed, or from a rank that feeds none): the servers agree iff no bit is
+        both."""
         if len(self.replicas) < 2:
             return
         bits = [False] * 128
-        if digests:
-            value = int(digests[0][:16], 16)
+        for digest in digests:
+            value = int(digest[:16], 16)
             for i in range(64):
                 one = bool(value >> i & 1)
-                bits[i], bits[64 + i] = one, not one
+                bits[i] |= one
+                bits[64 + i] |= not one
         agreed = tx.any_of(bits, "comparing the servers' weights")
         if agreed is not None and any(agreed[i] and agreed[64 + i] for i in range(64)):
             tx._record(
                 VerificationError(
                     f"rank {self.rank}: the vLLM servers of the fleet do not hold the same weights after this sync "
-                    "(their weight digests differ between the trainer ranks that feed them; servers of different "
+                    "(their weight digests differ, whichever trainer ranks feed them; servers of different "
                     "parallel layouts cannot be compared); the sync is rolled back on every server",
                     max_abs_diff=math.inf,
                     tolerance=0.0,
