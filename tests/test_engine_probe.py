@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lora_stream.transfer.engine_probe import _causal_attention, _window, probe_refusal
+from lora_stream.engine.probe import _causal_attention, _window, probe_refusal
 
 
 def _impl(**kw: object) -> SimpleNamespace:

@@ -24,7 +24,7 @@ SECRET = secrets.token_hex(16)
 
 def _start(rank: int, groups: dict[int, Any], *args: Any, **kwargs: Any) -> threading.Thread:
     """Join the group as ``rank`` on a thread; the group (or the exception) lands in ``groups[rank]``."""
-    from lora_stream.transfer.gloo_engine import TransferGroup
+    from lora_stream.transfer.group import TransferGroup
 
     def join() -> None:
         try:
@@ -38,7 +38,7 @@ def _start(rank: int, groups: dict[int, Any], *args: Any, **kwargs: Any) -> thre
 
 
 def _pair(timeout_s: float, address: str = "127.0.0.1") -> dict[int, Any]:
-    from lora_stream.transfer.gloo_engine import TransferGroup
+    from lora_stream.transfer.group import TransferGroup
 
     listener = TransferGroup.listen(address)
     port, groups = listener.getsockname()[1], {}
@@ -133,7 +133,7 @@ def test_the_store_and_the_gloo_listeners_bind_only_the_given_address() -> None:
 
 
 def test_an_ipv6_address_binds_an_ipv6_socket() -> None:
-    from lora_stream.transfer.gloo_engine import TransferGroup
+    from lora_stream.transfer.group import TransferGroup
 
     try:
         listener = TransferGroup.listen("::1")
@@ -145,7 +145,7 @@ def test_an_ipv6_address_binds_an_ipv6_socket() -> None:
 
 
 def test_a_process_without_the_secret_cannot_join_and_the_members_still_broadcast() -> None:
-    from lora_stream.transfer.gloo_engine import TransferGroup
+    from lora_stream.transfer.group import TransferGroup
 
     listener = TransferGroup.listen("127.0.0.1")
     port, groups, intruder = listener.getsockname()[1], {}, {}
@@ -173,7 +173,7 @@ def test_a_process_that_lists_the_store_keys_learns_neither_the_secret_nor_a_way
 
     import torch.distributed as dist
 
-    from lora_stream.transfer.gloo_engine import TransferGroup
+    from lora_stream.transfer.group import TransferGroup
 
     listener = TransferGroup.listen("127.0.0.1")
     port, groups = listener.getsockname()[1], {}
@@ -204,7 +204,7 @@ def test_a_process_that_lists_the_store_keys_learns_neither_the_secret_nor_a_way
 def test_a_value_written_without_the_secret_is_refused_not_used() -> None:
     import torch.distributed as dist
 
-    from lora_stream.transfer.gloo_engine import _SealedStore
+    from lora_stream.transfer.group import _SealedStore
 
     raw = dist.HashStore()
     sealed = _SealedStore(raw, SECRET)
@@ -224,7 +224,7 @@ def test_a_value_written_without_the_secret_is_refused_not_used() -> None:
 
 
 def test_a_group_without_a_secret_is_refused() -> None:
-    from lora_stream.transfer.gloo_engine import TransferGroup
+    from lora_stream.transfer.group import TransferGroup
 
     with pytest.raises(ValueError, match="secret"):
         TransferGroup("127.0.0.1", 1, 1, 2, 1.0, secret="")
@@ -236,7 +236,8 @@ def test_the_sink_binds_the_port_it_sends_and_a_new_secret_for_every_group(monke
     ``repr``."""
     require("vllm")
     from lora_stream.sinks import vllm_server
-    from lora_stream.transfer.gloo_engine import GlooInitInfo, TransferGroup
+    from lora_stream.transfer.group import TransferGroup
+    from lora_stream.transfer.protocol import TransferInitInfo
 
     real_listen = TransferGroup.listen
 
@@ -258,7 +259,7 @@ def test_the_sink_binds_the_port_it_sends_and_a_new_secret_for_every_group(monke
 
         def init_weight_transfer_engine(self, payload: dict[str, Any]) -> None:
             self.payloads.append(payload)
-            info = GlooInitInfo(**payload)
+            info = TransferInitInfo(**payload)
             assert "secret" not in repr(info) and info.secret not in repr(info)
             self.workers.append(
                 TransferGroup(
@@ -290,12 +291,12 @@ def test_the_sink_binds_the_port_it_sends_and_a_new_secret_for_every_group(monke
 @pytest.mark.parametrize("side", ["trainer", "worker"])
 def test_shutdown_tears_the_group_down_and_a_waiting_peer_fails_at_once(side: str) -> None:
     require("vllm")
-    from lora_stream.transfer.gloo_engine import GlooWeightTransferEngine
-    from lora_stream.transfer.gloo_trainer import GlooTrainerWeightTransferEngine
+    from lora_stream.engine.receiver import WorkerTransferEngine
+    from lora_stream.transfer.sender import TrainerTransferEngine
 
     groups = _pair(timeout_s=30.0)
     mine, peer = (groups[0], groups[1]) if side == "trainer" else (groups[1], groups[0])
-    cls = GlooTrainerWeightTransferEngine if side == "trainer" else GlooWeightTransferEngine
+    cls = TrainerTransferEngine if side == "trainer" else WorkerTransferEngine
     engine = cls.__new__(cls)  # only shutdown() is exercised: no server or model is needed for it
     engine.group = mine
     pending = peer.pg.broadcast([torch.zeros(4)], _root_from(0 if side == "trainer" else 1))  # waits for `mine`
@@ -326,8 +327,8 @@ def test_a_forged_rendezvous_value_fails_the_worker_and_the_trainer_with_an_erro
 
     import torch.distributed as dist
 
-    from lora_stream.transfer.gloo_engine import TransferGroup
-    from lora_stream.transfer.gloo_trainer import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
+    from lora_stream.transfer.group import TransferGroup
+    from lora_stream.transfer.sender import TrainerTransferEngine, TrainerTransferInitInfo
 
     worker: dict[int, Any] = {}
 
@@ -348,9 +349,9 @@ def test_a_forged_rendezvous_value_fails_the_worker_and_the_trainer_with_an_erro
 
     start = time.monotonic()
     # gloo retries the trainer's wait for a worker's connection 5 times: a short timeout keeps the test short.
-    info = GlooTrainerInitInfo(master_address="127.0.0.1", world_size=2, timeout_s=1.0, rank=0)
+    info = TrainerTransferInitInfo(master_address="127.0.0.1", world_size=2, timeout_s=1.0, rank=0)
     with pytest.raises(Exception) as raised:  # the server's refusal, as TransferError or as it raised it
-        GlooTrainerWeightTransferEngine.trainer_init(info, client=Server())
+        TrainerTransferEngine.trainer_init(info, client=Server())
     assert "failed authentication" in str(worker[1]), worker
     assert "failed authentication" in str(raised.value), raised.value
     assert time.monotonic() - start < 20
@@ -360,7 +361,7 @@ def test_the_nccl_transport_is_refused_where_a_member_has_no_gpu_before_the_grou
     """nccl and gloo share the rendezvous and everything above it; a member without CUDA refuses nccl at once, with
     the alternative, instead of failing inside NCCL (or waiting for peers). An unknown transport is refused too."""
     require("vllm")
-    from lora_stream.transfer.gloo_engine import TransferGroup
+    from lora_stream.transfer.group import TransferGroup
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the refusal is for members without one")

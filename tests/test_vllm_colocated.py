@@ -295,7 +295,7 @@ def test_a_failure_at_any_point_leaves_the_engine_bit_identical_and_the_next_syn
 
 
 def test_a_prefix_cache_that_refuses_to_reset_fails_the_sync_and_rolls_it_back(untied) -> None:  # type: ignore[no-untyped-def]
-    from lora_stream.sinks.vllm_colocated import PrefixCacheError
+    from lora_stream.sinks.prefix_cache import PrefixCacheError
 
     path, llm = untied
     pm = _two_versions(path)

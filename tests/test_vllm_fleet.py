@@ -132,9 +132,10 @@ class _FakeServer:
         return 1
 
     def init_weight_transfer_engine(self, payload: dict) -> None:  # type: ignore[type-arg]
-        from lora_stream.transfer.gloo_engine import GlooInitInfo, TransferGroup
+        from lora_stream.transfer.group import TransferGroup
+        from lora_stream.transfer.protocol import TransferInitInfo
 
-        info = GlooInitInfo(**payload)
+        info = TransferInitInfo(**payload)
         self.worker = TransferGroup(
             info.master_address, info.master_port, 1, info.world_size, info.timeout_s, secret=info.secret
         )
@@ -162,17 +163,17 @@ class _FakeServer:
 
 
 def _engines(servers: list[_FakeServer]) -> list[Any]:
-    from lora_stream.transfer.gloo_trainer import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
+    from lora_stream.transfer.sender import TrainerTransferEngine, TrainerTransferInitInfo
 
-    info = GlooTrainerInitInfo(master_address="127.0.0.1", world_size=2, timeout_s=20.0, buffer_bytes=256, rank=0)
-    return [GlooTrainerWeightTransferEngine.trainer_init(info, client=s) for s in servers]
+    info = TrainerTransferInitInfo(master_address="127.0.0.1", world_size=2, timeout_s=20.0, buffer_bytes=256, rank=0)
+    return [TrainerTransferEngine.trainer_init(info, client=s) for s in servers]
 
 
 def test_one_pass_reaches_every_group_and_a_group_that_fails_is_dropped_while_the_others_get_every_byte() -> None:
     require("vllm")
     import torch
 
-    from lora_stream.transfer.gloo_trainer import send_to_engines
+    from lora_stream.transfer.sender import send_to_engines
 
     source = _Source()
     servers = [_FakeServer(), _FakeServer(die_after=1), _FakeServer()]
@@ -195,7 +196,7 @@ def test_one_pass_reaches_every_group_and_a_group_that_fails_is_dropped_while_th
 def test_without_a_failure_policy_a_group_that_fails_ends_the_pass() -> None:
     require("vllm")
     from lora_stream import TransferError
-    from lora_stream.transfer.gloo_trainer import send_to_engines
+    from lora_stream.transfer.sender import send_to_engines
 
     engines = _engines([_FakeServer(), _FakeServer(die_after=1)])
     try:
@@ -225,7 +226,7 @@ def test_what_excludes_a_server_and_what_fails_the_sync_everywhere() -> None:
     require("vllm")
     from lora_stream import TransferError, VLLMLoadError
     from lora_stream.errors import UnsupportedAdapterError
-    from lora_stream.sinks.vllm_colocated import PrefixCacheError
+    from lora_stream.sinks.prefix_cache import PrefixCacheError
     from lora_stream.sinks.vllm_server import ServerError, is_replica_failure
 
     for error in (ServerError("down"), TransferError("broke"), PrefixCacheError("stuck"), TimeoutError()):

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from lora_stream.vllm_guard import WeightRoutesGuard
+from lora_stream.engine.guard import WeightRoutesGuard
 
 KEY = "guard-test-key"
 

@@ -189,7 +189,7 @@ def test_server_stopping_mid_transfer_raises_on_every_trainer_rank(checkpoint: s
         s.stop()
 
 
-GUARD = "lora_stream.vllm_guard.WeightRoutesGuard"
+GUARD = "lora_stream.engine.guard.WeightRoutesGuard"
 DEV_ROUTES = [
     ("POST", "init_weight_transfer_engine"),
     ("POST", "start_weight_update"),
@@ -237,7 +237,7 @@ def test_guard_without_a_key_configured_refuses_instead_of_running_open() -> Non
     """The guard is ASGI: exercise it on a bare app, without a server, for the no-key configuration."""
     import asyncio
 
-    from lora_stream.vllm_guard import WeightRoutesGuard
+    from lora_stream.engine.guard import WeightRoutesGuard
 
     calls = []
 

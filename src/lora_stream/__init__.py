@@ -33,6 +33,7 @@ from .sinks import (
     CheckpointError,
     CheckpointMismatchError,
     LeaseExpiredError,
+    PrefixCacheError,
     SafetensorsSink,
     ServerError,
     Sink,
@@ -44,7 +45,6 @@ from .sinks import (
     save_merged,
 )
 from .sinks.verify import Verification, VerificationError, VerifyPolicy
-from .sinks.vllm_colocated import PrefixCacheError
 from .stream import ParamMeta, ParamStream, PassState, StreamPass, StreamStats, stream_merged_params
 from .transaction import FAULT_POINTS, Transaction, set_fault_hook
 

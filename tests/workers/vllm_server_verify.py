@@ -3,7 +3,7 @@
 Usage: vllm_server_verify.py URL_A URL_B CHECKPOINT   (both servers serve CHECKPOINT in bfloat16)
 
 Each rank holds the whole LoRA model (replicated, as under DDP). Corruption is injected into the bytes one server
-receives (``gloo_trainer._start`` patched on the rank that feeds it): a module's delta doubled, or dropped, or the
+receives (``sender._start`` patched on the rank that feeds it): a module's delta doubled, or dropped, or the
 previous sync's chunks sent again (the load "skipped"). In order:
   server (A, fed by rank 0):  v1 correct; double; drop (both fail, A keeps v1 and its outputs); a small step sent
                               stale (fails on "it changed"); v2 correct.
@@ -25,7 +25,7 @@ from helpers import finish, lora, perturb_adapters, report, server_generate
 from transformers import AutoModelForCausalLM
 
 import lora_stream.sinks.vllm_server as vllm_server
-import lora_stream.transfer.gloo_trainer as gloo_trainer
+import lora_stream.transfer.sender as sender
 from lora_stream import ParamStream, VLLMServerSink
 from lora_stream.sinks.verify import probe_ids, tolerance, trainer_logprobs
 
@@ -45,8 +45,8 @@ class Tamper:
         self.previous: dict[str, list[torch.Tensor]] = {}
         self.count: dict[str, int] = {}
         self.hits = 0
-        self._start = gloo_trainer._start
-        gloo_trainer._start = self.start  # type: ignore[assignment]
+        self._start = sender._start
+        sender._start = self.start  # type: ignore[assignment]
 
     def begin(self, mode: str | None, victim: str | None, model: Any = None) -> None:
         self.mode, self.victim, self.hits = mode, victim, 0

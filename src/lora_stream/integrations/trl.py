@@ -29,10 +29,10 @@ from typing import Any
 
 from ..adapter import AdapterStream
 from ..coordination import Coordinator
+from ..engine.adapter_staging import AdapterLoadError
 from ..errors import LoraStreamError
 from ..lockstep import describe_error
 from ..redaction import redact
-from ..sinks.adapter_loader import AdapterLoadError
 from ..sinks.preflight import CheckpointMismatchError
 from ..sinks.record import SyncRecord
 from ..stream import ParamStream

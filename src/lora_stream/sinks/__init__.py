@@ -2,15 +2,19 @@
 
 Every sink implements :class:`Sink`. The vLLM sinks share their parts and differ only in transport: one pre-flight
 (:func:`preflight`), one description of what is sent (:class:`SyncSource`, which also builds the
-:class:`SyncRecord`), and one reload bracket with its reload check (:class:`ReloadBracket`), run in the
-trainer's process, in an engine's child process, or in a vLLM server's worker.
+:class:`SyncRecord`), one prefix-cache reset (:mod:`~lora_stream.sinks.prefix_cache`), and one reload bracket with its
+reload check (:class:`~lora_stream.engine.reload.ReloadBracket`), which runs on the engine's side: in the trainer's
+process, in an engine's child process, or in a vLLM server's worker (:mod:`lora_stream.engine`).
 """
 
 from __future__ import annotations
 
-from .adapter_loader import AdapterLoadError
+from ..engine.adapter_staging import AdapterLoadError
+from ..engine.reload import VLLMLoadError
 from .base import Sink
 from .checkpoint import CheckpointError, SafetensorsSink, save_merged
+from .local_engine import WORKER_EXTENSION
+from .prefix_cache import PrefixCacheError
 from .preflight import (
     CheckpointMismatchError,
     EngineCheckpoint,
@@ -20,9 +24,8 @@ from .preflight import (
     preflight,
 )
 from .record import AdapterSyncRecord, SyncRecord
-from .reload import LoadReport, ReloadBracket, VLLMLoadError
 from .source import SyncSource
-from .vllm_colocated import WORKER_EXTENSION, VLLMColocatedSink
+from .vllm_colocated import VLLMColocatedSink
 from .vllm_lora import VLLMLoRASink
 from .vllm_server import LeaseExpiredError, ServerError, VLLMServerClient, VLLMServerSink
 
@@ -33,8 +36,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
     "EngineCheckpoint",
-    "LoadReport",
-    "ReloadBracket",
+    "PrefixCacheError",
     "SafetensorsSink",
     "LeaseExpiredError",
     "ServerError",

@@ -17,7 +17,7 @@ class Sink(Protocol):
     :class:`~lora_stream.VLLMColocatedSink` and :class:`~lora_stream.VLLMServerSink` implement it; a new sink
     implements it the same way, usually on top of :class:`~lora_stream.sinks.source.SyncSource` (what to send, with
     the record of what went out), :func:`~lora_stream.sinks.preflight.preflight` and, for vLLM,
-    :class:`~lora_stream.sinks.reload.ReloadBracket`.
+    :class:`~lora_stream.engine.reload.ReloadBracket`.
     """
 
     #: Short name used in records and logs ("vllm-colocated", "vllm-server/gloo").

@@ -48,7 +48,7 @@ class SyncRecord:
     #: Servers excluded from the previous sync that took this one: they serve the full current weights again.
     readmitted: tuple[str, ...] = ()
     #: The sync committed, but resuming generation failed on a server (every rank records it alike; the server's
-    #: lease resumes it, :mod:`lora_stream.vllm_lease`): what failed, or ``None``.
+    #: lease resumes it, :mod:`lora_stream.engine.lease`): what failed, or ``None``.
     resume_failure: str | None = None
 
     def __post_init__(self) -> None:

@@ -38,7 +38,7 @@ class SyncSource:
     ):
         self.stream = stream
         self.weight_version = version
-        #: For an adapter sync over a server's data plane: where the worker stages it (see ``GlooUpdateInfo``).
+        #: For an adapter sync over a server's data plane: where the worker stages it (see ``TransferUpdateInfo``).
         self.adapter = adapter
         self._by_primary: dict[str, list[str]] = {}
         for alias, primary in (aliases or {}).items():

@@ -8,10 +8,10 @@ missing shard corrupts the layer silently. This sink therefore
 1. runs the pre-flight (:func:`~lora_stream.sinks.preflight.preflight`: names, shapes and tied weights against the
    checkpoint the engine was started from) and raises :class:`~lora_stream.sinks.CheckpointMismatchError` before
    touching the engine;
-2. opens the reload bracket (:class:`~lora_stream.sinks.reload.ReloadBracket`) and loads one group of the
+2. opens the reload bracket (:class:`~lora_stream.engine.reload.ReloadBracket`) and loads one group of the
    :class:`~lora_stream.sinks.source.SyncSource` per ``load_weights`` call (tied aliases such as ``lm_head.weight``
    included: vLLM on CPU keeps a separately repacked copy of a tied ``lm_head``);
-3. closes the bracket and raises :class:`~lora_stream.sinks.reload.VLLMLoadError` if vLLM did not reload every module
+3. closes the bracket and raises :class:`~lora_stream.engine.reload.VLLMLoadError` if vLLM did not reload every module
    or fill every shard of a fused module;
 4. resets the prefix cache (cached KV blocks were computed with the old weights), whatever happened, and returns
    the :class:`~lora_stream.sinks.SyncRecord` of what was sent.
@@ -21,72 +21,34 @@ The server sink runs the same pre-flight, source and bracket; only the transport
 Three ways of running vLLM in-process are supported: one in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
 one engine per trainer rank under ``distributed_executor_backend="external_launcher"`` (each rank loads the whole
 tensors; vLLM's weight loaders take the rank's tensor-parallel shard), and an engine in a child process, reached
-through ``collective_rpc`` with the worker extension :class:`~lora_stream.sinks.vllm_worker.LoraStreamWorkerExtension`
-(tensors travel as safetensors bytes, so no insecure serialization is needed).
+through ``collective_rpc`` with the worker extension
+:class:`~lora_stream.engine.worker_extension.LoraStreamWorkerExtension` (tensors travel as safetensors bytes, so no
+insecure serialization is needed).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ..coordination import this_rank
-from ..errors import LoraStreamError
+from ..engine.reload import LoadReport, ReloadBracket
 from ..stream import ParamStream
 from ..transaction import Transaction, fault_point
-from .preflight import EngineCheckpoint, preflight
+from .local_engine import engine_checkpoint, engine_rpc, local_model_runner, probe_before, verify_reset_and_vote
+from .prefix_cache import reset_prefix_cache
+from .preflight import preflight
 from .record import SyncRecord
-from .reload import LoadReport, ReloadBracket, VLLMLoadError
 from .source import SyncSource
 from .verify import (
     ProbeHistory,
-    Verification,
     VerifyPolicy,
     check_policy,
-    engine_logprobs,
-    engine_probe_ids,
-    should_verify,
-    verify_engine,
 )
 
-__all__ = ["PrefixCacheError", "VLLMColocatedSink", "VLLMLoadError", "WORKER_EXTENSION", "reset_prefix_cache"]
-
-#: Pass as ``LLM(..., worker_extension_cls=WORKER_EXTENSION)`` for an engine in a child process.
-WORKER_EXTENSION = "lora_stream.sinks.vllm_worker.LoraStreamWorkerExtension"
-
-_LOCAL_MODEL_PATHS = (
-    "engine_core.engine_core.model_executor.driver_worker.worker.model_runner",  # in-process engine core
-    "model_executor.driver_worker.worker.model_runner",  # external_launcher
-)
-
-
-def _get_path(obj: Any, path: str) -> Any:
-    for attr in path.split("."):
-        obj = getattr(obj, attr)
-    return obj
-
-
-def local_model_runner(engine: Any) -> Any | None:
-    """The model runner of ``engine`` (an ``LLM.llm_engine``) when its worker lives in this process: an in-process
-    engine core or ``external_launcher``. ``None`` when the engine runs in a child process."""
-    for path in _LOCAL_MODEL_PATHS:
-        try:
-            return _get_path(engine, path)
-        except AttributeError:
-            continue
-    return None
-
-
-def engine_checkpoint(engine: Any, checkpoint: str | bool | None) -> EngineCheckpoint | None:
-    """What the pre-flight compares with: ``checkpoint``'s safetensors headers, by default those of the directory
-    the engine was started from; ``None`` for ``checkpoint=False`` (no pre-flight)."""
-    if checkpoint is False:
-        return None
-    return EngineCheckpoint.read(checkpoint if isinstance(checkpoint, str) else str(engine.model_config.model))
+__all__ = ["VLLMColocatedSink"]
 
 
 class VLLMColocatedSink:
@@ -278,97 +240,3 @@ class VLLMColocatedSink:
 
     def _rpc(self, method: str, *args: Any) -> list[Any]:
         return engine_rpc(self.llm, method, *args)
-
-
-def probe_before(sink: Any, stages: dict[str, Any], lora_request: Any = None) -> Any:
-    """What the in-process engine serves before a verified sync loads (its probe, through ``lora_request`` when
-    given), for the "it changed" check; ``None`` when this sync is not verified or cannot be checked (the previous
-    one was not verified). The same decision on every rank (it depends on committed syncs only)."""
-    if not should_verify(sink.verify, sink._syncs) or not sink._history.wants_before(sink._syncs):
-        return None
-    t = time.perf_counter()
-    before = engine_logprobs(sink.llm, engine_probe_ids(sink.llm), lora_request)
-    stages["probe_before_s"] = time.perf_counter() - t
-    return before
-
-
-def verify_reset_and_vote(
-    tx: Transaction,
-    source: SyncSource,
-    sink: Any,
-    stream: ParamStream,
-    where: str,
-    lora_request: Any = None,
-    before: Any = None,
-) -> Verification | None:
-    """The end of a sync into an in-process engine, before its commit or abort: the verification when ``sink.verify``
-    asks for this sync (after a vote, since its forward is a collective; with the "it changed" check against
-    ``before``, :func:`probe_before`), the prefix-cache reset, and the vote. ``sink`` has ``llm``, ``verify``,
-    ``verify_tolerance``, ``prefix_cache_timeout``, ``_syncs`` and ``_history``.
-
-    Every rank runs as many exchanges on every path: once a vote saw a failure, no rank votes again."""
-    verification: Verification | None = None
-    if should_verify(sink.verify, sink._syncs):
-        if not tx.vote("after loading", known=source.ended_early):
-            # That vote saw a failure and every rank knows it: each took part in it or, still inside its pass (under
-            # a sharded gatherer, when this rank failed before starting its own: taking the engine's snapshot, say),
-            # learned it at a group boundary and will not exchange again. Another vote would wait alone until the
-            # timeout.
-            return None
-        with tx.attempt():
-            verification = verify_engine(
-                sink.llm,
-                stream.model,
-                limit=sink.verify_tolerance,
-                rank=this_rank(),
-                where=where,
-                lora_request=lora_request,
-                history=sink._history,
-                index=sink._syncs,
-                before=before,
-            )
-            fault_point("verify")
-    with tx.attempt() as go:
-        if go:
-            # KV blocks cached under the previous weights (or the previous adapter, whose id is kept) must go.
-            reset_prefix_cache(lambda: sink.llm.reset_prefix_cache(), sink.prefix_cache_timeout, "the engine")
-            fault_point("prefix-cache")
-            fault_point("commit")
-    tx.vote("before committing", known=source.ended_early)
-    return verification
-
-
-def reset_prefix_cache(reset: Callable[[], Any], timeout: float, what: str) -> None:
-    """Reset vLLM's prefix cache, reading what it answers: ``False`` means it did nothing (blocks are still held by
-    running requests), so wait and retry until ``timeout``; then raise :class:`PrefixCacheError`. ``None`` (a vLLM
-    that answers nothing) counts as done."""
-    deadline = time.monotonic() + timeout
-    delay = 0.01
-    while True:
-        if reset() is not False:
-            return
-        if time.monotonic() >= deadline:
-            raise PrefixCacheError(
-                f"{what} refused to reset its prefix cache for {timeout} s (KV blocks still held by running "
-                "requests); blocks computed with the old weights could be reused, so the sync fails"
-            )
-        time.sleep(delay)
-        delay = min(delay * 2, 0.5)
-
-
-class PrefixCacheError(LoraStreamError):
-    """vLLM kept refusing to reset its prefix cache after an update (blocks held); the update is rolled back."""
-
-
-def engine_rpc(llm: Any, method: str, *args: Any) -> list[Any]:
-    """Call lora_stream's worker extension ``method`` on every worker of an engine that runs in a child process."""
-    try:
-        return list(llm.collective_rpc(method, args=args))
-    except Exception as exc:
-        if "has no attribute" in str(exc) and method in str(exc):
-            raise LoraStreamError(
-                f"the vLLM engine runs in a child process and its workers lack lora_stream's extension; start it "
-                f"with LLM(..., worker_extension_cls={WORKER_EXTENSION!r}) (or set "
-                "VLLM_ENABLE_V1_MULTIPROCESSING=0 to keep the engine in this process)"
-            ) from exc
-        raise

@@ -8,7 +8,7 @@ One sync:
    config (rank above ``max_lora_rank``, DoRA, ...) and the shapes of the adapted weights in the engine's checkpoint
    (:func:`~lora_stream.sinks.preflight.adapter_preflight`);
 2. gathers the adapter group by group and copies it out (the whole adapter is held once: it is small);
-3. stages the copy in the engine's worker process (:mod:`lora_stream.sinks.adapter_loader`) and calls vLLM's own
+3. stages the copy in the engine's worker process (:mod:`lora_stream.engine.adapter_staging`) and calls vLLM's own
    ``add_lora`` with ``load_inplace=True`` under a stable adapter id: vLLM builds the new version, checks it, and
    only then replaces the previous one. If vLLM refuses it, or any trainer rank failed, every rank puts its previous
    version back, so the engine keeps serving the adapter it served;
@@ -29,21 +29,15 @@ from typing import Any
 import torch
 
 from ..adapter import ADAPTER_PREFIX, AdapterStream
+from ..engine.adapter_staging import AdapterLoadError, StagedAdapter, adapter_path, stage, unstage
 from ..errors import LoraStreamError
 from ..transaction import Transaction, fault_point
-from .adapter_loader import AdapterLoadError, StagedAdapter, adapter_path, stage, unstage
+from .local_engine import engine_checkpoint, engine_rpc, local_model_runner, probe_before, verify_reset_and_vote
+from .prefix_cache import reset_prefix_cache
 from .preflight import adapter_preflight
 from .record import AdapterSyncRecord
 from .source import SyncSource
 from .verify import ProbeHistory, VerifyPolicy, check_policy
-from .vllm_colocated import (
-    engine_checkpoint,
-    engine_rpc,
-    local_model_runner,
-    probe_before,
-    reset_prefix_cache,
-    verify_reset_and_vote,
-)
 
 __all__ = ["VLLMLoRASink", "stable_lora_id"]
 

@@ -13,7 +13,7 @@ stops the sending to that server between chunks.
 
 Security: vLLM's ``--api-key`` protects ``/v1/...`` only. The dev-mode routes (``/init_weight_transfer_engine``,
 ``/update_weights``, ``/collective_rpc``, ...) answer anyone who reaches the port: guard them with
-:class:`~lora_stream.vllm_guard.WeightRoutesGuard`. The data plane's store listens on the feeding rank's
+:class:`~lora_stream.engine.guard.WeightRoutesGuard`. The data plane's store listens on the feeding rank's
 ``master_address`` only and admits only holders of its group's secret; see ``docs/security.md``.
 """
 
@@ -32,15 +32,16 @@ from typing import Any
 
 from ..adapter import ADAPTER_PREFIX, AdapterStream
 from ..coordination import this_rank
+from ..engine.adapter_staging import AdapterLoadError, adapter_path
+from ..engine.reload import LOAD_ERROR_TAG, VLLMLoadError
 from ..errors import LoraStreamError, ReplicaError, ReplicaExcludedWarning, TransferError
 from ..lockstep import COMPLETION_GRACE_S, describe_error
 from ..redaction import redact_text
 from ..stream import ParamStream
 from ..transaction import LOST_WAIT_S, Transaction, agreement_wait, fault_point
-from .adapter_loader import AdapterLoadError, adapter_path
+from .prefix_cache import PrefixCacheError, reset_prefix_cache
 from .preflight import EngineCheckpoint, adapter_preflight, preflight
 from .record import AdapterSyncRecord, SyncRecord
-from .reload import LOAD_ERROR_TAG, VLLMLoadError
 from .source import SyncSource
 from .verify import (
     ProbeHistory,
@@ -55,7 +56,6 @@ from .verify import (
     tolerance,
     trainer_logprobs,
 )
-from .vllm_colocated import PrefixCacheError, reset_prefix_cache
 
 logger = logging.getLogger("lora_stream")
 
@@ -91,14 +91,14 @@ class ServerError(LoraStreamError):
     """The vLLM server is unreachable, refused the request (status and body included), or needs an API key.
 
     ``unresponsive`` is set when the server did not answer within the timeout, or could not be reached: the sink
-    then calls it no more in that sync, and leaves it to its lease (:mod:`lora_stream.vllm_lease`)."""
+    then calls it no more in that sync, and leaves it to its lease (:mod:`lora_stream.engine.lease`)."""
 
     unresponsive: bool = False
 
 
 class LeaseExpiredError(ServerError):
     """The server refused a request of this sync because the sync's lease had expired: the server rolled the
-    update back, ended vLLM's update session and resumed generation on its own (:mod:`lora_stream.vllm_lease`)."""
+    update back, ended vLLM's update session and resumed generation on its own (:mod:`lora_stream.engine.lease`)."""
 
 
 class VLLMServerClient:
@@ -117,7 +117,7 @@ class VLLMServerClient:
         self._secret = api_key or None
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         #: ``(sync id, seconds)`` while a sink's sync holds this server: sent with every request, it is the sync's
-        #: lease on the server (:mod:`lora_stream.vllm_lease`).
+        #: lease on the server (:mod:`lora_stream.engine.lease`).
         self.lease: tuple[str, float] | None = None
         #: Seconds this server's calls may still wait until the sink's next agreement (each call's time is taken
         #: from it; local work between calls is not), or ``None``: no budget.
@@ -157,7 +157,7 @@ class VLLMServerClient:
     ) -> Any:
         import requests
 
-        from ..vllm_lease import BUSY, EXPIRED, LEASE_HEADER, SYNC_HEADER
+        from ..engine.lease import BUSY, EXPIRED, LEASE_HEADER, SYNC_HEADER
 
         url = f"{self.base_url}/{path}"
         if self.unresponsive:
@@ -263,7 +263,7 @@ class VLLMServerClient:
         """Renew this sync's lease (``GET /lora_stream/lease`` with the lease headers); outside any budget."""
         import requests
 
-        from ..vllm_lease import LEASE_HEADER, STATUS_PATH, SYNC_HEADER
+        from ..engine.lease import LEASE_HEADER, STATUS_PATH, SYNC_HEADER
 
         if self.lease is None:
             return
@@ -304,7 +304,7 @@ class VLLMServerClient:
         if restore is not False:  # tell the server's lease what to put back if this sync's trainer vanishes
             import json
 
-            from ..vllm_lease import RESTORE_HEADER
+            from ..engine.lease import RESTORE_HEADER
 
             extra = {RESTORE_HEADER: json.dumps({"lora_name": name, "lora_path": restore})}
         try:
@@ -436,7 +436,7 @@ class VLLMServerSink:
 
     Implements :class:`~lora_stream.sinks.base.Sink`: the pre-flight, the tied aliases and the record are the
     colocated sink's (:func:`~lora_stream.sinks.preflight.preflight`, :class:`~lora_stream.sinks.source.SyncSource`);
-    on the server, lora_stream's worker engine loads through the same :class:`~lora_stream.sinks.reload.ReloadBracket`
+    on the server, lora_stream's worker engine loads through the same :class:`~lora_stream.engine.reload.ReloadBracket`
     and its reload check.
 
     **Several servers.** Each server (with its tensor-parallel workers) gets a transfer group of its own, fed by one
@@ -481,7 +481,7 @@ class VLLMServerSink:
         spread: feed server ``i`` from trainer rank ``i % world_size`` (default) instead of all from rank 0.
         lease: seconds a server waits for a silent trainer, once this sync paused it or opened an update, before it
             rolls the update back, ends vLLM's update session and resumes generation by itself
-            (:mod:`lora_stream.vllm_lease`). The feeding rank renews it every ``lease / 6`` seconds while it lives,
+            (:mod:`lora_stream.engine.lease`). The feeding rank renews it every ``lease / 6`` seconds while it lives,
             so it expires only when that process died, stopped or was cut off. A decision arriving after it expired
             is refused (``409``).
         verify: verify each sync before it commits, with generation still paused (``True``; ``N``: every N-th
@@ -624,7 +624,7 @@ class VLLMServerSink:
         # answer, which the data plane's timeout bounds.
         steps = fed * (2 * self.timeout + self.prefix_cache_timeout) + _MARGIN_S
         if self.verify:  # the verification's reports are waited for outside the servers' budgets
-            from ..transfer.gloo_trainer import REPORT_WAIT_S
+            from ..transfer.sender import REPORT_WAIT_S
 
             steps += fed * REPORT_WAIT_S
         return max(stream.timeout.total_seconds(), steps)
@@ -711,7 +711,7 @@ class VLLMServerSink:
                 for r in live:
                     self._on(r, lambda r=r: self._pause(r))
                 try:
-                    from ..transfer.gloo_trainer import send_to_engines
+                    from ..transfer.sender import send_to_engines
 
                     sending = self._live(mine)
                     # send_to_engines names a failed engine by its position in the list it was given.
@@ -998,7 +998,7 @@ class VLLMServerSink:
             key: max(float(rep["seconds"].get(key, 0.0)) for rep in reports.values()) for key in first["seconds"]
         }
         verification = dataclasses.replace(verification, stages={**worker_s, "verify_call_s": call_s})
-        from ..transfer.engine_probe import replica_digest
+        from ..transfer.protocol import replica_digest
 
         digest = replica_digest({layout: ",".join(sorted(ds)) for layout, ds in layouts.items()})
         return verification, digest
@@ -1241,11 +1241,11 @@ class VLLMServerSink:
     def _ensure_engine(self, replica: _Replica) -> None:
         if replica.engine is not None:
             return
-        from ..transfer.gloo_trainer import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
+        from ..transfer.sender import TrainerTransferEngine, TrainerTransferInitInfo
 
         # The feeding rank hosts the rendezvous (on a socket it binds and hands to the store: no close-and-reuse
         # race) and is rank 0 of the server's group; the server's workers follow.
-        info = GlooTrainerInitInfo(
+        info = TrainerTransferInitInfo(
             master_address=self.master_address,
             world_size=1 + replica.client.world_size(),
             buffer_bytes=self.buffer_bytes,
@@ -1253,7 +1253,7 @@ class VLLMServerSink:
             transport=self.backend,
             rank=0,
         )
-        engine = GlooTrainerWeightTransferEngine.trainer_init(info, client=replica.client, source=self._source)
+        engine = TrainerTransferEngine.trainer_init(info, client=replica.client, source=self._source)
         engine.deferred = True  # the sink concludes vLLM's update session after the ranks voted
         engine.keep_previous = self.rollback
         replica.engine = engine

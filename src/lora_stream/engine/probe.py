@@ -23,13 +23,11 @@ it, which is why the worker engine also digests every byte an update delivered.
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 from typing import Any
 
 import torch
 
-__all__ = ["probe_logprobs", "probe_refusal", "replica_digest", "weight_digests"]
+__all__ = ["probe_logprobs", "probe_refusal", "weight_digests"]
 
 
 def _attention_layers(model: torch.nn.Module) -> list[Any]:
@@ -163,8 +161,3 @@ def weight_digests(model: torch.nn.Module, prefix: str) -> dict[str, str]:
     from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
 
     return {prefix + name: digest for name, digest in compute_tensor_digests(model).items()}
-
-
-def replica_digest(digests: dict[str, str]) -> str:
-    """One SHA-256 over a replica's per-parameter digests (sorted by key): equal iff every served tensor is."""
-    return hashlib.sha256(json.dumps(sorted(digests.items())).encode()).hexdigest()

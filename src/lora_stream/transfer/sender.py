@@ -28,17 +28,18 @@ from vllm.distributed.weight_transfer.base import (  # type: ignore[import-not-f
 )
 
 from ..errors import TransferError
-from .gloo_engine import TIMING_KEY, VERIFY_KEY, TransferGroup
+from .group import TransferGroup
 from .packing import ChunkPlan, plan_chunks
+from .protocol import TIMING_KEY, VERIFY_KEY
 
 #: Seconds to wait for the workers' reports (timing, verification) to reach the store once the server answered.
 REPORT_WAIT_S = 5.0
 
-__all__ = ["GlooTrainerInitInfo", "GlooTrainerWeightTransferEngine", "TransferError", "send_to_engines"]
+__all__ = ["TrainerTransferInitInfo", "TrainerTransferEngine", "TransferError", "send_to_engines"]
 
 
 @dataclass(kw_only=True)
-class GlooTrainerInitInfo(TrainerInitInfo):  # type: ignore[misc]
+class TrainerTransferInitInfo(TrainerInitInfo):  # type: ignore[misc]
     backend: ClassVar[str] = "gloo"
     #: The address the store listens on, and only it: an address of the trainer's machine that the server reaches.
     master_address: str
@@ -47,7 +48,7 @@ class GlooTrainerInitInfo(TrainerInitInfo):  # type: ignore[misc]
     world_size: int
     buffer_bytes: int = 256 * 1024 * 1024
     timeout_s: float = 120.0
-    #: The data plane's collective: ``"gloo"`` or ``"nccl"`` (:data:`~lora_stream.transfer.gloo_engine.TRANSPORTS`).
+    #: The data plane's collective: ``"gloo"`` or ``"nccl"`` (:data:`~lora_stream.transfer.protocol.TRANSPORTS`).
     transport: str = "gloo"
 
 
@@ -86,15 +87,16 @@ def _finish(work: Any, pending: concurrent.futures.Future[Any], timeout_s: float
         raise TransferError(f"the data plane to the vLLM server broke mid-transfer: {exc}") from exc
 
 
-class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):  # type: ignore[misc]
-    """Sends a ``WeightSource`` to vLLM's workers over a gloo group (see ``gloo_engine`` for the receiving side).
+class TrainerTransferEngine(TrainerWeightTransferEngine[TrainerTransferInitInfo]):  # type: ignore[misc]
+    """Sends a ``WeightSource`` to vLLM's workers over the transfer group (gloo or nccl); the workers'
+    :class:`~lora_stream.engine.receiver.WorkerTransferEngine` receives it.
 
     The weight version the server reports after a sync is the source's ``weight_version`` attribute, if it has one
     (:class:`~lora_stream.sinks.source.SyncSource` does), so the engine is never reconfigured between syncs.
     """
 
     group: Any = None
-    init_info: GlooTrainerInitInfo
+    init_info: TrainerTransferInitInfo
     #: Set by a transactional sink: ``send_weights`` leaves vLLM's update session open (the workers keep what the
     #: update replaced), and the sink ends it with :meth:`conclude` once the trainer ranks have voted.
     deferred: bool = False
@@ -125,8 +127,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
     @classmethod
     def trainer_init(
-        cls, init_info: GlooTrainerInitInfo, *, client: Any, source: Any = None
-    ) -> GlooTrainerWeightTransferEngine:
+        cls, init_info: TrainerTransferInitInfo, *, client: Any, source: Any = None
+    ) -> TrainerTransferEngine:
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         engine.init_info = init_info
         engine.last_stages = {}
@@ -183,7 +185,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         send_to_engines([self] if self.is_sender else [], self.source)
 
     def update_info(self, meta: Sequence[Any], groups: Sequence[Sequence[str]], plan: ChunkPlan) -> dict[str, Any]:
-        """The update's metadata message (``GlooUpdateInfo``'s fields), sent once before any byte."""
+        """The update's metadata message (``TransferUpdateInfo``'s fields), sent once before any byte."""
         source: Any = self.source
         adapter = getattr(source, "adapter", None)
         return {
@@ -261,14 +263,14 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 class _Target:
     """One engine's update in a pass: its pending ``/update_weights`` call and its in-flight broadcasts."""
 
-    def __init__(self, index: int, engine: GlooTrainerWeightTransferEngine, pending: Any) -> None:
+    def __init__(self, index: int, engine: TrainerTransferEngine, pending: Any) -> None:
         self.index = index
         self.engine = engine
         self.pending: concurrent.futures.Future[Any] = pending
 
 
 def send_to_engines(
-    engines: Sequence[GlooTrainerWeightTransferEngine],
+    engines: Sequence[TrainerTransferEngine],
     source: Any,
     *,
     on_failure: Callable[[int, BaseException], None] | None = None,

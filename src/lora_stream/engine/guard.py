@@ -8,7 +8,7 @@ guarded ones and the public probes requires ``Authorization: Bearer <key>``, wit
 
     VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR \\
         --weight-transfer-config '{"backend": "gloo"}' \\
-        --api-key "$KEY" --middleware lora_stream.vllm_guard.WeightRoutesGuard
+        --api-key "$KEY" --middleware lora_stream.engine.guard.WeightRoutesGuard
 
 The key is the server's ``--api-key`` (every one given), else ``VLLM_API_KEY``. A guarded server without a key
 answers 401 on those routes, naming the missing setting, rather than running open. Websocket requests follow the
@@ -38,7 +38,7 @@ def _digest(token: str) -> bytes:
 class WeightRoutesGuard:
     """Pure ASGI middleware: a bearer key on every route that is neither public nor already guarded by vLLM.
 
-    Loaded by vLLM as ``--middleware lora_stream.vllm_guard.WeightRoutesGuard`` (``app.add_middleware``). Keys are
+    Loaded by vLLM as ``--middleware lora_stream.engine.guard.WeightRoutesGuard`` (``app.add_middleware``). Keys are
     compared as SHA-256 digests with :func:`secrets.compare_digest`, in constant time.
     """
 

@@ -1,11 +1,11 @@
 """vLLM plugin entry point: registers lora_stream's weight-transfer backend (as ``gloo`` and ``lora_stream``) in
 both of vLLM's factories.
 
-Installed as ``[project.entry-points."vllm.general_plugins"] lora_stream_gloo``; vLLM calls :func:`register` in the
+Installed as ``[project.entry-points."vllm.general_plugins"] lora_stream``; vLLM calls :func:`register` in the
 API server, the engine core and every worker before the worker builds its weight-transfer engine, so a server
 started with ``--weight-transfer-config '{"backend": "gloo"}'`` accepts it once lora_stream is installed.
 
-In the API server it also installs :class:`~lora_stream.vllm_lease.UpdateLease`, the lease under which a trainer
+In the API server it also installs :class:`~lora_stream.engine.lease.UpdateLease`, the lease under which a trainer
 holds the server paused and in an update, so that a server whose trainer vanished heals itself
 (``LORA_STREAM_LEASE=0`` leaves it out).
 """
@@ -33,13 +33,9 @@ def register() -> None:
 
     for name in BACKEND_NAMES:
         if name not in WeightTransferEngineFactory._registry:
-            WeightTransferEngineFactory.register_engine(
-                name, "lora_stream.transfer.gloo_engine", "GlooWeightTransferEngine"
-            )
+            WeightTransferEngineFactory.register_engine(name, "lora_stream.engine.receiver", "WorkerTransferEngine")
         if name not in WeightTransferTrainerFactory._registry:
-            WeightTransferTrainerFactory.register_engine(
-                name, "lora_stream.transfer.gloo_trainer", "GlooTrainerWeightTransferEngine"
-            )
+            WeightTransferTrainerFactory.register_engine(name, "lora_stream.transfer.sender", "TrainerTransferEngine")
     if os.environ.get("LORA_STREAM_LEASE", "1") not in ("0", ""):
         _install_lease()
 
@@ -60,7 +56,7 @@ def _install_lease() -> None:
 
         def with_lease(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
             out = _original(*args, **kwargs)
-            from .vllm_lease import install
+            from .lease import install
 
             app = kwargs.get("app", args[1] if len(args) > 1 else None)
             if app is not None:

@@ -29,10 +29,10 @@ to put back (``X-Lora-Stream-Restore``), and a heal puts it back too.
 Only requests to the weight-sync routes (:data:`LEASED_PATHS`) take part; vLLM's public probes never do.
 ``GET /lora_stream/lease`` reports the state (:data:`STATUS_PATH`).
 
-Installed automatically in the API server by lora_stream's vLLM plugin (:func:`lora_stream.vllm_plugin.register`),
-innermost, so that :class:`~lora_stream.vllm_guard.WeightRoutesGuard` and vLLM's own key check run first: an
+Installed automatically in the API server by lora_stream's vLLM plugin (:func:`lora_stream.engine.plugin.register`),
+innermost, so that :class:`~lora_stream.engine.guard.WeightRoutesGuard` and vLLM's own key check run first: an
 unauthenticated request never reaches the lease. It can also be named explicitly,
-``--middleware lora_stream.vllm_lease.UpdateLease`` (it is then not installed twice), but vLLM adds ``--middleware``
+``--middleware lora_stream.engine.lease.UpdateLease`` (it is then not installed twice), but vLLM adds ``--middleware``
 classes outside its own: list it before the guard. A server with several API processes (``--api-server-count``
 above 1, vLLM's default under data parallelism) would keep one lease per process, each seeing part of the requests:
 there the lease only reports, heals nothing, and says so in the log.

@@ -1,17 +1,17 @@
 """Runs inside vLLM's worker processes: the reload bracket, driven over ``collective_rpc``.
 
-Start an engine that lives in a child process with
-``LLM(..., worker_extension_cls="lora_stream.sinks.vllm_worker.LoraStreamWorkerExtension")``; vLLM mixes this class
-into its worker, and :class:`~lora_stream.sinks.VLLMColocatedSink` calls its methods by name. Weights arrive as
-safetensors bytes (msgpack carries bytes intact, and nothing needs ``VLLM_ALLOW_INSECURE_SERIALIZATION``). The
-bracket and its reload check are :class:`~lora_stream.sinks.reload.ReloadBracket`'s, as in every other sink.
+Start an engine that lives in a child process with ``LLM(..., worker_extension_cls=WORKER_EXTENSION)``
+(:data:`lora_stream.sinks.WORKER_EXTENSION`, this class's dotted path); vLLM mixes this class into its worker, and
+:class:`~lora_stream.sinks.VLLMColocatedSink` calls its methods by name. Weights arrive as safetensors bytes
+(msgpack carries bytes intact, and nothing needs ``VLLM_ALLOW_INSECURE_SERIALIZATION``). The bracket and its reload
+check are :class:`~lora_stream.engine.reload.ReloadBracket`'s, as in every other sink.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .adapter_loader import StagedAdapter, stage, unstage
+from .adapter_staging import StagedAdapter, stage, unstage
 from .reload import ReloadBracket
 
 __all__ = ["LoraStreamWorkerExtension"]

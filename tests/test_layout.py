@@ -1,0 +1,116 @@
+"""The layout by process, held against the code's imports (read with ``ast``, nothing imported).
+
+- ``lora_stream.engine`` is what runs inside the inference engine's processes: it imports nothing of the trainer's
+  side (no sink, no stream, not the trainer's half of the transfer), only what both sides agree on.
+- vLLM's worker internals (its model executor, forward context, parallel state, LoRA worker manager, ...) are imported
+  by ``lora_stream.engine`` alone; the trainer's side uses vLLM's public API only.
+- A sink never imports another sink: code several sinks share lives in a module of its own.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "lora_stream"
+
+#: What the engine side may import of lora_stream: itself, the errors, and the transfer's shared parts.
+ENGINE_MAY_IMPORT = (
+    "lora_stream.engine",
+    "lora_stream.errors",
+    "lora_stream.transfer.protocol",
+    "lora_stream.transfer.group",
+    "lora_stream.transfer.packing",
+)
+#: vLLM's public API, the only part of vLLM the trainer's side imports.
+TRAINER_MAY_IMPORT_OF_VLLM = (
+    "vllm",  # SamplingParams
+    "vllm.inputs",
+    "vllm.lora.request",
+    "vllm.lora.peft_helper",
+    "vllm.distributed.weight_transfer.base",
+)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    """``(line, absolute module)`` for every import in ``path``, inside functions included."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            # `from . import x` / `from pkg import mod`: the names may be modules
+            out.append((node.lineno, mod))
+            out += [
+                (node.lineno, f"{mod}.{a.name}") for a in node.names if (SRC.parent / mod.replace(".", "/")).is_dir()
+            ]
+    return out
+
+
+def under(mod: str, prefixes: tuple[str, ...]) -> bool:
+    return any(mod == p or mod.startswith(p + ".") for p in prefixes)
+
+
+def sources() -> list[Path]:
+    return sorted(SRC.rglob("*.py"))
+
+
+def test_the_layout_is_read() -> None:
+    """The checks below see the package (a moved tree would make them pass vacuously)."""
+    names = {module_name(p) for p in sources()}
+    assert {"lora_stream.engine.receiver", "lora_stream.engine.reload", "lora_stream.sinks.vllm_server"} <= names
+    assert "lora_stream.engine.reload" in {m for _, m in imports(SRC / "engine" / "receiver.py")}, imports(
+        SRC / "engine" / "receiver.py"
+    )
+
+
+@pytest.mark.parametrize("path", [p for p in sources() if p.is_relative_to(SRC / "engine")], ids=module_name)
+def test_the_engine_side_imports_nothing_of_the_trainer_side(path: Path) -> None:
+    wrong = [f"line {line}: {mod}" for line, mod in imports(path) if mod.startswith("lora_stream")]
+    wrong = [w for w in wrong if not under(w.split(": ")[1], ENGINE_MAY_IMPORT)]
+    assert not wrong, f"{module_name(path)} runs in vLLM's processes and imports the trainer's side: {wrong}"
+
+
+@pytest.mark.parametrize("path", [p for p in sources() if not p.is_relative_to(SRC / "engine")], ids=module_name)
+def test_only_the_engine_side_imports_vllm_internals(path: Path) -> None:
+    wrong = [
+        f"line {line}: {mod}"
+        for line, mod in imports(path)
+        if under(mod, ("vllm",)) and mod not in TRAINER_MAY_IMPORT_OF_VLLM
+    ]
+    assert not wrong, f"{module_name(path)} is trainer-side and imports vLLM's internals: {wrong}"
+
+
+def sink_modules() -> set[str]:
+    out = set()
+    for path in (SRC / "sinks").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        if any(isinstance(n, ast.ClassDef) and n.name.endswith("Sink") and n.name != "Sink" for n in tree.body):
+            out.add(module_name(path))
+    return out
+
+
+def test_no_sink_imports_another() -> None:
+    sinks = sink_modules()
+    assert {"lora_stream.sinks.vllm_colocated", "lora_stream.sinks.vllm_server", "lora_stream.sinks.vllm_lora"} <= sinks
+    wrong = []
+    for path in (SRC / "sinks").glob("*.py"):
+        me = module_name(path)
+        if me in sinks:
+            wrong += [f"{me} line {line}: {mod}" for line, mod in imports(path) if mod in sinks - {me}]
+    assert not wrong, f"shared code belongs in a module of its own, not in a sink: {wrong}"
