@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 from .coordination import Coordinator
 from .lockstep import describe_error
 
-__all__ = ["FAULT_POINTS", "LOST_WAIT_S", "FaultHook", "Transaction", "agreement_wait", "fault_point", "set_fault_hook"]
+__all__ = ["FAULT_POINTS", "LOST_WAIT_S", "FaultHook", "Transaction", "fault_point", "set_fault_hook"]
 
 #: Seconds a rank waits at each later agreement of a sync once a peer was lost in it (see the module docstring).
 LOST_WAIT_S = 2.0
@@ -74,21 +74,6 @@ def fault_point(point: str) -> None:
         _fault_hook(point)
 
 
-@contextmanager
-def agreement_wait(stream: Any, seconds: float) -> Iterator[None]:
-    """While the block runs, every exchange of ``stream``'s passes and every agreement of a sync over it waits at
-    least ``seconds`` for the peers (``stream.timeout`` if longer): a sink whose own steps between two agreements
-    can take longer than the stream's timeout raises it, so that no rank gives up on a peer that is still within its
-    bounds. Every rank must pass the same ``seconds``."""
-    previous = stream._agreement_timeout
-    wait = max(stream.timeout, datetime.timedelta(seconds=seconds))
-    stream._agreement_timeout = wait
-    try:
-        yield
-    finally:
-        stream._agreement_timeout = previous
-
-
 class Transaction:
     """One sync's phases on one rank: :meth:`prepare`, any number of :meth:`attempt` blocks, :meth:`vote`, then
     :meth:`conclude`.
@@ -111,6 +96,7 @@ class Transaction:
         self.lost = False
         #: The stream the sync reads (set by :meth:`for_stream`): its plan is checked again in :meth:`prepare`.
         self.stream: Any = None
+        self._previous_wait: Any = None
 
     def _record(self, exc: BaseException) -> None:
         if getattr(exc, "lost", False):
@@ -129,19 +115,36 @@ class Transaction:
         return brief
 
     @classmethod
-    def for_stream(cls, stream: Any, what: str) -> Transaction:
+    def for_stream(cls, stream: Any, what: str, *, wait_s: float | None = None) -> Transaction:
         """The transaction of one sync of ``stream`` (a :class:`~lora_stream.ParamStream`).
 
         A sharded stream (ZeRO-3, FSDP) agrees over its gatherer's group, in lockstep with its passes. A stream
         whose gatherer does not communicate (one process, DDP) still agrees over ``torch.distributed``'s default
         group when there is one: under DDP the ranks may share one engine (``external_launcher``, a server), so a
-        rank that refused must stop the others too. Every rank of that group must then call ``sync``."""
+        rank that refused must stop the others too. Every rank of that group must then call ``sync``.
+
+        ``wait_s``: a sink whose own steps between two agreements can take longer than the stream's timeout gives
+        how long every exchange of the sync (the stream's passes included) waits for the peers at least, the same
+        on every rank, so that no rank gives up on a peer still within its bounds. Use the transaction as a context
+        manager then (``with Transaction.for_stream(...) as tx:``): leaving it gives the stream its own wait back.
+        """
+        previous = stream._agreement_timeout
+        if wait_s is not None:  # before the coordinator is built: a non-collective one reads it
+            stream._agreement_timeout = max(stream.timeout, datetime.timedelta(seconds=wait_s))
         if stream.gatherer.collective:
             tx = cls(stream.coordinator, what, lockstep=True)
         else:
             tx = cls(Coordinator(None, stream.coordinator.digest, stream.agreement_timeout), what, lockstep=False)
         tx.stream = stream
+        tx._previous_wait = previous
         return tx
+
+    def __enter__(self) -> Transaction:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.stream is not None:
+            self.stream._agreement_timeout = self._previous_wait
 
     @property
     def ok(self) -> bool:

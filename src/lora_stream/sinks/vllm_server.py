@@ -38,7 +38,7 @@ from ..errors import LoraStreamError, ReplicaError, ReplicaExcludedWarning, Tran
 from ..lockstep import COMPLETION_GRACE_S, describe_error
 from ..redaction import redact_text
 from ..stream import ParamStream
-from ..transaction import LOST_WAIT_S, Transaction, agreement_wait, fault_point
+from ..transaction import LOST_WAIT_S, Transaction, fault_point
 from .prefix_cache import PrefixCacheError, reset_prefix_cache
 from .preflight import EngineCheckpoint, adapter_preflight, preflight
 from .record import AdapterSyncRecord, SyncRecord
@@ -608,8 +608,8 @@ class VLLMServerSink:
         swapped in by vLLM's own ``/v1/load_lora_adapter`` as the adapter ``lora_name`` (base weights untouched);
         the record is an :class:`~lora_stream.sinks.record.AdapterSyncRecord`; a rollback swaps the previous
         version back in."""
-        with agreement_wait(stream, self.wait_s(stream)):
-            return self._sync(stream, version)
+        with Transaction.for_stream(stream, self.name, wait_s=self.wait_s(stream)) as tx:
+            return self._sync(stream, version, tx)
 
     def wait_s(self, stream: ParamStream) -> float:
         """Seconds every trainer rank waits for the others at each agreement of a sync, the stream's exchanges
@@ -641,157 +641,206 @@ class VLLMServerSink:
         wind_down = fed * (2 * self.timeout + self.prefix_cache_timeout)  # each server's abort and resume budgets
         return self.wait_s(stream) + wind_down + 4 * LOST_WAIT_S + COMPLETION_GRACE_S + _MARGIN_S
 
-    def _sync(self, stream: ParamStream, version: str | None) -> SyncRecord:
+    def _sync(self, stream: ParamStream, version: str | None, tx: Transaction) -> SyncRecord:
+        """The sync as one line: prepare, transfer, verify and reset, vote and commit, conclude (commit or abort),
+        resume. Each phase is one method below; every rank runs every phase's agreements alike."""
         start = time.perf_counter()
-        is_adapter = isinstance(stream, AdapterStream)
-        mine = [r for r in self._assign() if r.sender == self.rank]
-        sync_id = uuid.uuid4().hex
-        for r in mine:  # a server excluded last time is tried again, from scratch
-            r.was_excluded, r.failure, r.state = r.failure is not None, None, _ServerUpdate()
-            r.client.lease = (sync_id, self.lease)
-            r.client.unresponsive = False
-            if r.engine is not None:  # where the previous sync's transfer stood is not this one's
-                r.engine.started, r.engine.pending, r.engine.stalled = False, None, False
-        tx = Transaction.for_stream(stream, self.name)
+        mine = self._start_sync()
         keeper = _LeaseKeeper(mine, self.lease)
         try:
-            return self._transact(stream, version, tx, mine, keeper, start, is_adapter)
+            plan = self._prepare_sync(tx, stream, mine)
+            source = self._arm(stream, mine, plan, version)
+            try:
+                self._transfer(tx, mine, keeper, source, plan.adapter)
+                verification = self._check_loaded(tx, stream, mine, plan.ids, source)
+                self._commit_all(tx, mine, version, plan.adapter, source)
+                excluded, readmitted = self._agree_on_fleet(tx, mine)
+                self._conclude(tx, mine)
+            finally:
+                # On every path (a failure raised by _conclude on every rank alike, or one that escaped the
+                # transaction itself): never leave a server paused by this sync.
+                resume_failures = self._resume(mine, tx.error)
         finally:
             keeper.stop()
             for r in mine:
                 r.client.lease = None
                 r.client.budget_s = None
+        resume_note = self._agree_on_resume(tx, resume_failures, version)
+        return self._record(source, mine, version, start, verification, excluded, readmitted, resume_note)
+
+    # -- the phases of a sync ------------------------------------------------------------------------------------------
+    def _start_sync(self) -> list[_Replica]:
+        """The servers this rank feeds, each starting this sync from scratch (one excluded last time is tried
+        again), under a new lease."""
+        mine = [r for r in self._assign() if r.sender == self.rank]
+        sync_id = uuid.uuid4().hex
+        for r in mine:
+            r.was_excluded, r.failure, r.state = r.failure is not None, None, _ServerUpdate()
+            r.client.lease = (sync_id, self.lease)
+            r.client.unresponsive = False
+            if r.engine is not None:  # where the previous sync's transfer stood is not this one's
+                r.engine.started, r.engine.pending, r.engine.stalled = False, None, False
+        return mine
 
     def _phase(self, mine: list[_Replica]) -> None:
         """A new stretch between two agreements: every server this rank feeds gets a fresh budget of calls."""
         for r in mine:
             r.client.budget_s = self.timeout + self.prefix_cache_timeout
 
-    def _transact(
-        self,
-        stream: ParamStream,
-        version: str | None,
-        tx: Transaction,
-        mine: list[_Replica],
-        keeper: _LeaseKeeper,
-        start: float,
-        is_adapter: bool,
-    ) -> SyncRecord:
-        # 1. prepare: each feeding rank checks its servers (reachable, key accepted, LoRA limits) and the stream
-        #    against their checkpoints, and joins their transfer groups; every rank learns the outcome before any
-        #    rank gathers. A server that a vanished sink left paused or in an open update is healed by its lease
-        #    at this sync's first request.
+    def _prepare_sync(self, tx: Transaction, stream: ParamStream, mine: list[_Replica]) -> _SyncPlan:
+        """1. prepare: each feeding rank checks its servers (reachable, key accepted, LoRA limits) and the stream
+        against their checkpoints, and joins their transfer groups; every rank learns the outcome before any rank
+        gathers. A server that a vanished sink left paused or in an open update is healed by its lease at this
+        sync's first request."""
         self._phase(mine)
         verifying = should_verify(self.verify, self._syncs)  # the same on every rank: commits are agreed
 
-        def prepare() -> tuple[dict[str, str], list[int] | None]:
+        def prepare() -> _SyncPlan:
             aliases = self._prepare(stream, mine, verifying)
-            return aliases, probe_ids(model_vocab_size(stream.model)) if verifying else None
+            ids = probe_ids(model_vocab_size(stream.model)) if verifying else None
+            adapter = None
+            if isinstance(stream, AdapterStream):
+                adapter = {
+                    "path": adapter_path(self.lora_name, uuid.uuid4().hex[:12]),
+                    "config": stream.adapter_config(),
+                }
+            return _SyncPlan(aliases, ids, adapter)
 
-        aliases, ids = tx.prepare(prepare)
+        return tx.prepare(prepare)
+
+    def _arm(self, stream: ParamStream, mine: list[_Replica], plan: _SyncPlan, version: str | None) -> SyncSource:
+        """Tell each live server's engine what this sync asks of its workers; returns what is sent."""
         # The probe before loading serves the "it changed" check only, which needs the previous sync verified.
-        before = ids if ids is not None and self._history.wants_before(self._syncs) else None
-        live = self._live(mine)
-        adapter: dict[str, Any] | None = None
-        if isinstance(stream, AdapterStream):
-            adapter = {"path": adapter_path(self.lora_name, uuid.uuid4().hex[:12]), "config": stream.adapter_config()}
-        for r in live:
+        before = plan.ids if plan.ids is not None and self._history.wants_before(self._syncs) else None
+        for r in self._live(mine):
             r.engine.keep_previous = self.rollback  # read per sync: the option may change between syncs
             r.engine.adapter_keep = r.serving_path
             r.engine.probe_ids = before  # the workers probe what they serve before loading
-            r.engine.digest_received = ids is not None  # and digest every byte they receive
-        source = self._source.current = SyncSource(stream, aliases, version, adapter)
-        resumed = False
-        try:
-            # 2. transfer, under a pause of generation: no request is computed partly with each version. From the
-            #    pause on, the sync holds each server under its lease (kept alive by this rank's heartbeat).
-            self._phase(mine)
-            keeper.start()
-            with tx.attempt():
-                for r in live:
-                    self._on(r, lambda r=r: self._pause(r))
-                try:
-                    from ..transfer.sender import send_to_engines
+            r.engine.digest_received = plan.ids is not None  # and digest every byte they receive
+        source = self._source.current = SyncSource(stream, plan.aliases, version, plan.adapter)
+        return source
 
-                    sending = self._live(mine)
-                    # send_to_engines names a failed engine by its position in the list it was given.
-                    on_failure = (
-                        (lambda i, e: self._drop_in_transfer(sending[i].index, e))
-                        if self.on_replica_failure == "exclude"
-                        else None
-                    )
-                    send_to_engines([r.engine for r in sending], source, on_failure=on_failure)
-                except BaseException as exc:
-                    # Every worker that received data must hear the outcome: one still waiting for chunks fails
-                    # when its data plane closes (and rolls back itself, ending vLLM's session); one that loaded
-                    # everything waits for the decision, and the abort sends it.
-                    for r in mine:
-                        if r.failure is None:
-                            self._settle_transfer(r)
-                    error = _load_error(exc)
-                    if error is exc:
-                        raise
-                    raise error from exc
-                finally:
-                    self._source.current = None
-                for r in self._live(mine):
-                    r.state.loaded = r.state.session = True  # the workers hold it open, waiting for the decision
-                self._phase(mine)
-                if adapter is not None:
-                    for r in self._live(mine):
-                        self._on(r, lambda r=r: self._load_adapter(r, adapter["path"]))
-                fault_point("reload-check")
-            # 3. verify (opt-in), still paused: the trainer's forward is a collective, so the ranks first agree
-            #    that every server loaded; then every rank runs it, and each feeding rank probes its servers.
-            verification: Verification | None = None
-            if ids is not None and tx.vote("after loading", known=source.ended_early):
-                self._phase(mine)
-                digests: list[str] = []
-                with tx.attempt():
-                    verification, digests = self._verify(stream, ids, mine)
-                    fault_point("verify")
-                self._agree_on_weights(tx, digests)
-            with tx.attempt() as go:
-                if go:
-                    # Within the phase's budget: the transfer's, or the verification's (its call and this reset).
-                    for r in self._live(mine):
-                        self._on(r, lambda r=r: self._reset_prefix_cache(r))
-                    fault_point("prefix-cache")
-                    fault_point("commit")
-            # 4. vote; each feeding rank commits on its servers; a second vote carries the outcome of those calls.
-            if tx.vote("before committing", known=source.ended_early):
-                self._phase(mine)
-                with tx.attempt():
-                    for r in self._live(mine):
-                        self._on(r, lambda r=r: self._commit(r, version, adapter))
-                tx.vote("after committing")
-            excluded, readmitted = self._agree_on_fleet(tx, mine)
-            self._phase(mine)
+    def _transfer(
+        self,
+        tx: Transaction,
+        mine: list[_Replica],
+        keeper: _LeaseKeeper,
+        source: SyncSource,
+        adapter: dict[str, Any] | None,
+    ) -> None:
+        """2. transfer, under a pause of generation: no request is computed partly with each version. From the
+        pause on, the sync holds each server under its lease (kept alive by this rank's heartbeat)."""
+        self._phase(mine)
+        keeper.start()
+        with tx.attempt():
+            for r in self._live(mine):
+                self._on(r, lambda r=r: self._pause(r))
             try:
-                # Raises on every rank alike after a failure (the votes told every rank), so the agreement below
-                # runs on the committed path only, on every rank.
-                tx.conclude(lambda: None, lambda error: self._abort(mine, error))
-                self._history.committed(self._syncs)
-                self._syncs += 1
+                from ..transfer.sender import send_to_engines
+
+                sending = self._live(mine)
+                # send_to_engines names a failed engine by its position in the list it was given.
+                on_failure = (
+                    (lambda i, e: self._drop_in_transfer(sending[i].index, e))
+                    if self.on_replica_failure == "exclude"
+                    else None
+                )
+                send_to_engines([r.engine for r in sending], source, on_failure=on_failure)
+            except BaseException as exc:
+                # Every worker that received data must hear the outcome: one still waiting for chunks fails when
+                # its data plane closes (and rolls back itself, ending vLLM's session); one that loaded everything
+                # waits for the decision, and the abort sends it.
+                for r in mine:
+                    if r.failure is None:
+                        self._settle_transfer(r)
+                error = _load_error(exc)
+                if error is exc:
+                    raise
+                raise error from exc
             finally:
-                resume_failures = self._resume(mine, tx.error)
-                resumed = True
-        finally:
-            if not resumed:  # an exception escaped the transaction itself: never leave a server paused by us
-                self._resume(mine, None)
-            keeper.stop()
-        # 5. committed: every rank learns whether resuming failed on any server (its lease resumes it by itself), so
-        #    that every rank records it alike.
+                self._source.current = None
+            for r in self._live(mine):
+                r.state.loaded = r.state.session = True  # the workers hold it open, waiting for the decision
+            self._phase(mine)
+            if adapter is not None:
+                for r in self._live(mine):
+                    self._on(r, lambda r=r: self._load_adapter(r, adapter["path"]))
+            fault_point("reload-check")
+
+    def _check_loaded(
+        self, tx: Transaction, stream: ParamStream, mine: list[_Replica], ids: list[int] | None, source: SyncSource
+    ) -> Verification | None:
+        """3. verify (opt-in), still paused: the trainer's forward is a collective, so the ranks first agree that
+        every server loaded; then every rank runs it, and each feeding rank probes its servers. Then each prefix
+        cache is reset (its blocks were computed with the old weights)."""
+        verification: Verification | None = None
+        if ids is not None and tx.vote("after loading", known=source.ended_early):
+            self._phase(mine)
+            digests: list[str] = []
+            with tx.attempt():
+                verification, digests = self._verify(stream, ids, mine)
+                fault_point("verify")
+            self._agree_on_weights(tx, digests)
+        with tx.attempt() as go:
+            if go:
+                # Within the phase's budget: the transfer's, or the verification's (its call and this reset).
+                for r in self._live(mine):
+                    self._on(r, lambda r=r: self._reset_prefix_cache(r))
+                fault_point("prefix-cache")
+                fault_point("commit")
+        return verification
+
+    def _commit_all(
+        self,
+        tx: Transaction,
+        mine: list[_Replica],
+        version: str | None,
+        adapter: dict[str, Any] | None,
+        source: SyncSource,
+    ) -> None:
+        """4. vote; each feeding rank commits on its servers; a second vote carries the outcome of those calls."""
+        if tx.vote("before committing", known=source.ended_early):
+            self._phase(mine)
+            with tx.attempt():
+                for r in self._live(mine):
+                    self._on(r, lambda r=r: self._commit(r, version, adapter))
+            tx.vote("after committing")
+
+    def _conclude(self, tx: Transaction, mine: list[_Replica]) -> None:
+        """5. committed on every server, or (raising on every rank alike, since the votes told every rank) rolled
+        back on every server."""
+        self._phase(mine)
+        tx.conclude(lambda: None, lambda error: self._abort(mine, error))
+        self._history.committed(self._syncs)
+        self._syncs += 1
+
+    def _agree_on_resume(self, tx: Transaction, resume_failures: list[str], version: str | None) -> str | None:
+        """6. committed: every rank learns whether resuming failed on any server (its lease resumes it by itself),
+        so that every rank records it alike. Returns what failed, or ``None``."""
         failed_resume = tx.any_of([bool(resume_failures)], "after resuming generation")
-        resume_note: str | None = None
-        if failed_resume is None or failed_resume[0]:
-            resume_note = (
-                "; ".join(resume_failures)
-                if resume_failures
-                else "resuming generation failed on a server another trainer rank feeds (or that rank was lost)"
-            ) + f"; the server's lease resumes it within {self.lease:g} s"
-            warnings.warn(f"lora_stream: sync {version!r} committed, but {resume_note}", RuntimeWarning, stacklevel=3)
-            tx.error = None  # committed everywhere: what failed after is recorded, not raised
+        if failed_resume is not None and not failed_resume[0]:
+            return None
+        resume_note = (
+            "; ".join(resume_failures)
+            if resume_failures
+            else "resuming generation failed on a server another trainer rank feeds (or that rank was lost)"
+        ) + f"; the server's lease resumes it within {self.lease:g} s"
+        warnings.warn(f"lora_stream: sync {version!r} committed, but {resume_note}", RuntimeWarning, stacklevel=4)
+        tx.error = None  # committed everywhere: what failed after is recorded, not raised
+        return resume_note
+
+    def _record(
+        self,
+        source: SyncSource,
+        mine: list[_Replica],
+        version: str | None,
+        start: float,
+        verification: Verification | None,
+        excluded: dict[str, str],
+        readmitted: tuple[str, ...],
+        resume_note: str | None,
+    ) -> SyncRecord:
+        """The committed sync's record: what was sent, the workers' stages, the fleet's outcome."""
         record = source.record(self.name, time.perf_counter() - start)
         fed = [r for r in mine if r.engine is not None and r.state.committed]
         stages = dict(getattr(fed[0].engine, "last_stages", None) or {}) if fed else {}
@@ -811,9 +860,9 @@ class VLLMServerSink:
                 f"lora_stream: the vLLM server at {url} was excluded from sync {version!r} ({reason}); the other "
                 "servers committed it, and the next sync tries this one again with the full weights",
                 ReplicaExcludedWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
-        if is_adapter:
+        if isinstance(source.stream, AdapterStream):
             record = AdapterSyncRecord(**record.__dict__, lora_name=self.lora_name)
         record.log()
         return record
@@ -1257,6 +1306,16 @@ class VLLMServerSink:
         engine.deferred = True  # the sink concludes vLLM's update session after the ranks voted
         engine.keep_previous = self.rollback
         replica.engine = engine
+
+
+@dataclasses.dataclass(frozen=True)
+class _SyncPlan:
+    """What a sync's prepare phase agreed on every rank: the tied aliases to offer, the verification's probe (``None``:
+    not verified), and an adapter sync's staging (``{"path", "config"}``; ``None``: a merged sync)."""
+
+    aliases: dict[str, str]
+    ids: list[int] | None
+    adapter: dict[str, Any] | None
 
 
 class _ServerUpdate:
