@@ -90,6 +90,10 @@ def main() -> None:
     url_a, url_b, ckpt, MARKERS = sys.argv[2:6]
     urls = [url_a, url_b]
     t = plan["timeouts"]
+    if "margin" in t:  # the sink's slack on its computed waits (10 s): shorter, so that a slow rank sleeps less
+        import lora_stream.sinks.vllm_server as server_sink
+
+        server_sink._MARGIN_S = t["margin"]
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     signal(f"pid.rank{rank}", {"pid": os.getpid()})
