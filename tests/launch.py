@@ -99,9 +99,9 @@ def _run_rank(script: str, args: list[str], env: dict[str, str], log_path: str, 
 class _Rank:
     """One rank's process, forked (the fork server) or started (``subprocess``), with its output in a file."""
 
-    def __init__(self, script: str, args: list[str], env: dict[str, str], cwd: str) -> None:
+    def __init__(self, script: str, args: list[str], env: dict[str, str], cwd: str, fork: bool = True) -> None:
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-        ctx = _forkserver()
+        ctx = _forkserver() if fork else None
         self.proc: multiprocessing.process.BaseProcess | subprocess.Popen[str]
         if ctx is not None:
             self.proc = ctx.Process(target=_run_rank, args=(script, args, env, self.log.name, cwd), daemon=False)
@@ -132,39 +132,54 @@ class _Rank:
 
 
 def launch(
-    worker: str, *args: str, world: int = 2, timeout: float = 240.0, env: dict[str, str] | None = None
+    worker: str,
+    *args: str,
+    world: int = 2,
+    timeout: float = 240.0,
+    env: dict[str, str | None] | None = None,
+    ranks: bool = True,
+    fork: bool = True,
 ) -> list[RankResult]:
-    """Run ``tests/workers/<worker>.py`` as ``world`` ranks; kill them all if any outlives ``timeout`` seconds.
+    """Run ``tests/workers/<worker>.py`` (or the script at the path ``worker``, if it ends with ``.py``) as ``world``
+    ranks; kill them all if any outlives ``timeout`` seconds.
 
-    A hang therefore fails the test (every rank's output is kept for the message) instead of stalling CI.
+    A hang therefore fails the test (every rank's output is kept for the message) instead of stalling CI. ``env``
+    adds to this process's environment; a value of ``None`` removes the variable. ``ranks=False``: a program that is
+    not a rank (a user's script), started without the rendezvous variables (``RANK``, ``WORLD_SIZE``, ...).
+    ``fork=False``: a new interpreter, not a fork of the server (a program whose vLLM engine runs in a child process
+    of its own: V1 multiprocessing started from a forked rank hangs).
     """
     port = free_port()
     start = time.monotonic()
+    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world)} if ranks else {}
     base_env = {
         **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "WORLD_SIZE": str(world),
+        **rendezvous,
         "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
         **_SERVER_ENV,
-        **(env or {}),
     }
-    script = str(TESTS / "workers" / f"{worker}.py")
-    ranks = [
-        _Rank(script, list(args), {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, str(TESTS.parent))
-        for rank in range(world)
+    for key, value in (env or {}).items():
+        if value is None:
+            base_env.pop(key, None)
+        else:
+            base_env[key] = value
+    script = worker if worker.endswith(".py") else str(TESTS / "workers" / f"{worker}.py")
+    cwd = str(TESTS.parent)
+    procs = [
+        _Rank(script, list(args), {**base_env, **({"RANK": str(r), "LOCAL_RANK": str(r)} if ranks else {})}, cwd, fork)
+        for r in range(world)
     ]
     ends: dict[int, float] = {}
     while len(ends) < world and time.monotonic() - start < timeout:
-        for r, p in enumerate(ranks):
+        for r, p in enumerate(procs):
             if r not in ends and p.poll() is not None:
                 ends[r] = time.monotonic() - start
         time.sleep(0.05)
-    for p in ranks:
+    for p in procs:
         if p.poll() is None:
             p.kill()
     results = []
-    for r, p in enumerate(ranks):
+    for r, p in enumerate(procs):
         code = p.poll()
         results.append(
             RankResult(r, code if r in ends and code is not None else -9, p.output(), ends.get(r, float("inf")))

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -74,20 +73,12 @@ def test_the_stream_is_the_merged_checkpoint(arch: Arch, tmp_path: Path) -> None
 
 def run_vllm_worker(archs: list[Arch], workdir: Path) -> dict[str, list[dict[str, Any]]]:
     """Every architecture of ``archs`` through vLLM in one worker process: each one's ``RESULT`` records, by id."""
-    import subprocess
+    from launch import launch
 
-    tests = Path(__file__).resolve().parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])}
     ids = [a.id for a in archs]
-    proc = subprocess.run(
-        [sys.executable, str(tests / "workers" / "vllm_architecture.py"), ",".join(ids), str(workdir)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60 + 60 * len(ids),
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+    (rank,) = launch("vllm_architecture", ",".join(ids), str(workdir), world=1, timeout=60 + 60 * len(ids))
+    out = rank.output
+    assert rank.returncode == 0, out[-4000:]
     records: dict[str, list[dict[str, Any]]] = {i: [] for i in ids}
     for rec in results_of(out):
         records[rec["arch"]].append(rec)
@@ -106,13 +97,15 @@ def outcome(arch: Arch, records: list[dict[str, Any]]) -> dict[str, Any]:
     engine = event("engine")
     if not engine["ok"]:
         return {"status": "vllm-cannot", "detail": engine["error"], "synced": False}
-    control, synced = event("control"), event("synced")
+    synced = event("synced")  # the base sync's failure, if it failed, else the merged sync's
     if not synced["ok"]:
         return {"status": "vllm-cannot", "detail": f"{synced['error_type']}: {synced['error']}", "synced": False}
-    if not control["ok"]:
-        detail = f"{engine['model_class']}: loads and syncs; vLLM cannot generate: {control['error']}"
+    control, first = event("control"), event("oracle")  # the first generation's error is vLLM's own
+    failed = first if not first["ok"] else control
+    if not failed["ok"]:
+        detail = f"{engine['model_class']}: loads and syncs; vLLM cannot generate: {failed['error']}"
         return {"status": "vllm-cannot", "detail": detail, "synced": True}
-    oracle = event("oracle")["generated"]
+    oracle = first["generated"]
     reference = event("reference")["generated"]
     return {
         "status": "matches" if _same(synced["generated"], oracle) else "differs",

@@ -185,7 +185,6 @@ def test_removing_the_hook_restores_trls_own_sync(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("mode", [[], ["--adapter"], ["--server"]], ids=["merged", "adapter", "server"])
 def test_the_example_runs(mode: list[str], tmp_path: Path) -> None:
-    import subprocess
     import sys
 
     root = Path(__file__).resolve().parent.parent
@@ -201,15 +200,14 @@ def test_the_example_runs(mode: list[str], tmp_path: Path) -> None:
         server = Server(model_dir).wait_ready()
         mode = ["--model", model_dir, "--server", server.url]
     try:
-        proc = subprocess.run(
-            [sys.executable, str(root / "examples" / "grpo_trl.py"), *mode], capture_output=True, text=True, timeout=400
-        )
+        # As `python examples/grpo_trl.py ...` runs it: a program of its own, not a rank of a launched job.
+        (run,) = launch(str(root / "examples" / "grpo_trl.py"), *mode, world=1, timeout=400, ranks=False)
     finally:
         if server is not None:
             server.stop()
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    syncs = [line for line in proc.stdout.splitlines() if line.startswith("sync ")]
-    assert [line.split(":")[0] for line in syncs] == ["sync 0", "sync 1", "sync 2"], proc.stdout[-2000:]
+    assert run.returncode == 0, run.output[-5000:]
+    syncs = [line for line in run.output.splitlines() if line.startswith("sync ")]
+    assert [line.split(":")[0] for line in syncs] == ["sync 0", "sync 1", "sync 2"], run.output[-2000:]
     # the LoRA factors of 2 layers x 7 modules, or the merged model's tensors
     tensors = "28 tensors" if "--adapter" in mode else "21 tensors"
     assert all(tensors in line for line in syncs), syncs

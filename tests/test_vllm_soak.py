@@ -17,8 +17,9 @@ from vllm_server import Server
 #: Rounds in CI: each fault kind once, then random ones, the last one plain. ``LORA_STREAM_SOAK_ROUNDS`` overrides.
 ROUNDS = int(os.environ.get("LORA_STREAM_SOAK_ROUNDS", "9"))
 SEED = int(os.environ.get("LORA_STREAM_SOAK_SEED", "31"))
-#: The every-point test's timeouts: an agreement waits 17 s (2 x 6 + 2 + a margin of 3), a slow rank sleeps 21 s.
-SHORT = {"stream": 10.0, "sink": 6.0, "prefix_cache": 2.0, "lease": 6.0, "margin": 3.0}
+#: The every-point test's timeouts (no client runs, so the servers answer at once): an agreement waits 12 s (2 x 4 + 1
+#: + a margin of 3), a slow rank sleeps 16 s.
+SHORT = {"stream": 10.0, "sink": 4.0, "prefix_cache": 1.0, "lease": 6.0, "margin": 3.0}
 
 
 @pytest.fixture(scope="module")

@@ -223,7 +223,9 @@ class ParamStream:
        even if a traceback keeps the iterator alive.
     8. ``metadata()`` describes the whole stream without materializing or communicating anything and agrees with
        iteration element for element; ``groups()`` / ``iter_groups()`` expose the groups. Together these satisfy
-       vLLM's ``WeightSource`` contract structurally.
+       vLLM's ``WeightSource`` contract structurally; its groups are vLLM's ``layerwise_groups`` (what
+       ``sharded_rdt`` requires) under ``group_by="layer"`` (``tests/test_weight_source.py``, docs "vLLM's own
+       weight-transfer engines").
 
     Args:
         model: the trainer's model: a ``PeftModel``, a plain ``nn.Module``, or either wrapped (DDP, DeepSpeed

@@ -7,10 +7,12 @@ Several architectures run in one process (the imports and the interpreter are pa
 
 Two references: the merged model's greedy tokens and logprobs in transformers (computed before any engine starts:
 vLLM's Transformers backend patches transformers classes in place), and the oracle, what a vLLM engine started from
-the merged checkpoint serves. The engine under test starts from the base model's checkpoint, so before the sync it
-serves something else (the control). Prints ``RESULT`` lines: ``reference``, ``oracle``, ``engine`` (started, or
-vLLM's own error), ``control`` (generated before the sync, or vLLM's error when it loads the model but cannot run
-it), ``synced`` (the sync's outcome, and what was generated after it).
+the merged checkpoint serves. One engine per architecture: started from the merged checkpoint, it serves the oracle;
+then the base model is synced into it, so that it serves something else (the control); then the merged model is
+synced, and what it serves must be the oracle again: the sync alone made the engine serve exactly what the merged
+checkpoint does. Prints ``RESULT`` lines: ``reference``, ``engine`` (started, or vLLM's own error), ``oracle``
+(generated from the merged checkpoint), ``control`` (generated after the base sync, or vLLM's error when it loads the
+model but cannot run it), ``synced`` (the merged sync's outcome, and what was generated after it).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 import sys
 import traceback
 import warnings
+from typing import Any
 
 import torch
 
@@ -52,6 +55,11 @@ class Prepared:
         self.base_dir = os.path.join(workdir, arch_id, "base")
         model = build(arch)
         model.save_pretrained(self.base_dir)
+        from transformers import AutoModelForCausalLM
+
+        # The control's weights, read back now: once an engine has used vLLM's Transformers backend, transformers'
+        # classes are patched and cannot build a model outside vLLM.
+        self.base = AutoModelForCausalLM.from_pretrained(self.base_dir, torch_dtype=torch.float32)
         self.pm = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **arch.lora))
         perturb_adapters(self.pm)
         merged = merged_copy(self.pm).eval()
@@ -61,8 +69,8 @@ class Prepared:
 
 
 def check(p: Prepared) -> None:
-    """The oracle engine, then the engine under test: control, sync, generation. Every outcome is reported, never
-    raised, so that the next architecture runs."""
+    """The engine from the merged checkpoint (the oracle), then the base sync (the control), then the merged sync.
+    Every outcome is reported, never raised, so that the next architecture runs."""
     from helpers import report, vllm_engine, vllm_generate
 
     from lora_stream import ParamStream, VLLMColocatedSink
@@ -70,16 +78,20 @@ def check(p: Prepared) -> None:
     def say(**fields: object) -> None:
         report(arch=p.arch_id, **fields)
 
+    def generated(event: str, llm: Any) -> bool:
+        try:
+            say(event=event, ok=True, generated=vllm_generate(llm))
+            return True
+        except Exception as exc:  # vLLM loads the model but cannot run it here: the syncs are still checked
+            say(event=event, ok=False, error=f"{type(exc).__name__}: {str(exc)[:400]}")
+            # The crashed request still holds its KV blocks, and the sink refuses to report success over a prefix
+            # cache it cannot reset: drop them, as a user recovering from the crash would.
+            llm.reset_prefix_cache(reset_running_requests=True)
+            return False
+
     say(event="reference", generated=p.reference)
-    # The oracle: what vLLM serves when started from the merged checkpoint itself.
     try:
-        oracle_llm = vllm_engine(p.merged_dir)
-        say(event="oracle", ok=True, generated=vllm_generate(oracle_llm))
-        del oracle_llm
-    except Exception as exc:
-        say(event="oracle", ok=False, error=f"{type(exc).__name__}: {str(exc)[:400]}")
-    try:
-        llm = vllm_engine(p.base_dir)
+        llm = vllm_engine(p.merged_dir)
     except Exception as exc:
         say(event="engine", ok=False, error=f"{type(exc).__name__}: {str(exc)[:400]}")
         return
@@ -87,28 +99,26 @@ def check(p: Prepared) -> None:
         sink = VLLMColocatedSink(llm)
         assert sink._bracket is not None
         say(event="engine", ok=True, model_class=type(sink._bracket.model).__name__)
-        try:
-            say(event="control", ok=True, generated=vllm_generate(llm))
-        except Exception as exc:  # vLLM loads the model but cannot run it here: the sync is still checked
-            say(event="control", ok=False, error=f"{type(exc).__name__}: {str(exc)[:400]}")
-            # The crashed request still holds its KV blocks, and the sink refuses to report success over a prefix
-            # cache it cannot reset: drop them, as a user recovering from the crash would.
-            llm.reset_prefix_cache(reset_running_requests=True)
-        try:
-            record = sink.sync(ParamStream(p.pm, group_by="layer"))
-        except Exception as exc:
-            say(
-                event="synced",
-                ok=False,
-                error_type=type(exc).__name__,
-                error=str(exc)[:1500],
-                trace=traceback.format_exc()[-1500:],
-            )
-            return
-        try:
-            say(event="synced", ok=True, tensors=record.tensors, generated=vllm_generate(llm))
-        except Exception as exc:
-            say(event="synced", ok=True, tensors=record.tensors, error=f"{type(exc).__name__}: {str(exc)[:400]}")
+        generated("oracle", llm)  # what vLLM serves when started from the merged checkpoint itself
+        for event, model in (("control", p.base), ("synced", p.pm)):
+            try:
+                record = sink.sync(ParamStream(model, group_by="layer"))
+            except Exception as exc:
+                say(
+                    event="synced",
+                    ok=False,
+                    error_type=type(exc).__name__,
+                    error=str(exc)[:1500],
+                    trace=traceback.format_exc()[-1500:],
+                )
+                return
+            if event == "control":
+                generated("control", llm)
+                continue
+            try:
+                say(event="synced", ok=True, tensors=record.tensors, generated=vllm_generate(llm))
+            except Exception as exc:
+                say(event="synced", ok=True, tensors=record.tensors, error=f"{type(exc).__name__}: {str(exc)[:400]}")
     finally:
         del llm
 

@@ -313,7 +313,7 @@ def scenario_raise_kept() -> None:
     except ValueError as exc:
         kept.append(exc)  # the traceback keeps this frame, and the pass, alive
         report(rank=dist.get_rank(), event="consumer-raised", message=str(exc), seconds=time.monotonic() - start)
-        time.sleep(30)  # still alive: rank 0 cannot learn of the stop from a closed connection
+        time.sleep(12)  # alive past the 10 s rank 0 has to abort: it cannot learn of the stop from a closed connection
         finish(0)
     except StreamAbortedError as exc:
         report_aborted(exc, start)
