@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,13 +18,21 @@ import pytest
 #: What makes a test slow when its body, a fixture it uses, or a function of the tests they call, calls it.
 _STARTS = re.compile(r"\b(launch|Server|LLM)\(|\bsubprocess\.")
 _CALL = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]*)\(")
+_TESTS = str(Path(__file__).resolve().parent)
+#: Each test's and fixture's answer: many tests share fixtures.
+_answers: dict[Any, bool] = {}
 
 
-def _starts_something(func: Any, seen: set[Any] | None = None) -> bool:
+def _starts_something(func: Any) -> bool:
     """Whether ``func``, or a function of the test modules it calls by name (followed through them), starts a
     process or an engine."""
-    seen = set() if seen is None else seen
-    if func in seen:
+    if func not in _answers:
+        _answers[func] = _reads_as_starting(func, set())
+    return _answers[func]
+
+
+def _reads_as_starting(func: Any, seen: set[Any]) -> bool:
+    if func in seen:  # a cycle of calls: what it starts is found on its first visit
         return False
     seen.add(func)
     try:
@@ -33,18 +42,11 @@ def _starts_something(func: Any, seen: set[Any] | None = None) -> bool:
     if _STARTS.search(source):
         return True
     scope = getattr(func, "__globals__", {})
-    for name in set(_CALL.findall(source)):
-        callee = scope.get(name)
-        if inspect.isfunction(callee) and _is_test_code(callee) and _starts_something(callee, seen):
-            return True
-    return False
-
-
-def _is_test_code(func: Any) -> bool:
-    return str(getattr(func, "__code__", None) and func.__code__.co_filename).startswith(_TESTS)
-
-
-_TESTS = str(__import__("pathlib").Path(__file__).resolve().parent)
+    callees = (scope.get(name) for name in set(_CALL.findall(source)))
+    return any(
+        inspect.isfunction(f) and f.__code__.co_filename.startswith(_TESTS) and _reads_as_starting(f, seen)
+        for f in callees
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:

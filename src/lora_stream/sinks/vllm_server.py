@@ -651,9 +651,9 @@ class VLLMServerSink:
             plan = self._prepare_sync(tx, stream, mine)
             source = self._arm(stream, mine, plan, version)
             try:
-                self._transfer(tx, mine, keeper, source, plan.adapter)
+                self._transfer(tx, mine, keeper, source)
                 verification = self._check_loaded(tx, stream, mine, plan.ids, source)
-                self._commit_all(tx, mine, version, plan.adapter, source)
+                self._commit_all(tx, mine, version, source)
                 excluded, readmitted = self._agree_on_fleet(tx, mine)
                 self._conclude(tx, mine)
             finally:
@@ -720,14 +720,7 @@ class VLLMServerSink:
         source = self._source.current = SyncSource(stream, plan.aliases, version, plan.adapter)
         return source
 
-    def _transfer(
-        self,
-        tx: Transaction,
-        mine: list[_Replica],
-        keeper: _LeaseKeeper,
-        source: SyncSource,
-        adapter: dict[str, Any] | None,
-    ) -> None:
+    def _transfer(self, tx: Transaction, mine: list[_Replica], keeper: _LeaseKeeper, source: SyncSource) -> None:
         """2. transfer, under a pause of generation: no request is computed partly with each version. From the
         pause on, the sync holds each server under its lease (kept alive by this rank's heartbeat)."""
         self._phase(mine)
@@ -762,6 +755,7 @@ class VLLMServerSink:
             for r in self._live(mine):
                 r.state.loaded = r.state.session = True  # the workers hold it open, waiting for the decision
             self._phase(mine)
+            adapter = source.adapter
             if adapter is not None:
                 for r in self._live(mine):
                     self._on(r, lambda r=r: self._load_adapter(r, adapter["path"]))
@@ -790,20 +784,13 @@ class VLLMServerSink:
                 fault_point("commit")
         return verification
 
-    def _commit_all(
-        self,
-        tx: Transaction,
-        mine: list[_Replica],
-        version: str | None,
-        adapter: dict[str, Any] | None,
-        source: SyncSource,
-    ) -> None:
+    def _commit_all(self, tx: Transaction, mine: list[_Replica], version: str | None, source: SyncSource) -> None:
         """4. vote; each feeding rank commits on its servers; a second vote carries the outcome of those calls."""
         if tx.vote("before committing", known=source.ended_early):
             self._phase(mine)
             with tx.attempt():
                 for r in self._live(mine):
-                    self._on(r, lambda r=r: self._commit(r, version, adapter))
+                    self._on(r, lambda r=r: self._commit(r, version, source.adapter))
             tx.vote("after committing")
 
     def _conclude(self, tx: Transaction, mine: list[_Replica]) -> None:
