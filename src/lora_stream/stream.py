@@ -10,7 +10,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from enum import Enum
 from types import TracebackType
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -21,15 +21,24 @@ from .checkpoint_format import Layout
 from .coordination import Coordinator
 from .core import Step, Unit
 from .errors import LoraStreamError, StreamAbortedError
+from .fingerprint import fingerprint
 from .gatherers import Gatherer, auto_gatherer
-from .grouping import DEFAULT_BUDGET_BYTES, GroupBy, partition
+from .grouping import DEFAULT_BUDGET_BYTES, Group, GroupBy, partition
 from .lockstep import FLAG_CAPACITY, Lockstep, Status, describe_error
-from .merge import DEFAULT_MERGE_BLOCK_BYTES, FullTensor
+from .merge import DEFAULT_MERGE_BLOCK_BYTES, BufferRead, FullTensor
 from .names import NameNormalizer, Renames
 from .plan import Target, plan_model
 from .witness import PlanWitness
 
-__all__ = ["ParamMeta", "PassState", "StreamStats", "ParamStream", "StreamPass", "stream_merged_params"]
+__all__ = [
+    "ParamMeta",
+    "PassState",
+    "Selection",
+    "StreamStats",
+    "ParamStream",
+    "StreamPass",
+    "stream_merged_params",
+]
 
 #: A pass trims the heap only once the process has grown by this many times its largest group (the gather buffer
 #: and one group's outputs are expected; freed memory beyond that is what trimming is for), so growth stays near
@@ -85,8 +94,28 @@ class StreamStats:
     #: for gatherers with a single path. ``fallback_reason``: why the latest fallback could not take the direct path.
     gather_paths: dict[str, int] = field(default_factory=dict)
     fallback_reason: str | None = None
+    #: A pass over a :class:`Selection`: the tensors and bytes it left out (their sources unchanged since the
+    #: engine's version); 0 for a full pass.
+    skipped_tensors: int = 0
+    skipped_bytes: int = 0
+    #: Whole bytes of every group this pass gathered (what each rank made whole, group after group).
+    gathered_bytes: int = 0
     #: True once every group was produced and every rank agreed the pass ended.
     complete: bool = False
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which steps of a stream's plan one pass produces (:meth:`ParamStream.iter_groups`): a partial sync's pass.
+
+    A step is one checkpoint-format conversion (usually one tensor in, one out; ``ParamStream.steps()`` lists
+    each step's output names). Every rank of a sharded stream must pass the same selection, since it decides which
+    groups are gathered: build it from an agreement (:func:`lora_stream.changes.agree_on_changes`). Groups none of
+    whose steps are selected are not gathered, merged or yielded at all; the others gather only what their
+    selected steps read.
+    """
+
+    steps: frozenset[int]
 
 
 T = TypeVar("T")
@@ -291,6 +320,8 @@ class ParamStream:
         self.layout: Layout = layout
         self._groups = partition(units, group_by, budget_bytes, g.gather_bytes)
         self._meta = [ParamMeta(o.name, o.dtype, o.shape) for grp in self._groups for o in grp.outputs]
+        #: Every step in stream order (a selection's indices refer to it).
+        self._steps: list[Step] = [step for grp in self._groups for step in grp.steps]
         # What ranks compare in every status exchange: fixed by the plan, so computed once. The adapter state the
         # plan read is part of it: ranks set to different adapters must not serve a mix.
         self._digest = (
@@ -323,6 +354,12 @@ class ParamStream:
             witness=self._witness,
         )
 
+    @property
+    def plan_digest(self) -> str:
+        """What every rank's plan must equal (names, dtypes, shapes, groups and the adapter state read): what the
+        status exchanges compare, and what a record of this stream's fingerprints is valid for."""
+        return self._digest
+
     def plan_changes(self) -> list[str]:
         """What changed in the model since this stream was planned (empty: nothing): another active adapter,
         adapters disabled or merged in place, a new scaling, a module or parameter replaced or reshaped. Reads
@@ -336,17 +373,83 @@ class ParamStream:
         self._witness.check(self._where())
 
     # -- the WeightSource channels ----------------------------------------------------------------------------------
-    def metadata(self) -> list[ParamMeta]:
-        """``(name, dtype, shape)`` of every tensor iteration yields, in the same order. No communication.
+    def metadata(self, selection: Selection | None = None) -> list[ParamMeta]:
+        """``(name, dtype, shape)`` of every tensor iteration yields (over ``selection``, when given), in the same
+        order. No communication.
 
         vLLM's engines size receive buffers and packing from this and then trust iteration to match; the match is
         checked at every yield (a mismatch raises rather than corrupting a buffer).
         """
-        return list(self._meta)
+        if selection is None:
+            return list(self._meta)
+        return [ParamMeta(o.name, o.dtype, o.shape) for grp in self._select(selection) for o in grp.outputs]
 
-    def groups(self) -> list[list[str]]:
-        """The names of each group, in order: the unit of gathering and of ``iter_groups()``."""
-        return [[o.name for o in grp.outputs] for grp in self._groups]
+    def groups(self, selection: Selection | None = None) -> list[list[str]]:
+        """The names of each group, in order: the unit of gathering and of ``iter_groups()`` (over ``selection``:
+        only the groups and names it produces)."""
+        groups = self._groups if selection is None else self._select(selection)
+        return [[o.name for o in grp.outputs] for grp in groups]
+
+    def steps(self) -> list[list[str]]:
+        """The output names of each step of the plan, in stream order: what a :class:`Selection` selects (a step's
+        outputs are produced together: one checkpoint conversion)."""
+        return [[o.name for o in step.outputs] for step in self._steps]
+
+    def step_bytes(self) -> list[int]:
+        """The bytes of each step's outputs, in stream order."""
+        return [sum(_nbytes(o.shape, o.dtype) for o in step.outputs) for step in self._steps]
+
+    def fingerprints(self) -> list[int | None]:
+        """For each step, in stream order, a fingerprint of this rank's own bytes of every source it reads
+        (:func:`lora_stream.fingerprint.fingerprint` of each local shard), or ``None`` where the step must be sent
+        at every sync: a source is trainable (``requires_grad``), quantized, or the gatherer cannot say
+        (``local_shard``). No communication; reads every frozen local shard once."""
+        local_shard = getattr(self.gatherer, "local_shard", None)
+        cache: dict[int, int | None] = {}
+
+        def of_param(p: Any) -> int | None:
+            if id(p) not in cache:
+                trainable = getattr(p, "requires_grad", True)
+                shard = None if trainable or local_shard is None else local_shard(p)
+                cache[id(p)] = None if shard is None else fingerprint(shard)
+            return cache[id(p)]
+
+        out: list[int | None] = []
+        for step in self._steps:
+            parts: list[int] | None = []
+            for t in step.inputs:
+                found = _target_fingerprints(t, of_param)
+                if found is None or parts is None:
+                    parts = None
+                    break
+                parts += found
+            out.append(None if parts is None else _combine(parts))
+        return out
+
+    def _select(self, selection: Selection) -> list[Group]:
+        """The groups a pass over ``selection`` gathers: each with its selected steps only, reading only what they
+        read; groups with none left out."""
+        keep = selection.steps
+        out: list[Group] = []
+        index = 0
+        g = self.gatherer
+        for grp in self._groups:
+            units: list[Unit] = []
+            reads: set[int] = set()
+            for unit in grp.units:
+                steps = []
+                for step in unit.steps:
+                    if index in keep:
+                        steps.append(step)
+                        for t in step.inputs:
+                            reads.update(id(p) for p in (t.merge.params() if t.merge is not None else [t.param]))
+                    index += 1
+                if steps:
+                    units.append(Unit(unit.module, [t for s in steps for t in s.inputs], [], steps))
+            if units:
+                params = [p for p in grp.params if id(p) in reads]
+                out.append(Group(units, params, g.gather_bytes(params) if params else 0))
+        return out
 
     def held_names(self) -> None:
         """Every rank produces every tensor (vLLM's ``WeightSource.held_names``: ``None`` means all)."""
@@ -376,13 +479,14 @@ class ParamStream:
         """
         return self._open(batched=False)  # type: ignore[return-value]
 
-    def iter_groups(self) -> StreamPass[tuple[list[str], list[torch.Tensor]]]:
-        """A fresh pass yielding one ``(names, tensors)`` batch per group of ``groups()`` (see :class:`StreamPass`)."""
-        return self._open(batched=True)  # type: ignore[return-value]
+    def iter_groups(self, selection: Selection | None = None) -> StreamPass[tuple[list[str], list[torch.Tensor]]]:
+        """A fresh pass yielding one ``(names, tensors)`` batch per group of ``groups(selection)`` (see
+        :class:`StreamPass`); with ``selection``, only its steps' outputs (every rank passes the same one)."""
+        return self._open(batched=True, selection=selection)  # type: ignore[return-value]
 
-    def _open(self, batched: bool) -> StreamPass[object]:
+    def _open(self, batched: bool, selection: Selection | None = None) -> StreamPass[object]:
         def produce(record: PassRecord) -> Generator[object, None, None]:
-            return self._produce(batched, record)
+            return self._produce(batched, record, selection)
 
         p: StreamPass[object] = StreamPass(produce)
         # Weakly: a pass abandoned by its consumer must still be collected, which is what ends it for the peers.
@@ -484,11 +588,19 @@ class ParamStream:
             return f"rank {dist.get_rank()}: "
         return ""
 
-    def _produce(self, batched: bool, handle: PassRecord) -> Generator[object, None, None]:
+    def _produce(
+        self, batched: bool, handle: PassRecord, selection: Selection | None = None
+    ) -> Generator[object, None, None]:
         stats = handle.stats
         handle.state = PassState.RUNNING
         lock = self._lockstep()
-        n = len(self._groups)
+        groups = self._groups if selection is None else self._select(selection)
+        if selection is not None:
+            sizes = self.step_bytes()
+            left = [i for i in range(len(self._steps)) if i not in selection.steps]
+            stats.skipped_tensors = sum(len(self._steps[i].outputs) for i in left)
+            stats.skipped_bytes = sum(sizes[i] for i in left)
+        n = len(groups)
         status = Status.OK
         outputs = OutputPool() if self.reuse_outputs else None
         scratch = Scratch(outputs)
@@ -497,7 +609,7 @@ class ParamStream:
             rss.begin()
             stats.rss_start_bytes = rss.start
         start = time.perf_counter()
-        largest = max(self.group_gathered_bytes, default=0)
+        largest = max((grp.gathered_bytes for grp in groups), default=0)
         trimmer = HeapTrimmer(int(_TRIM_BOUND_GROUPS * largest), _TRIM_EVERY_BYTES) if self.release_memory else None
         g = self.gatherer
         prefetch = getattr(g, "prefetch", None) if self.prefetch else None
@@ -508,7 +620,7 @@ class ParamStream:
         agreement = getattr(g, "agreement", None) if lock is not None and prefetch is None else None
         try:
             self.check_plan()  # before any exchange: a stale plan fails here, and the peers learn it below
-            for gi, group in enumerate(self._groups):
+            for gi, group in enumerate(groups):
                 if lock is not None:
                     flags = agreement(group.params) if agreement is not None else None
                     if flags is not None and len(flags) > FLAG_CAPACITY:
@@ -518,12 +630,13 @@ class ParamStream:
                         g.agreed(group.params, agreed)  # type: ignore[attr-defined]
                 with g.gather(group.params) as full:
                     stats.groups += 1
+                    stats.gathered_bytes += group.gathered_bytes
                     held = group.gathered_bytes
                     if prefetch is not None and gi + 1 < n:
                         # Every rank reaches this point for group gi, so the next group's gather (a collective)
                         # is started everywhere, even if a consumer stops while this group is consumed.
-                        prefetch(self._groups[gi + 1].params)
-                        held += self._groups[gi + 1].gathered_bytes
+                        prefetch(groups[gi + 1].params)
+                        held += groups[gi + 1].gathered_bytes
                     stats.peak_gathered_bytes = max(stats.peak_gathered_bytes, held)
                     if batched:
                         tensors = [x for s in group.steps for x in self._produce_step(s, full, stats, scratch)]
@@ -579,6 +692,39 @@ class ParamStream:
                     lock.exchange(status, f"after rank {lock.rank} stopped", handle.stop_reason or "")
                 except StreamAbortedError:
                     pass  # the peers are gone too; the error that stopped this rank is the one to report
+
+
+def _target_fingerprints(t: Target, of_param: Callable[[Any], int | None]) -> list[int] | None:
+    """The fingerprints of what ``t`` reads: its parameters' local shards, or a persistent buffer (whole: no
+    gatherer shards buffers); ``None`` if one cannot be fingerprinted, or the base is quantized (its quantization
+    state lives outside its bytes)."""
+    merge = t.merge
+    if isinstance(merge, BufferRead):
+        buf = merge.module._buffers.get(merge.attr)
+        return None if buf is None else [fingerprint(buf)]
+    if getattr(getattr(merge, "base", None), "quantized", False):
+        return None
+    out = []
+    for p in merge.params() if merge is not None else [t.param]:
+        fp = of_param(p)
+        if fp is None:
+            return None
+        out.append(fp)
+    return out
+
+
+def _combine(parts: list[int]) -> int:
+    import hashlib
+
+    raw = b"".join((p & ((1 << 64) - 1)).to_bytes(8, "little") for p in parts)
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little", signed=True)
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n * torch.empty((), dtype=dtype).element_size()
 
 
 def stream_merged_params(

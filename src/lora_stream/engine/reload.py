@@ -18,6 +18,7 @@ is put back to its old weights before ``finalize`` instead of being rebuilt from
 from __future__ import annotations
 
 import functools
+import logging
 import types
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 
 from ..errors import LoraStreamError
+from .holding import BatchIndex, LoadMap, hold, loaded_tensor
 
 __all__ = ["EngineSnapshot", "LoadReport", "ReloadBracket", "VLLMLoadError"]
 
@@ -60,6 +62,9 @@ class LoadReport:
     stale: list[str] = field(default_factory=list)
     incomplete: dict[str, list[str]] = field(default_factory=dict)
     checked: bool = True
+    #: What the engine learned of its loaders (:class:`~lora_stream.engine.holding.LoadMap`): the checkpoint names
+    #: that must travel together, or ``None`` when it cannot tell (then it takes full syncs only).
+    units: list[list[str]] | None = None
 
     @property
     def ok(self) -> bool:
@@ -70,6 +75,7 @@ class LoadReport:
         self.stale += [n for n in other.stale if n not in self.stale]
         self.incomplete.update(other.incomplete)
         self.checked = self.checked and other.checked
+        self.units = merge_units(self.units, other.units)
 
     def error(self, where: str = "") -> VLLMLoadError | None:
         """The error to raise for this report, the same text whichever sink or worker found it."""
@@ -83,13 +89,42 @@ class LoadReport:
             incomplete=dict(self.incomplete),
         )
 
-    def to_wire(self) -> tuple[list[str], dict[str, list[str]], bool]:
-        return list(self.stale), dict(self.incomplete), self.checked
+    def to_wire(self) -> tuple[list[str], dict[str, list[str]], bool, list[list[str]] | None]:
+        return list(self.stale), dict(self.incomplete), self.checked, self.units
 
     @classmethod
     def from_wire(cls, wire: Any) -> LoadReport:
-        stale, incomplete, checked = wire
-        return cls(list(stale), {str(k): list(v) for k, v in dict(incomplete).items()}, bool(checked))
+        stale, incomplete, checked, units = wire
+        return cls(
+            list(stale),
+            {str(k): list(v) for k, v in dict(incomplete).items()},
+            bool(checked),
+            None if units is None else [list(u) for u in units],
+        )
+
+
+def merge_units(a: list[list[str]] | None, b: list[list[str]] | None) -> list[list[str]] | None:
+    """Two workers' (or two servers') units as one: names joined by either travel together. ``None`` (unknown)
+    wins: nothing may be left out where one side cannot tell."""
+    if a is None or b is None:
+        return None
+    parent: dict[str, str] = {}
+
+    def find(x: str) -> str:
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for unit in (*a, *b):
+        for n in unit[1:]:
+            ra, rb = find(unit[0]), find(n)
+            if ra != rb:
+                parent[ra] = rb
+    groups: dict[str, list[str]] = {}
+    for n in parent:
+        groups.setdefault(find(n), []).append(n)
+    return sorted(sorted(g) for g in groups.values() if len(g) > 1)
 
 
 def _class_key(obj: object) -> str:
@@ -259,11 +294,15 @@ class EngineSnapshot:
         self.nbytes = 0
 
     @classmethod
-    def take(cls, model: torch.nn.Module) -> EngineSnapshot:
+    def take(cls, model: torch.nn.Module, skip: Collection[int] = ()) -> EngineSnapshot:
+        """Copy every module of ``model`` but those whose ``id`` is in ``skip`` (modules a partial update leaves
+        untouched, which :class:`ReloadBracket` guards against receiving anything)."""
         snap = cls()
         seen: dict[int, torch.Tensor] = {}  # a tensor shared by two modules (tied weights) is copied once
         with torch.no_grad():
             for module in model.modules():
+                if id(module) in skip:
+                    continue
                 params = dict(module._parameters)
                 buffers = dict(module._buffers)
                 attrs = {k: v for k, v in module.__dict__.items() if k not in cls._TORCH_SLOTS}
@@ -373,6 +412,12 @@ class ReloadBracket:
         self._relaid: list[tuple[str, Any, Any]] = []
         self._rolled_back: set[int] = set()
         self._previous: EngineSnapshot | None = None
+        #: What this model's loaders read (shared by every bracket on the model).
+        self.load_map = LoadMap.of(model)
+        #: A partial update (``begin(expect=...)``): the modules it must leave untouched, by qualified name.
+        self._untouched: set[str] = set()
+        self._partial = False
+        self._batch: BatchIndex | None = None
 
     @property
     def open(self) -> bool:
@@ -388,13 +433,17 @@ class ReloadBracket:
         back (``tests/test_kept_bytes.py``)."""
         return self._previous.kept_bytes(settled=not self._open) if self._previous is not None else 0
 
-    def commit(self) -> None:
-        """The update stands: release what ``begin(keep_previous=True)`` kept. Idempotent."""
+    def commit(self, token: str | None = None) -> None:
+        """The update stands: release what ``begin(keep_previous=True)`` kept, and mark the model as holding the
+        weights of the sync ``token`` (what a later partial update must name, :mod:`lora_stream.engine.holding`).
+        Idempotent."""
         if self._open:
             raise RuntimeError("commit() with the reload bracket still open: call finish() first")
         previous, self._previous = self._previous, None
         if previous is not None:
             previous.drop()
+        if token is not None:
+            hold(self.model, token)
 
     def rollback(self) -> bool:
         """Undo the update: close the bracket if it is open, then put back, bit for bit, what every module held at
@@ -408,11 +457,45 @@ class ReloadBracket:
         previous.drop()
         return True
 
-    def begin(self, *, keep_previous: bool = False) -> None:
+    def begin(
+        self,
+        *,
+        keep_previous: bool = False,
+        expect: Collection[str] | None = None,
+        base: str | None = None,
+        optional: Collection[str] = (),
+    ) -> None:
+        """Open the bracket. ``expect``: a partial update, which sends exactly these checkpoint names onto the
+        weights of the committed sync ``base``; every module they do not feed is left untouched (not snapshotted,
+        and guarded against receiving anything). Names in ``optional`` that no module ever read (tied aliases the
+        model does not hold, see :meth:`load`) feed nothing. Refused (:class:`VLLMLoadError`, nothing opened) when
+        the model does not hold ``base``'s weights or cannot tell which modules the names feed."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        from .holding import held_by
 
         if self._open:
             raise RuntimeError("a reload bracket is already open on this model")
+        untouched: set[str] = set()
+        if expect is not None:
+            held = held_by(self.model)
+            if base is None or held != base:
+                raise VLLMLoadError(
+                    f"{LOAD_ERROR_TAG} a partial update computed against the weights of sync {base!r} reached an "
+                    f"engine that holds {'those of sync ' + repr(held) if held else 'other weights'} (restarted, "
+                    "rolled back, or written by another update); nothing was loaded, and the next sync sends every "
+                    "tensor"
+                )
+            loads = [n for n in expect if n not in optional or n in self.load_map.receivers]
+            touched = self.load_map.modules_of(loads) if self.load_map.complete else None
+            if touched is None or _reload_bookkeeping() is None:
+                raise VLLMLoadError(
+                    f"{LOAD_ERROR_TAG} a partial update reached an engine that cannot tell which of its modules "
+                    "the tensors feed (no traced full reload, or a loader that copies what it reads); nothing was "
+                    "loaded, and the next sync sends every tensor"
+                )
+            known = set().union(*self.load_map.receivers.values()) if self.load_map.receivers else set()
+            untouched = known - touched
         self._relaid = _experts_relaid_after_load(self.model)
         unknown = [(n, e) for n, _, e in self._relaid if _class_key(e) not in RELAYOUT_REPEATED]
         if unknown:
@@ -433,9 +516,39 @@ class ReloadBracket:
         # Names as the loaded model holds them, tied ones included; taken before the bracket swaps in meta tensors.
         self._param_names = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
         self._sent = set()
-        self._previous = EngineSnapshot.take(self.model) if keep_previous else None
+        modules = dict(self.model.named_modules())
+        skip = {id(modules[m]) for m in untouched if m in modules}
+        self._previous = EngineSnapshot.take(self.model, skip) if keep_previous else None
+        hold(self.model, None)  # from here on, until a commit, the model holds no committed sync's weights
+        self._untouched, self._partial = untouched, expect is not None
         initialize_layerwise_reload(self.model)
         self._open = True
+        self._trace(modules)
+
+    def _trace(self, modules: dict[str, torch.nn.Module]) -> None:
+        """Record every weight a module's loader buffers (see :mod:`lora_stream.engine.holding`)."""
+        vllm = _reload_bookkeeping()
+        if vllm is None:
+            self.load_map.traced = False
+            return
+        layerwise = vllm[0]
+        for name, module in modules.items():
+            info = layerwise.LAYERWISE_INFO.get(module)
+            if info is not None and info.can_load():
+                info.loaded_weights = _TracedLoads(self, name, info.loaded_weights)
+
+    def _buffered(self, module: str, item: Any) -> None:
+        """A loader of ``module`` buffered one weight (before vLLM counts or processes it)."""
+        if module in self._untouched:
+            raise VLLMLoadError(
+                f"{LOAD_ERROR_TAG} module {module!r} received a weight in a partial update that was to leave it "
+                "untouched (it was not kept for a rollback); the update was stopped before vLLM processed it"
+            )
+        names = self._batch.names_of(loaded_tensor(item[1])) if self._batch is not None else []
+        if not names:
+            self.load_map.traced = False
+        for n in names:
+            self.load_map.receivers.setdefault(n, set()).add(module)
 
     def has_parameter(self, name: str) -> bool:
         """Whether the loaded model holds a parameter that checkpoint name ``name`` maps to (through the model's
@@ -455,21 +568,32 @@ class ReloadBracket:
         if again:
             raise VLLMLoadError(f"{LOAD_ERROR_TAG} {again[:20]} sent twice in one sync; this batch was not loaded")
         self._sent.update(names)
+        self._batch = BatchIndex(pairs)
         try:
             loaded = self.model.load_weights(iter(pairs))
+        except VLLMLoadError:
+            raise
         except Exception as exc:
             raise VLLMLoadError(
                 f"{LOAD_ERROR_TAG} vLLM's {type(self.model).__name__}.load_weights raised on the batch {names[:20]}: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
+        finally:
+            self._batch = None
         return sorted(loaded or ())
 
     def finish(self) -> LoadReport:
         if not self._open:
             return LoadReport()
         report = self._check_and_roll_back()
+        if self._partial:
+            # Left untouched on purpose: they keep the weights they hold, which the trainer proved unchanged.
+            report.stale = [m for m in report.stale if m not in self._untouched]
+        elif self._sent and report.ok:
+            self.load_map.full_seen = True
         if not self._sent:
             report = LoadReport()  # nothing was sent (an empty stream): every module kept its weights, as asked
+        report.units = self.load_map.units() if self.load_map.complete else None
         self._finalize()
         return report
 
@@ -520,5 +644,35 @@ class ReloadBracket:
 
         self._open = False
         self._sent = set()
-        finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call]
+        quiet = _QuietUntouched() if self._partial else None
+        self._untouched, self._partial = set(), False
+        log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+        if quiet is not None:
+            log.addFilter(quiet)  # vLLM warns for every module a partial update left untouched on purpose
+        try:
+            finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call]
+        finally:
+            if quiet is not None:
+                log.removeFilter(quiet)
         self._relayout_reloaded_experts()
+
+
+class _TracedLoads(list):  # type: ignore[type-arg]
+    """A module's list of buffered weight-loader calls (vLLM's ``LayerReloadingInfo.loaded_weights``) that tells
+    the bracket of each one as it is buffered."""
+
+    def __init__(self, bracket: ReloadBracket, module: str, items: Any) -> None:
+        super().__init__(items)
+        self._bracket = bracket
+        self._module = module
+
+    def append(self, item: Any) -> None:
+        self._bracket._buffered(self._module, item)
+        super().append(item)
+
+
+class _QuietUntouched(logging.Filter):
+    """Drops vLLM's "Failed to load weights" warning, which a partial update's untouched modules all raise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Failed to load weights" not in record.getMessage()

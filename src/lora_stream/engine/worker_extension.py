@@ -24,10 +24,24 @@ class LoraStreamWorkerExtension:
     _lora_stream_bracket: ReloadBracket | None = None
     _lora_stream_previous: dict[str, StagedAdapter | None] | None = None
 
-    def lora_stream_begin(self, keep_previous: bool = False) -> None:
+    def lora_stream_begin(
+        self,
+        keep_previous: bool = False,
+        expect: list[str] | None = None,
+        base: str | None = None,
+        optional: list[str] | None = None,
+    ) -> None:
+        """Open the bracket (:meth:`ReloadBracket.begin`; ``expect`` and ``base``: a partial update)."""
         self.lora_stream_rollback()  # an update a vanished trainer left undecided: the safe outcome is the old one
-        self._lora_stream_bracket = ReloadBracket(self.model_runner.model, self.model_runner.model_config)
-        self._lora_stream_bracket.begin(keep_previous=keep_previous)
+        bracket = ReloadBracket(self.model_runner.model, self.model_runner.model_config)
+        bracket.begin(keep_previous=keep_previous, expect=expect, base=base, optional=optional or ())
+        self._lora_stream_bracket = bracket
+
+    def lora_stream_held(self) -> str | None:
+        """The token of the committed sync whose weights this worker's model serves (``None``: unknown)."""
+        from .holding import held_by
+
+        return held_by(self.model_runner.model)
 
     def lora_stream_load(self, blob: bytes, optional: list[str] | None = None) -> list[str]:
         from safetensors.torch import load
@@ -36,24 +50,24 @@ class LoraStreamWorkerExtension:
             raise RuntimeError("lora_stream_load outside a reload bracket: call lora_stream_begin first")
         return self._lora_stream_bracket.load(list(load(bytes(blob)).items()), optional or ())
 
-    def lora_stream_finish(self) -> tuple[list[str], dict[str, list[str]], bool]:
+    def lora_stream_finish(self) -> tuple[list[str], dict[str, list[str]], bool, list[list[str]] | None]:
         """Close and check the bracket; the update stays undecided (kept for ``commit`` or ``rollback``)."""
         bracket = self._lora_stream_bracket
-        return bracket.finish().to_wire() if bracket is not None else ([], {}, True)
+        return bracket.finish().to_wire() if bracket is not None else ([], {}, True, None)
 
     def lora_stream_abort(self) -> None:
         """Close the bracket unchecked after a failure; the update stays undecided."""
         if self._lora_stream_bracket is not None:
             self._lora_stream_bracket.abort()
 
-    def lora_stream_commit(self) -> int:
-        """The update stands; returns the bytes that were kept to undo it."""
+    def lora_stream_commit(self, token: str | None = None) -> int:
+        """The update stands (the model now holds sync ``token``'s weights); returns the bytes kept to undo it."""
         bracket, self._lora_stream_bracket = self._lora_stream_bracket, None
         if bracket is None:
             return 0
         kept = bracket.kept_bytes
         bracket.abort()  # a no-op after finish; never leave a bracket open
-        bracket.commit()
+        bracket.commit(token)
         return kept
 
     def lora_stream_rollback(self) -> bool:

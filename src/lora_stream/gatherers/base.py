@@ -166,6 +166,10 @@ class Gatherer(Protocol):
       frees them (:meth:`~lora_stream.ParamStream.close` makes it).
     * ``path_counts`` / ``fallback_reason``: copied into :class:`~lora_stream.StreamStats` as ``gather_paths``;
       ``path_counts`` counts parameters (``{"direct": n, "fallback": m}``: parameters made whole by each path).
+    * ``local_shard(param)``: this rank's own bytes of ``param`` (its shard, or the whole tensor where nothing is
+      sharded), read without communication: what a sync fingerprints to prove a frozen source unchanged
+      (:mod:`lora_stream.changes`). ``None`` (or no such method): the gatherer cannot say, and every output reading
+      ``param`` is sent at every sync.
     * ``gather_key(param)``: see :meth:`GathererBase.gather_key`; with it (and :class:`GathererBase`'s
       ``gather_bytes``) budget grouping is linear in the number of parameters.
     """
@@ -253,6 +257,10 @@ class GathererBase:
     def full_dtype(self, param: ParamRef) -> torch.dtype:
         dtype: torch.dtype = param.dtype
         return dtype
+
+    def local_shard(self, param: ParamRef) -> torch.Tensor | None:
+        """The whole parameter: nothing is sharded (``local_shard`` in :class:`Gatherer`)."""
+        return detached(param) if isinstance(param, torch.Tensor) else None
 
     def gather_key(self, param: ParamRef) -> tuple[Hashable, int]:
         """What gathering ``param`` materializes, as ``(key, bytes)``: parameters with the same key are

@@ -106,6 +106,11 @@ class Fsdp1Gatherer(ShardedGathererBase):
         ref = self._refs.get((id(module), name))
         return ref if ref is not None else super().param(module, name)
 
+    def local_shard(self, param: ParamRef) -> torch.Tensor | None:
+        """``None``: FSDP1 holds a rank's bytes in flat parameters shared by a whole unit (not traced to one
+        parameter here), so every output is sent at every sync."""
+        return None
+
     def full_shape(self, param: ParamRef) -> torch.Size:
         shape = self._shape.get(id(param))
         return shape if shape is not None else torch.Size(param.shape)

@@ -145,6 +145,13 @@ class Fsdp2Gatherer(ShardedGathererBase):
     def param(self, module: nn.Module, name: str) -> Any:
         return self._sharded(module, name, super().param(module, name))
 
+    def local_shard(self, param: Any) -> torch.Tensor | None:
+        """This rank's shard of a DTensor parameter (``to_local()``); a plain parameter whole."""
+        if is_dtensor(param):
+            local: torch.Tensor = param.detach().to_local()
+            return local
+        return super().local_shard(param)
+
     def _sharded(self, module: nn.Module, name: str, registered: Any) -> Any:
         fsdp_param = self._fsdp_params.get((id(module), name))
         return fsdp_param.sharded_param if fsdp_param is not None else registered

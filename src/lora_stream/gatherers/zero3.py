@@ -388,6 +388,15 @@ class ZeroThreeGatherer(ShardedGathererBase):
             layout.full[id(p)] = out.narrow(0, 0, p.ds_numel).view(p.ds_shape)
         return layout
 
+    def local_shard(self, param: Any) -> torch.Tensor | None:
+        """This rank's partition (``ds_tensor``); ``None`` when DeepSpeed keeps it on NVMe (not resident)."""
+        part = getattr(param, "ds_tensor", None)
+        if part is None:
+            return super().local_shard(param)
+        if "nvme" in str(getattr(part, "final_location", "") or "").lower():
+            return None
+        return self._partition(param)
+
     @staticmethod
     def _partition(p: Any) -> torch.Tensor:
         """This rank's partition of ``p``, padded as DeepSpeed pads it (every rank's is ``ds_tensor.ds_numel``)."""

@@ -47,6 +47,15 @@ class SyncRecord:
     excluded: dict[str, str] = field(default_factory=dict)
     #: Servers excluded from the previous sync that took this one: they serve the full current weights again.
     readmitted: tuple[str, ...] = ()
+    #: Outputs (and their bytes) this sync did not gather or send because every source was unchanged since the
+    #: engines' version and the engines hold it (:mod:`lora_stream.changes`); 0 for a full sync.
+    skipped_tensors: int = 0
+    skipped_bytes: int = 0
+    #: Whole bytes this rank gathered (made whole, group after group) for the sync.
+    gathered_bytes: int = 0
+    #: Why every output was sent (a first sync, a restarted engine, a failed previous sync, ``skip_unchanged``
+    #: off, ...); ``None`` for a partial sync, which sent only what changed.
+    full_because: str | None = None
     #: The sync committed, but resuming generation failed on a server (every rank records it alike; the server's
     #: lease resumes it, :mod:`lora_stream.engine.lease`): what failed, or ``None``.
     resume_failure: str | None = None
@@ -58,6 +67,8 @@ class SyncRecord:
         object.__setattr__(self, "excluded", {redact_text(u): redact_text(why) for u, why in self.excluded.items()})
         if self.resume_failure is not None:
             object.__setattr__(self, "resume_failure", redact_text(self.resume_failure))
+        if self.full_because is not None:
+            object.__setattr__(self, "full_because", redact_text(self.full_because))
         object.__setattr__(self, "stages", _redacted_stages(self.stages))
 
     @property
@@ -66,13 +77,15 @@ class SyncRecord:
 
     def log(self) -> None:
         logger.info(
-            "lora_stream %s sync%s: %d tensors, %.1f MiB in %d groups, %.3f s (%.2f GB/s), peak group %.1f MiB, "
-            "peak gathered %.1f MiB",
+            "lora_stream %s sync%s: %d tensors, %.1f MiB in %d groups (%d tensors, %.1f MiB unchanged and skipped), "
+            "%.3f s (%.2f GB/s), peak group %.1f MiB, peak gathered %.1f MiB",
             self.sink,
             f" (version {self.version})" if self.version else "",
             self.tensors,
             self.bytes / 2**20,
             self.groups,
+            self.skipped_tensors,
+            self.skipped_bytes / 2**20,
             self.seconds,
             self.gbps,
             self.peak_group_bytes / 2**20,

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..lockstep import describe_error
-from ..stream import ParamMeta, ParamStream, StreamPass
+from ..stream import ParamMeta, ParamStream, Selection, StreamPass
 from ..transaction import fault_point
 from .record import SyncRecord
 
@@ -35,16 +35,22 @@ class SyncSource:
         aliases: Mapping[str, str] | None = None,
         version: str | None = None,
         adapter: dict[str, Any] | None = None,
+        selection: Selection | None = None,
+        full_because: str | None = None,
     ):
         self.stream = stream
         self.weight_version = version
+        #: A partial sync: the steps the pass produces (``None``: every output), and otherwise why every output goes.
+        self.selection = selection
+        self.full_because = full_because
         #: For an adapter sync over a server's data plane: where the worker stages it (see ``TransferUpdateInfo``).
         self.adapter = adapter
         self._by_primary: dict[str, list[str]] = {}
         for alias, primary in (aliases or {}).items():
             self._by_primary.setdefault(primary, []).append(alias)
         meta = {m.name: m for m in stream.metadata()}
-        self._groups = [names + self._aliases_of(names) for names in stream.groups()]
+        groups = stream.groups() if selection is None else stream.groups(selection)
+        self._groups = [names + self._aliases_of(names) for names in groups]
         self._meta = [
             ParamMeta(n, meta[n].dtype, meta[n].shape) if n in meta else self._alias_meta(n, meta)
             for names in self._groups
@@ -80,7 +86,7 @@ class SyncSource:
         """One pass over the stream, aliases included. Closing this generator (or an exception thrown into it) ends
         the stream pass, which tells the other trainer ranks at once."""
         self.tensors = self.bytes = self.groups_sent = self.peak_group_bytes = 0
-        batches = self.stream.iter_groups()
+        batches = self.stream.iter_groups() if self.selection is None else self.stream.iter_groups(self.selection)
         self.pass_ = batches if isinstance(batches, StreamPass) else None
         reason: str | None = None
         self._stop_reason = None
@@ -161,4 +167,8 @@ class SyncSource:
             peak_group_bytes=self.peak_group_bytes,
             peak_gathered_bytes=stats.peak_gathered_bytes if stats is not None else 0,
             version=self.weight_version,
+            skipped_tensors=stats.skipped_tensors if stats is not None else 0,
+            skipped_bytes=stats.skipped_bytes if stats is not None else 0,
+            gathered_bytes=stats.gathered_bytes if stats is not None else 0,
+            full_because=self.full_because if self.selection is None else None,
         )

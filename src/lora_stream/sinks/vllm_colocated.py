@@ -30,10 +30,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import uuid
 from typing import Any
 
 import torch
 
+from ..changes import Changes, EngineState, SyncedSources, agree_on_changes
+from ..engine.holding import held_by
 from ..engine.reload import LoadReport, ReloadBracket
 from ..stream import ParamStream
 from ..transaction import Transaction, fault_point
@@ -78,6 +81,11 @@ class VLLMColocatedSink:
         verify_tolerance: nats; default :func:`~lora_stream.sinks.verify.tolerance` of the dtypes involved.
         prefix_cache_timeout: seconds to keep retrying vLLM's prefix-cache reset while it refuses (blocks still
             held); past it the sync fails and is rolled back.
+        skip_unchanged: send only the outputs whose sources changed since the engine's version (default), proven
+            per rank by fingerprints of every frozen shard and agreed by every rank; the engine loads and
+            snapshots only the modules they feed (:mod:`lora_stream.changes`). The first sync, and any sync after
+            a failed one or into an engine another writer touched, sends everything. ``False``: every sync sends
+            every output.
     """
 
     name = "vllm-colocated"
@@ -92,6 +100,7 @@ class VLLMColocatedSink:
         verify: VerifyPolicy = False,
         verify_tolerance: float | None = None,
         prefix_cache_timeout: float = 10.0,
+        skip_unchanged: bool = True,
     ) -> None:
         self.llm = llm
         engine = llm.llm_engine
@@ -105,9 +114,15 @@ class VLLMColocatedSink:
         self.verify = check_policy(verify)
         self.verify_tolerance = verify_tolerance
         self.prefix_cache_timeout = prefix_cache_timeout
+        self.skip_unchanged = skip_unchanged
         self.version: str | None = None
         self._syncs = 0
         self._history = ProbeHistory()
+        #: What the engine holds since this sink's last commit: the commit's token, this rank's fingerprints then,
+        #: and which checkpoint names the engine's modules read together (``None``: unknown).
+        self._token: str | None = None
+        self._synced: SyncedSources | None = None
+        self._units: list[list[str]] | None = None
 
     @property
     def in_process(self) -> bool:
@@ -124,7 +139,9 @@ class VLLMColocatedSink:
         return preflight(stream.metadata(), stream.tied_aliases(), self._ckpt)
 
     def sync(self, stream: ParamStream, *, version: str | None = None) -> SyncRecord:
-        """Load one full pass of ``stream`` into the engine, as one transaction across the trainer ranks.
+        """Load one pass of ``stream`` into the engine -- every output, or with ``skip_unchanged`` only those whose
+        sources changed since the engine's version (``record.skipped_tensors``, ``record.full_because``) -- as one
+        transaction across the trainer ranks.
 
         Returns on every rank with the engine serving the new weights and ``version``, or raises on every rank with
         the engine serving exactly what it served before (with ``rollback=True``): the failing rank raises its own
@@ -133,14 +150,38 @@ class VLLMColocatedSink:
         :class:`~lora_stream.StreamAbortedError` naming it and its reason."""
         start = time.perf_counter()
         tx = Transaction.for_stream(stream, self.name)
-        source = SyncSource(stream, tx.prepare(lambda: self.preflight(stream)), version)
         stages: dict[str, Any] = {}
+
+        def prepare() -> tuple[dict[str, str], list[int | None] | None, EngineState]:
+            aliases = self.preflight(stream)
+            t = time.perf_counter()
+            fingerprints = stream.fingerprints() if self.skip_unchanged else None
+            stages["fingerprint_s"] = time.perf_counter() - t
+            return aliases, fingerprints, self._engine_state()
+
+        aliases, fingerprints, engine = tx.prepare(prepare)
+        changes = None
+        if fingerprints is not None:
+            changes = agree_on_changes(tx, stream, fingerprints, self._synced, [engine], aliases)
+            if not changes.agreed:
+                assert tx.error is not None
+                raise tx.error
+            stages.update(changes.stages)
+        source = SyncSource(
+            stream,
+            aliases,
+            version,
+            selection=changes.selection if changes is not None else None,
+            full_because=changes.full_because if changes is not None else "skip_unchanged=False",
+        )
+        token = uuid.uuid4().hex
         opened = False
         before = None
+        report = LoadReport()
         with tx.attempt():
             before = probe_before(self, stages)
             t = time.perf_counter()
-            self._begin()
+            self._begin(source)
             opened = True
             stages["snapshot_s"] = time.perf_counter() - t
             try:
@@ -158,7 +199,9 @@ class VLLMColocatedSink:
             if error is not None:
                 raise error
         verification = verify_reset_and_vote(tx, source, self, stream, " (colocated engine)", before=before)
-        tx.conclude(lambda: self._commit(version), lambda error: self._abort(error, opened))
+        tx.conclude(
+            lambda: self._commit(version, token, changes, report), lambda error: self._abort(error, opened)
+        )
         stages["kept_bytes"] = self._kept_bytes
         record = dataclasses.replace(
             source.record(self.name, time.perf_counter() - start), stages=stages, verification=verification
@@ -170,18 +213,23 @@ class VLLMColocatedSink:
         """Nothing is held between syncs."""
 
     # -- commit and abort ---------------------------------------------------------------------------------------------
-    def _commit(self, version: str | None) -> None:
+    def _commit(self, version: str | None, token: str, changes: Changes | None, report: LoadReport) -> None:
         if self._bracket is not None:
             self._kept_bytes = self._bracket.kept_bytes
-            self._bracket.commit()
+            self._bracket.commit(token)
         else:
-            self._kept_bytes = sum(int(n) for n in self._rpc("lora_stream_commit"))
+            self._kept_bytes = sum(int(n) for n in self._rpc("lora_stream_commit", token))
+        self._token = token
+        self._synced = changes.sources if changes is not None else None
+        self._units = report.units
         self.version = version
         self._history.committed(self._syncs)
         self._syncs += 1
 
     def _abort(self, error: BaseException, opened: bool) -> None:
-        """Every rank failed the sync: put this engine back (the bracket is closed already) and drop its KV blocks."""
+        """Every rank failed the sync: put this engine back (the bracket is closed already) and drop its KV blocks.
+        The next sync sends every output (a rolled-back engine is not trusted to hold the last commit)."""
+        self._token = self._synced = self._units = None
         if opened:
             restored = self._bracket.rollback() if self._bracket is not None else all(self._rpc("lora_stream_rollback"))
             if not restored:
@@ -194,11 +242,23 @@ class VLLMColocatedSink:
     # -- the bracket, in process or over collective_rpc ------------------------------------------------------------
     _kept_bytes = 0
 
-    def _begin(self) -> None:
+    def _engine_state(self) -> EngineState:
+        """Whether the engine still holds this sink's last commit (its token, on every worker), and its units."""
+        if self._token is None:
+            return EngineState("no sync committed into this engine by this sink yet (or the last one failed)")
+        held = [held_by(self._bracket.model)] if self._bracket is not None else list(self._rpc("lora_stream_held"))
+        if any(h != self._token for h in held):
+            return EngineState("the engine no longer holds this sink's last commit (another sink or update wrote it)")
+        units = None if self._units is None else tuple(tuple(u) for u in self._units)
+        return EngineState(None, units)
+
+    def _begin(self, source: SyncSource) -> None:
+        expect = None if source.selection is None else [n for g in source.groups() for n in g]
+        base = self._token if expect is not None else None
         if self._bracket is not None:
-            self._bracket.begin(keep_previous=self.rollback)
+            self._bracket.begin(keep_previous=self.rollback, expect=expect, base=base, optional=source.aliases)
         else:
-            self._rpc("lora_stream_begin", self.rollback)
+            self._rpc("lora_stream_begin", self.rollback, expect, base, source.aliases)
 
     def _load(self, pairs: list[tuple[str, torch.Tensor]], optional: list[str]) -> None:
         if self._bracket is not None:
@@ -226,9 +286,10 @@ class VLLMColocatedSink:
                 self._bracket.abort()
                 return LoadReport()
             if failed is None:
-                report = LoadReport()
-                for wire in self._rpc("lora_stream_finish"):  # every worker checked its own bracket
-                    report.merge(LoadReport.from_wire(wire))
+                reports = [LoadReport.from_wire(w) for w in self._rpc("lora_stream_finish")]  # one per worker
+                report = reports[0] if reports else LoadReport()
+                for other in reports[1:]:
+                    report.merge(other)
                 return report
             self._rpc("lora_stream_abort")
             return LoadReport()

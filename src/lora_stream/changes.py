@@ -1,0 +1,161 @@
+"""Trainer side: which outputs a sync must send, given what the engines hold -- agreed by every rank.
+
+A LoRA step changes the adapter and nothing else, so most of a merged model's outputs (embeddings, norms, an
+untied ``lm_head``; with LoRA on attention only, the whole MLP) are what the engine already holds. A sink that
+skips them must *prove* them unchanged, never assume it:
+
+* **The sources are the same bytes.** Each rank fingerprints its own shard of every frozen source
+  (:meth:`~lora_stream.ParamStream.fingerprints`: no communication) and compares with the fingerprints it recorded
+  when the engine's version was committed. A trainable source (``requires_grad``), a quantized base, or a gatherer
+  that cannot say (FSDP1) makes its outputs change at every sync. ``param.data.copy_()``, an EMA, DeepSpeed's own
+  ``.data`` writes and a new ``requires_grad`` are all seen, on whichever rank's shard they happen.
+* **The engine holds that version.** The sink checks, per engine, that it still holds the weights of this sink's
+  last committed sync (a server's lease reports which sync last wrote its weights and since when it runs; a
+  colocated engine carries the committing sync's token), and that the engine can tell which checkpoint tensors
+  each of its modules reads (:mod:`lora_stream.engine.holding`). Otherwise -- a fresh, restarted or readmitted
+  server, one another sink wrote to, a rolled-back or failed sync -- everything is sent.
+* **Every rank decides alike.** Two fixed-size agreements (:meth:`~lora_stream.Transaction.any_of`), the same
+  number on every path: which steps changed on any rank; then which steps must go because they share an engine
+  module with a changed one (q, k and v feed vLLM's one ``qkv_proj``). The stream then gathers, merges and sends
+  only those (:class:`~lora_stream.Selection`); the engine loads and snapshots only the modules they feed, and
+  refuses the update if it does not hold the version the trainer compared against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .lockstep import FLAG_CAPACITY
+from .stream import ParamStream, Selection
+from .transaction import Transaction
+
+__all__ = ["Changes", "EngineState", "SyncedSources", "agree_on_changes"]
+
+
+@dataclass(frozen=True)
+class SyncedSources:
+    """What this rank's shards of every step's sources were when the engines' current version was committed."""
+
+    #: The stream's plan (:attr:`ParamStream.plan_digest`): fingerprints of another plan say nothing.
+    plan: str
+    fingerprints: tuple[int | None, ...]
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """One engine this rank feeds, as the sink found it in its pre-flight."""
+
+    #: Why it must get every output (``None``: it holds this sink's last committed version).
+    full_because: str | None
+    #: The checkpoint names its modules read together (``LoadReport.units``); ``None``: unknown.
+    units: tuple[tuple[str, ...], ...] | None = None
+
+
+@dataclass(frozen=True)
+class Changes:
+    """The agreed outcome: the same on every rank."""
+
+    #: What the pass produces (``None``: everything).
+    selection: Selection | None
+    #: This rank's fingerprints now (recorded when the sync commits).
+    sources: SyncedSources
+    #: Why every output is sent (``None`` for a partial sync).
+    full_because: str | None
+    #: Steps that changed on some rank, and steps sent besides because an engine module reads them with one.
+    changed: int = 0
+    joined: int = 0
+    #: Every agreement completed (``False``: the transaction recorded the failure).
+    agreed: bool = True
+    stages: dict[str, float] = field(default_factory=dict)
+
+
+def _bits_any(tx: Transaction, bits: list[bool], what: str) -> list[bool] | None:
+    """:meth:`Transaction.any_of` over any number of bits, in as many fixed-size agreements as the plan needs."""
+    out: list[bool] = []
+    for start in range(0, max(1, len(bits)), FLAG_CAPACITY):
+        part = tx.any_of(bits[start : start + FLAG_CAPACITY], what)
+        if part is None:
+            return None
+        out += part
+    return out
+
+
+def agree_on_changes(
+    tx: Transaction,
+    stream: ParamStream,
+    fingerprints: Sequence[int | None],
+    last: SyncedSources | None,
+    engines: Sequence[EngineState],
+    aliases: Mapping[str, str] | None = None,
+) -> Changes:
+    """Decide, with every other rank, which steps of ``stream`` this sync produces (see the module docstring).
+
+    ``fingerprints``: this rank's (:meth:`ParamStream.fingerprints`, taken in the sync's pre-flight so that a
+    failure refuses on every rank); ``last``: what this rank recorded at the engines' committed version (``None``:
+    nothing); ``engines``: the engines this rank feeds (none: it only gathers); ``aliases``: tied alias -> primary
+    output name, for the engines' units. Every rank calls it with a stream of the same plan: it runs the same two
+    agreements (per :data:`~lora_stream.lockstep.FLAG_CAPACITY` steps) on every path."""
+    import time
+
+    t = time.perf_counter()
+    steps = stream.steps()
+    n = len(steps)
+    sources = SyncedSources(stream.plan_digest, tuple(fingerprints))
+    reason: str | None = None
+    if last is None:
+        reason = "no sync committed by this sink yet (or the last one failed)"
+    elif last.plan != sources.plan:
+        reason = "the stream's plan differs from the last committed sync's"
+    for e in engines:
+        if e.full_because is not None:
+            reason = reason or e.full_because
+        elif e.units is None:
+            reason = reason or "the engine cannot tell which of its modules read which tensors"
+    if reason is None:
+        assert last is not None
+        local = [fp is None or fp != old for fp, old in zip(fingerprints, last.fingerprints, strict=True)]
+    else:
+        local = [True] * n
+    changed = _bits_any(tx, local, "agreeing on what changed")
+    if changed is None:
+        return Changes(None, sources, "the agreement failed", agreed=False)
+    # Steps an engine module reads together with a changed one go too (this rank's engines' units).
+    step_of: dict[str, int] = {name: i for i, names in enumerate(steps) for name in names}
+    for alias, primary in (aliases or {}).items():
+        if primary in step_of:
+            step_of.setdefault(alias, step_of[primary])
+    parent = list(range(n))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for e in engines:
+        for unit in e.units or ():
+            ids = [step_of[name] for name in unit if name in step_of]
+            for other in ids[1:]:
+                a, b = find(ids[0]), find(other)
+                if a != b:
+                    parent[a] = b
+    hot = {find(i) for i in range(n) if changed[i]}
+    needed_local = [find(i) in hot for i in range(n)]
+    needed = _bits_any(tx, needed_local, "agreeing on what to send")
+    if needed is None:
+        return Changes(None, sources, "the agreement failed", agreed=False)
+    n_changed = sum(changed)
+    n_needed = sum(needed)
+    stages = {"decide_s": time.perf_counter() - t}
+    if n_needed == n:
+        why = reason or (
+            "every output changed"
+            if all(changed)
+            else "every output changed, or shares an engine module with one that did, on some rank"
+        )
+        if reason is None and all(changed) and not all(local):
+            why = "another trainer rank's engine needs every output, or its shards all changed"
+        return Changes(None, sources, why, n_changed, n_needed - n_changed, stages=stages)
+    selection = Selection(frozenset(i for i in range(n) if needed[i]))
+    return Changes(selection, sources, None, n_changed, n_needed - n_changed, stages=stages)
