@@ -27,7 +27,9 @@ An adapter sync swaps the new adapter in (vLLM's ``/v1/load_lora_adapter``) befo
 to put back (``X-Lora-Stream-Restore``), and a heal puts it back too.
 
 Only requests to the weight-sync routes (:data:`LEASED_PATHS`) take part; vLLM's public probes never do.
-``GET /lora_stream/lease`` reports the state (:data:`STATUS_PATH`).
+``GET /lora_stream/lease`` reports the state (:data:`STATUS_PATH`), with this API process's ``boot`` id and the
+sync whose request last reached a route that may write the weights (``weights_by``, :data:`WRITE_PATHS`): what a
+sink that sends only what changed checks before it trusts the server to hold its last commit.
 
 Installed automatically in the API server by lora_stream's vLLM plugin (:func:`lora_stream.engine.plugin.register`),
 innermost, so that :class:`~lora_stream.engine.guard.WeightRoutesGuard` and vLLM's own key check run first: an
@@ -45,6 +47,7 @@ import json
 import logging
 import math
 import time
+import uuid
 from typing import Any
 
 logger = logging.getLogger("lora_stream")
@@ -77,6 +80,11 @@ LEASED_PATHS = frozenset(
         "/v1/unload_lora_adapter",
     }
 )
+#: Routes that may write the served weights: a request to one (lora_stream's or anyone's) is remembered as the
+#: latest writer (``weights_by`` in the status), which a sink that sends only what changed checks first.
+WRITE_PATHS = frozenset(
+    {"/start_weight_update", "/init_weight_transfer_engine", "/collective_rpc", "/reload_weights", "/load_weights"}
+)
 #: The marker in a ``409`` answer to a request of a sync whose lease expired (the server rolled it back).
 EXPIRED = "lora_stream_lease_expired"
 #: The marker in a ``409`` answer while another sync's request is still running on the server.
@@ -105,6 +113,11 @@ class _Lease:
         self.expired: list[str] = []
         self.heals = 0
         self.last_heal: str | None = None
+        #: This API process's identity: a restarted server reports another one.
+        self.boot = uuid.uuid4().hex
+        #: The sync whose request last reached a route that may write the weights (``None``: one without
+        #: lora_stream's headers, or none since the server started): what a partial sync must find unchanged.
+        self.weights_by: str | None = None
 
     @property
     def holding(self) -> bool:
@@ -122,6 +135,8 @@ class _Lease:
             "heals": self.heals,
             "last_heal": self.last_heal,
             "disabled": disabled,
+            "boot": self.boot,
+            "weights_by": self.weights_by,
         }
 
 
@@ -146,6 +161,8 @@ class UpdateLease:
         path = scope.get("path", "")
         self._bind(scope)
         sync, lease_s = _lease_headers(scope)
+        if path in WRITE_PATHS:
+            self.lease.weights_by = sync  # whoever it is: a partial sync then finds the weights written by another
         if path == STATUS_PATH:
             if sync is not None and sync == self.lease.sync and self.disabled is None:  # the holder's heartbeat
                 await self._renew(sync)

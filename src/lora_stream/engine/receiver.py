@@ -57,6 +57,7 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
         #: SHA-256 of every byte the latest verified update received (``None``: not verified).
         self._received_digest: str | None = None
         self._received_digest_s = 0.0
+        self._units: list[list[str]] | None = None
 
     def init_transfer_engine(self, init_info: TransferInitInfo) -> None:
         self.shutdown()  # a new trainer (after a failed one) starts a new group
@@ -95,7 +96,7 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
             self._verify(update_info.probe_ids or [])
             return
         if update_info.command is not None:
-            self._decide(update_info.command)
+            self._decide(update_info.command, update_info.sync)
             return
         if self.group is None:
             raise RuntimeError("gloo weight transfer is not initialized: call /init_weight_transfer_engine first")
@@ -129,7 +130,12 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
                 self._probe_before = self._probe(update_info.probe_ids)
                 self._probe_before_s = clock() - t
             if adapter is None:
-                self._bracket.begin(keep_previous=update_info.rollback)
+                self._bracket.begin(
+                    keep_previous=update_info.rollback,
+                    expect=update_info.names if update_info.base is not None else None,
+                    base=update_info.base,
+                    optional=update_info.optional_names,
+                )
 
             def post(c: int) -> tuple[torch.Tensor, Any]:
                 # A fresh buffer per chunk: the reload bracket may keep views until the layer is complete.
@@ -170,15 +176,18 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
                 # Every tensor arrived: close and check the bracket here, not in finish_weight_update. An error
                 # raised from an update ends vLLM's update session (the trainer sees /update_weights fail); one
                 # raised from finish would leave the session open and the server refusing every later update.
-                error = self._bracket.finish().error(" (server worker)")
+                report = self._bracket.finish()
+                error = report.error(" (server worker)")
                 if error is not None:
                     raise error
+                # Which checkpoint names this worker's modules read together (for the trainer's next partial sync).
+                self._units = report.units
             timing["finish_s"] += clock() - t
             if hasher is not None:
                 self._received_digest = hasher.hexdigest()
             # What this worker keeps alive to undo the update until the decision (its copies and old packed kernels).
             timing["kept_bytes"] = float(self._bracket.kept_bytes)
-            self._report(timing)
+            self._report({**timing, "units": self._units if adapter is None else None})
         except BaseException:
             # Never leave layers on the meta device (the next forward would kill the engine), and put back what the
             # update replaced: vLLM ends the update session when this raises, so no decision will come.
@@ -186,11 +195,12 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
             self.shutdown()
             raise
 
-    def _decide(self, command: str) -> None:
-        """The trainer ranks voted: keep the update this session loaded, or put every module back as it was."""
+    def _decide(self, command: str, sync: str | None = None) -> None:
+        """The trainer ranks voted: keep the update this session loaded (the model then holds sync ``sync``'s
+        weights), or put every module back as it was."""
         if command == "commit":
             self._bracket.abort()  # a no-op after a complete update
-            self._bracket.commit()
+            self._bracket.commit(sync)
         elif command == "rollback":
             self._bracket.rollback()
         else:
@@ -250,7 +260,7 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
         }
         self.group.store.set(VERIFY_KEY.format(rank=self._rank), json.dumps(report))
 
-    def _report(self, timing: dict[str, float]) -> None:
+    def _report(self, timing: dict[str, Any]) -> None:
         """Leave this worker's timing of the update in the trainer's store (the trainer's engine reads it)."""
         import json
 

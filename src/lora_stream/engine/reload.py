@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..errors import LoraStreamError
+from ..transfer.protocol import merge_units
 from .holding import BatchIndex, LoadMap, hold, loaded_tensor
 
 __all__ = ["EngineSnapshot", "LoadReport", "ReloadBracket", "VLLMLoadError"]
@@ -101,30 +102,6 @@ class LoadReport:
             bool(checked),
             None if units is None else [list(u) for u in units],
         )
-
-
-def merge_units(a: list[list[str]] | None, b: list[list[str]] | None) -> list[list[str]] | None:
-    """Two workers' (or two servers') units as one: names joined by either travel together. ``None`` (unknown)
-    wins: nothing may be left out where one side cannot tell."""
-    if a is None or b is None:
-        return None
-    parent: dict[str, str] = {}
-
-    def find(x: str) -> str:
-        while parent.setdefault(x, x) != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    for unit in (*a, *b):
-        for n in unit[1:]:
-            ra, rb = find(unit[0]), find(n)
-            if ra != rb:
-                parent[ra] = rb
-    groups: dict[str, list[str]] = {}
-    for n in parent:
-        groups.setdefault(find(n), []).append(n)
-    return sorted(sorted(g) for g in groups.values() if len(g) > 1)
 
 
 def _class_key(obj: object) -> str:

@@ -199,9 +199,7 @@ class VLLMColocatedSink:
             if error is not None:
                 raise error
         verification = verify_reset_and_vote(tx, source, self, stream, " (colocated engine)", before=before)
-        tx.conclude(
-            lambda: self._commit(version, token, changes, report), lambda error: self._abort(error, opened)
-        )
+        tx.conclude(lambda: self._commit(version, token, changes, report), lambda error: self._abort(error, opened))
         stages["kept_bytes"] = self._kept_bytes
         record = dataclasses.replace(
             source.record(self.name, time.perf_counter() - start), stages=stages, verification=verification

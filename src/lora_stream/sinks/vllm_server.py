@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..adapter import ADAPTER_PREFIX, AdapterStream
+from ..changes import Changes, EngineState, SyncedSources
 from ..coordination import this_rank
 from ..engine.adapter_staging import AdapterLoadError, adapter_path
 from ..engine.reload import LOAD_ERROR_TAG, VLLMLoadError
@@ -411,6 +412,38 @@ class _Replica:
         self.was_excluded = False
         #: Whether the server was asked once whether it keeps lora_stream's lease.
         self.lease_checked = False
+        #: What the server holds since this sink's last merged commit into it (:mod:`lora_stream.changes`): that
+        #: sync's id (which its workers hold), the id of the latest sync that wrote through it (what its lease reports
+        #: as ``weights_by``), its API process's ``boot`` id then, and the names its modules read together.
+        self.holds: str | None = None
+        self.written_by: str | None = None
+        self.boot: str | None = None
+        self.units: list[list[str]] | None = None
+        #: This sync's view of it, from the pre-flight: its lease status (``None``: it keeps none), and the ``boot``
+        #: id of the server process its transfer group was built with.
+        self.status: dict[str, Any] | None = None
+        self.engine_boot: str | None = None
+
+    def forget(self) -> None:
+        """The server may hold anything: its next merged sync sends every output."""
+        self.holds = self.written_by = self.boot = None
+        self.units = None
+
+    def engine_state(self) -> EngineState:
+        """Whether this server still holds this sink's last merged commit (what the pre-flight read)."""
+        from ..changes import EngineState
+
+        status = self.status
+        if self.holds is None:
+            return EngineState("no merged sync committed into this server by this sink yet (or its last one failed)")
+        if status is None or not status.get("boot"):
+            return EngineState("the server keeps no lora_stream lease to say what it holds")
+        if status.get("boot") != self.boot:
+            return EngineState("the server restarted since this sink's last commit")
+        if status.get("weights_by") != self.written_by:
+            return EngineState("another update wrote the server's weights since this sink's last commit")
+        units = None if self.units is None else tuple(tuple(u) for u in self.units)
+        return EngineState(None, units)
 
 
 def is_replica_failure(error: BaseException) -> bool:
@@ -497,6 +530,12 @@ class VLLMServerSink:
             server that fails it is rolled back with the sync (or excluded, under ``"exclude"``). Merged syncs only:
             an :class:`~lora_stream.AdapterStream` sync with ``verify`` is refused in the pre-flight.
         verify_tolerance: nats; default :func:`~lora_stream.sinks.verify.tolerance` of the dtypes involved.
+        skip_unchanged: a merged sync sends only the outputs whose sources changed since the servers' version
+            (default), as the colocated sink does (:mod:`lora_stream.changes`): each server's lease must report that
+            it runs since, and that no other update wrote it since, this sink's last commit into it, and its workers
+            refuse a partial update computed against other weights. A fleet gets one pass: if any server needs
+            every output (a fresh, restarted or readmitted one), every server gets every output in that sync.
+            ``False``: every sync sends every output.
 
     **Timeouts and the deadline.** Every rank waits for the others at each agreement :meth:`wait_s` at most (the
     stream's ``timeout``, raised to cover what a feeding rank may spend between two agreements); each server gets
@@ -525,6 +564,7 @@ class VLLMServerSink:
         lease: float = DEFAULT_LEASE_S,
         verify: VerifyPolicy = False,
         verify_tolerance: float | None = None,
+        skip_unchanged: bool = True,
     ) -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
@@ -568,6 +608,9 @@ class VLLMServerSink:
         self.lora_name = lora_name
         self.verify = check_policy(verify)
         self.verify_tolerance = verify_tolerance
+        self.skip_unchanged = skip_unchanged
+        #: This rank's fingerprints at the last committed merged sync (``None``: none, or it failed).
+        self._synced: SyncedSources | None = None
         #: Committed syncs (what ``verify=N`` counts).
         self._syncs = 0
         self._history = ProbeHistory()
@@ -647,6 +690,8 @@ class VLLMServerSink:
         start = time.perf_counter()
         mine = self._start_sync()
         keeper = _LeaseKeeper(mine, self.lease)
+        plan: _SyncPlan | None = None
+        committed = False
         try:
             plan = self._prepare_sync(tx, stream, mine)
             source = self._arm(stream, mine, plan, version)
@@ -656,12 +701,15 @@ class VLLMServerSink:
                 self._commit_all(tx, mine, version, source)
                 excluded, readmitted = self._agree_on_fleet(tx, mine)
                 self._conclude(tx, mine)
+                committed = True
             finally:
                 # On every path (a failure raised by _conclude on every rank alike, or one that escaped the
                 # transaction itself): never leave a server paused by this sync.
                 resume_failures = self._resume(mine, tx.error)
         finally:
             keeper.stop()
+            if plan is not None:  # a sync refused in its pre-flight wrote nothing: the records stand
+                self._remember(plan, mine, committed)
             for r in mine:
                 r.client.lease = None
                 r.client.budget_s = None
@@ -704,20 +752,39 @@ class VLLMServerSink:
                     "path": adapter_path(self.lora_name, uuid.uuid4().hex[:12]),
                     "config": stream.adapter_config(),
                 }
-            return _SyncPlan(aliases, ids, adapter)
+            skipping = self.skip_unchanged and adapter is None
+            return _SyncPlan(aliases, ids, adapter, stream.fingerprints() if skipping else None)
 
-        return tx.prepare(prepare)
+        plan = tx.prepare(prepare)
+        if plan.fingerprints is None:
+            return plan
+        from ..changes import agree_on_changes
+
+        engines = [r.engine_state() for r in self._live(mine)]
+        changes = agree_on_changes(tx, stream, plan.fingerprints, self._synced, engines, plan.aliases)
+        if not changes.agreed:
+            assert tx.error is not None
+            raise tx.error
+        return dataclasses.replace(plan, changes=changes)
 
     def _arm(self, stream: ParamStream, mine: list[_Replica], plan: _SyncPlan, version: str | None) -> SyncSource:
         """Tell each live server's engine what this sync asks of its workers; returns what is sent."""
         # The probe before loading serves the "it changed" check only, which needs the previous sync verified.
         before = plan.ids if plan.ids is not None and self._history.wants_before(self._syncs) else None
+        changes = plan.changes
+        selection = changes.selection if changes is not None else None
         for r in self._live(mine):
             r.engine.keep_previous = self.rollback  # read per sync: the option may change between syncs
             r.engine.adapter_keep = r.serving_path
             r.engine.probe_ids = before  # the workers probe what they serve before loading
             r.engine.digest_received = plan.ids is not None  # and digest every byte they receive
-        source = self._source.current = SyncSource(stream, plan.aliases, version, plan.adapter)
+            r.engine.base_sync = r.holds if selection is not None else None  # what its workers must hold
+        full_because = changes.full_because if changes is not None else None
+        if changes is None and plan.adapter is None:
+            full_because = "skip_unchanged=False"
+        source = self._source.current = SyncSource(
+            stream, plan.aliases, version, plan.adapter, selection=selection, full_because=full_because
+        )
         return source
 
     def _transfer(self, tx: Transaction, mine: list[_Replica], keeper: _LeaseKeeper, source: SyncSource) -> None:
@@ -800,6 +867,17 @@ class VLLMServerSink:
         tx.conclude(lambda: None, lambda error: self._abort(mine, error))
         self._history.committed(self._syncs)
         self._syncs += 1
+
+    def _remember(self, plan: _SyncPlan, mine: list[_Replica], committed: bool) -> None:
+        """After a merged sync: what this rank's shards were, for the next one (or nothing, after a failure; a
+        server excluded or failed is forgotten too)."""
+        if plan.adapter is not None:
+            return
+        changes = plan.changes
+        self._synced = changes.sources if committed and changes is not None else None
+        for r in mine:
+            if not committed or r.failure is not None or not r.state.committed:
+                r.forget()
 
     def _agree_on_resume(self, tx: Transaction, resume_failures: list[str], version: str | None) -> str | None:
         """6. committed: every rank learns whether resuming failed on any server (its lease resumes it by itself),
@@ -1067,12 +1145,19 @@ class VLLMServerSink:
 
     def _commit(self, replica: _Replica, version: str | None, adapter: dict[str, Any] | None) -> None:
         replica.state.version = version
-        replica.client.update_weights({"command": "commit"})
+        sync = replica.client.lease[0] if replica.client.lease is not None else None
+        replica.client.update_weights({"command": "commit", "sync": sync})
         replica.state.committed = True
         replica.client.finish_weight_update(version)
         replica.state.session = False
         if adapter is not None:
             replica.serving_path = adapter["path"]
+            replica.written_by = sync  # the base weights are untouched: the workers hold what they held
+        else:
+            status = replica.status or {}
+            replica.holds = replica.written_by = sync
+            replica.boot = status.get("boot")
+            replica.units = replica.engine.last_units if replica.engine is not None else None
 
     def _abort(self, mine: list[_Replica], error: BaseException) -> None:
         """Every rank failed the sync: each feeding rank puts its servers back, and the data planes start over."""
@@ -1222,6 +1307,7 @@ class VLLMServerSink:
 
             def check(r: _Replica = r) -> None:
                 aliases.update(self._preflight(stream, r))
+                self._read_status(r)
                 self._check_lease(r)
                 self._ensure_engine(r)
 
@@ -1238,6 +1324,28 @@ class VLLMServerSink:
         if self.checkpoint is False:
             return stream.tied_aliases()  # offered; the worker loads each only if its model holds it
         return preflight(stream.metadata(), stream.tied_aliases(), self._checkpoint(replica, models))
+
+    def _read_status(self, replica: _Replica) -> None:
+        """The server's lease status, read before this sync writes anything: what it holds (for a partial sync),
+        and whether it restarted, whose workers then lost this rank's transfer group (built again below)."""
+        try:
+            replica.status = replica.client.lease_status()
+        except ServerError:
+            replica.status = None
+        status = replica.status or {}
+        boot = status.get("boot")
+        if replica.engine is not None and boot and replica.engine_boot and boot != replica.engine_boot:
+            self._close(replica)
+        elif (
+            replica.engine is not None
+            and replica.written_by is not None
+            and status.get("weights_by") != replica.written_by
+        ):
+            # Another trainer wrote through this server since, and may have built its workers' group anew (there
+            # is one per server): build this rank's again rather than find it closed mid-transfer.
+            self._close(replica)
+        if replica.engine is None:
+            replica.engine_boot = boot
 
     def _check_lease(self, replica: _Replica) -> None:
         """Once per server, at its first sync: warn if it keeps no weight-update lease. Best effort: a server that
@@ -1303,6 +1411,10 @@ class _SyncPlan:
     aliases: dict[str, str]
     ids: list[int] | None
     adapter: dict[str, Any] | None
+    #: This rank's fingerprints (``None``: every output is sent, no agreement on changes runs).
+    fingerprints: list[int | None] | None = None
+    #: The agreed outcome of what changed (set after the pre-flight).
+    changes: Changes | None = None
 
 
 class _ServerUpdate:

@@ -30,7 +30,7 @@ from vllm.distributed.weight_transfer.base import (  # type: ignore[import-not-f
 from ..errors import TransferError
 from .group import TransferGroup
 from .packing import ChunkPlan, plan_chunks
-from .protocol import TIMING_KEY, VERIFY_KEY
+from .protocol import TIMING_KEY, VERIFY_KEY, merge_units
 
 #: Seconds to wait for the workers' reports (timing, verification) to reach the store once the server answered.
 REPORT_WAIT_S = 5.0
@@ -116,6 +116,11 @@ class TrainerTransferEngine(TrainerWeightTransferEngine[TrainerTransferInitInfo]
     probe_ids: list[int] | None = None
     #: A verified sync: the workers digest every tensor they receive (set by the sink per sync).
     digest_received: bool = False
+    #: A partial sync: the sync whose committed weights this server's workers must hold (set by the sink per sync).
+    base_sync: str | None = None
+    #: What the workers reported after the latest update: the checkpoint names their modules read together
+    #: (``LoadReport.units``, merged over the workers; ``None``: unknown).
+    last_units: list[list[str]] | None = None
     #: Seconds of the latest ``send_weights`` by stage: ``produce_s`` (waiting for the stream: gathers and merges),
     #: ``pack_s`` (copies into the packing buffers), ``send_wait_s`` (waiting for broadcasts), ``sent_bytes`` (what
     #: this rank broadcast, over every server it fed in the pass), ``http_s`` (the
@@ -201,15 +206,16 @@ class TrainerTransferEngine(TrainerWeightTransferEngine[TrainerTransferInitInfo]
             "rollback": self.keep_previous,
             "probe_ids": self.probe_ids,
             "digest": self.digest_received,
+            "base": self.base_sync,
         }
 
-    def conclude(self, commit: bool, version: str | None) -> None:
+    def conclude(self, commit: bool, version: str | None, sync: str | None = None) -> None:
         """Sender only, after ``send_weights`` with ``deferred`` set: tell the workers the trainer's decision on the
-        update they loaded (``commit``, or put every module back), then finish vLLM's update session, moving the
-        weight version only on commit."""
+        update they loaded (``commit``, under the sync id ``sync`` they then hold, or put every module back), then
+        finish vLLM's update session, moving the weight version only on commit."""
         if not self.is_sender:
             return
-        self.client.update_weights({"command": "commit" if commit else "rollback"})
+        self.client.update_weights({"command": "commit", "sync": sync} if commit else {"command": "rollback"})
         self.client.finish_weight_update(version if commit else None)
 
     def worker_reports(self, key: str, wait_s: float = REPORT_WAIT_S) -> dict[int, dict[str, Any]]:
@@ -249,9 +255,16 @@ class TrainerTransferEngine(TrainerWeightTransferEngine[TrainerTransferInitInfo]
         """The server workers' side of the latest update (what each left in the store): the slowest per stage, and
         the sum of every worker's bytes (``kept_bytes``: what the server keeps to undo the update)."""
         out: dict[str, float] = {}
-        for data in self.worker_reports(TIMING_KEY).values():
+        reports = list(self.worker_reports(TIMING_KEY).values())
+        units: list[list[str]] | None = None
+        for i, data in enumerate(reports):
+            found = data.pop("units", None)
+            units = found if i == 0 else merge_units(units, found)
             for k, v in data.items():
                 out[k] = out.get(k, 0.0) + float(v) if k.endswith("_bytes") else max(out.get(k, 0.0), float(v))
+        # Every worker must have reported (all of them hold a shard the next partial sync must leave whole).
+        complete = len(reports) == self.init_info.world_size - 1
+        self.last_units = units if complete else None
         return out
 
     def shutdown(self) -> None:

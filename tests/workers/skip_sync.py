@@ -1,0 +1,167 @@
+"""Rank worker: 2 sharded ranks (ZeRO-3 or FSDP2) keep a vLLM server in sync sending only what changed.
+
+Usage: skip_sync.py GATHERER TARGETS BASE_URL CHECKPOINT MARKERS [restart]
+  GATHERER  zero3 | fsdp2
+  TARGETS   all (LoRA on every linear layer) | attn (q, k, v, o only: the MLP is frozen) | qv (q and v only: vLLM's
+            fused qkv_proj needs k too)
+
+Every sync's record is reported as {"event": "sync", "label", "tensors", "skipped", "gathered", "full_because"}; the
+served output after a partial sync is compared with what the same weights serve after a full sync by another sink
+({"event": "equal", "label", "equal"}). With ``restart``, rank 0 asks the test to restart the server at the same
+address (MARKERS/restart -> MARKERS/restarted) before the last sync.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from helpers import finish, lora, perturb_adapters, report, server_generate
+
+from lora_stream import ParamStream, StreamAbortedError, VLLMServerSink
+from lora_stream.transaction import set_fault_hook
+
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+DS = {
+    "train_micro_batch_size_per_gpu": 1,
+    "zero_allow_untested_optimizer": True,
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+}
+TARGETS = {"all": "all-linear", "attn": ["q_proj", "k_proj", "v_proj", "o_proj"], "qv": ["q_proj", "v_proj"]}
+
+
+def build(gatherer: str, targets: str, ckpt: str):  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM
+
+    pm = lora(AutoModelForCausalLM.from_pretrained(ckpt), target_modules=TARGETS[targets], lora_alpha=16)
+    perturb_adapters(pm)  # random factors everywhere: peft's initial B = 0 would make a wrong merge look right
+    if gatherer == "zero3":
+        opt = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=0.5)
+        engine, *_ = deepspeed.initialize(model=pm, optimizer=opt, config=DS)
+
+        def step() -> None:
+            ids = torch.tensor([[1, 17, 42, 99, 5, 7, 300]])
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+
+        return engine, engine.module, step
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for name, m in pm.named_modules():
+        if name.endswith(tuple(f"layers.{i}" for i in range(8))):
+            fully_shard(m, mesh=mesh)
+    fully_shard(pm, mesh=mesh)
+    opt = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=0.5)
+
+    def fsdp_step() -> None:
+        ids = torch.tensor([[1, 17, 42, 99, 5, 7, 300]])
+        pm(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    return pm, pm, fsdp_step
+
+
+def edit_frozen_on_rank_1(model: torch.nn.Module, targets: str) -> str:
+    """Scale rank 1's own shard of one frozen weight in place (through ``.data``: no version counter moves)."""
+    name = "model.norm.weight" if targets == "all" else "model.layers.1.mlp.down_proj.weight"
+    p = dict(model.named_parameters())[f"base_model.model.{name}"]
+    assert not p.requires_grad
+    if dist.get_rank() == 1:
+        with torch.no_grad():
+            if hasattr(p, "ds_tensor"):
+                p.ds_tensor.data.mul_(1.5)
+            elif hasattr(p, "to_local"):
+                p.to_local().mul_(1.5)
+            else:
+                p.data.mul_(1.5)
+    return name
+
+
+def main() -> None:
+    gatherer, targets, url, ckpt, markers = sys.argv[1:6]
+    restart = "restart" in sys.argv[6:]
+    if gatherer == "zero3":
+        deepspeed.init_distributed(dist_backend="gloo")
+    else:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    trainer, model, step = build(gatherer, targets, ckpt)
+    sink = VLLMServerSink(url, rank=rank, timeout=30)
+    full = VLLMServerSink(url, rank=rank, timeout=30, skip_unchanged=False)
+
+    def sync(label: str, into: VLLMServerSink = sink) -> None:
+        r = into.sync(ParamStream(trainer, group_by="layer"), version=label)
+        report(
+            rank=rank,
+            event="sync",
+            label=label,
+            tensors=r.tensors,
+            skipped=r.skipped_tensors,
+            skipped_bytes=r.skipped_bytes,
+            sent_bytes=r.bytes,
+            gathered=r.gathered_bytes,
+            full_because=r.full_because,
+        )
+
+    def same_as_full(label: str) -> None:
+        """What the partial sync serves, against what a full sync of the same weights serves."""
+        partial = server_generate(url) if rank == 0 else None
+        sync(f"{label}-full", full)
+        if rank == 0:
+            report(rank=rank, event="equal", label=label, equal=server_generate(url) == partial)
+
+    sync("v1")  # a fresh server: everything
+    step()
+    sync("v2")  # the adapter moved: only the outputs it changes (and their fused neighbours)
+    same_as_full("v2")
+    sync("v3")  # the full sink wrote the server meanwhile: everything again
+    step()
+    edited = edit_frozen_on_rank_1(model, targets)
+    sync("v4")  # the edited frozen weight goes too
+    report(rank=rank, event="edited", name=edited)
+    same_as_full("v4")
+    sync("v5")
+    step()
+    before = server_generate(url) if rank == 0 else None
+
+    def hook(p: str) -> None:
+        if rank == 1 and p == "reload-check":
+            raise RuntimeError("injected failure at reload-check on rank 1")
+
+    set_fault_hook(hook)
+    t = time.monotonic()
+    try:
+        sync("v6-fails")
+        raise AssertionError("the sync should have raised")
+    except (RuntimeError, StreamAbortedError) as exc:
+        error = type(exc).__name__
+    finally:
+        set_fault_hook(None)
+    if rank == 0:
+        report(rank=rank, event="fault", error=error, equal=server_generate(url) == before, seconds=time.monotonic() - t)
+    sync("v6")  # after a failed (rolled-back) sync: everything
+    step()
+    sync("v7")
+    if restart:
+        if rank == 0:
+            (Path(markers) / "restart").write_text("1")
+            while not (Path(markers) / "restarted").exists():
+                time.sleep(0.2)
+        dist.barrier()
+        sync("v8")  # the same address, a new server: everything, and it serves the merged model
+        served = server_generate(url) if rank == 0 else None
+        sync("v8-full", full)
+        if rank == 0:
+            report(rank=rank, event="equal", label="v8", equal=server_generate(url) == served)
+    finish()
+
+
+if __name__ == "__main__":
+    main()
