@@ -46,9 +46,7 @@ TOTAL = 3 + 2 * 9
 SENT = {"all": 2 * 7, "attn": 2 * 4, "qv": 2 * 3}
 
 
-@pytest.mark.parametrize(
-    "gatherer,targets", [("zero3", "all"), ("zero3", "attn"), ("fsdp2", "all"), ("fsdp2", "qv")]
-)
+@pytest.mark.parametrize("gatherer,targets", [("zero3", "all"), ("zero3", "attn"), ("fsdp2", "all"), ("fsdp2", "qv")])
 def test_after_the_first_sync_only_what_changed_is_gathered_and_sent_and_served_exactly(
     server: Server, checkpoint: str, tmp_path: Path, gatherer: str, targets: str
 ) -> None:

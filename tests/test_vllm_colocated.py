@@ -405,3 +405,91 @@ def test_without_rollback_nothing_is_kept_and_a_failure_says_the_engine_is_mixed
     finally:
         set_fault_hook(None)
     assert any("rollback=False" in note for note in info.value.__notes__)
+
+
+# -- a sync moves only what changed (skip_unchanged, the default) ------------------------------------------------------
+def test_after_the_first_sync_only_what_changed_is_loaded_and_served_exactly(untied) -> None:  # type: ignore[no-untyped-def]
+    """LoRA on q and v only: a step changes 2 of each layer's 9 outputs, and k goes with them (vLLM's qkv_proj is
+    one module); the engine serves exactly what a full sync of the same weights serves, and keeps a smaller copy."""
+    from helpers import perturb_adapters
+    from transformers import LlamaForCausalLM
+
+    path, llm = untied
+    pm = lora(LlamaForCausalLM.from_pretrained(path), target_modules=["q_proj", "v_proj"], r=8, lora_alpha=32)
+    perturb_adapters(pm)
+    sink, full = VLLMColocatedSink(llm), VLLMColocatedSink(llm, skip_unchanged=False)
+    first = sink.sync(ParamStream(pm, group_by="layer"))
+    assert first.skipped_tensors == 0 and "no sync committed" in first.full_because
+    perturb_adapters(pm, seed=5)
+    partial = sink.sync(ParamStream(pm, group_by="layer"))
+    assert partial.full_because is None and partial.tensors == 2 * 3 and partial.skipped_tensors == 21 - 6
+    assert partial.gathered_bytes < first.gathered_bytes and partial.bytes < first.bytes
+    assert partial.stages["kept_bytes"] < first.stages["kept_bytes"]
+    served = vllm_generate(llm)
+    assert_vllm_serves(served, merged_copy(pm))
+    assert full.sync(ParamStream(pm, group_by="layer")).full_because == "skip_unchanged=False"
+    assert vllm_generate(llm) == served
+    # The other sink wrote the engine: everything again.
+    assert "no longer holds" in sink.sync(ParamStream(pm, group_by="layer")).full_because
+    # A frozen weight edited in place, through .data (no version counter moves): it travels too.
+    with torch.no_grad():
+        pm.base_model.model.model.layers[1].mlp.up_proj.weight.data.mul_(0.5)
+    edited = sink.sync(ParamStream(pm, group_by="layer"))
+    assert edited.full_because is None and edited.tensors == 6 + 2  # up_proj, and gate_proj: vLLM's gate_up_proj
+    served = vllm_generate(llm)
+    full.sync(ParamStream(pm, group_by="layer"))
+    assert vllm_generate(llm) == served
+    # A weight made trainable is sent at every sync, frozen or not since.
+    sink.sync(ParamStream(pm, group_by="layer"))
+    pm.base_model.model.model.norm.weight.requires_grad_(True)
+    assert sink.sync(ParamStream(pm, group_by="layer")).tensors == 6 + 1
+    pm.base_model.model.model.norm.weight.requires_grad_(False)
+    assert sink.sync(ParamStream(pm, group_by="layer")).tensors == 6 + 1  # its fingerprint was never recorded
+    assert sink.sync(ParamStream(pm, group_by="layer")).tensors == 6
+    sink.forget()
+    assert "forget" in sink.sync(ParamStream(pm, group_by="layer")).full_because
+
+
+def test_a_partial_sync_failing_at_any_point_leaves_the_engine_bit_identical_and_the_next_sync_is_full(untied) -> None:  # type: ignore[no-untyped-def]
+    from lora_stream.transaction import set_fault_hook
+
+    path, llm = untied
+    pm = _two_versions(path)
+    sink = VLLMColocatedSink(llm, verify=True)
+    sink.sync(ParamStream(pm, group_by="layer"), version="v1")
+    for k, point in enumerate(("group:0", "group:1", "reload-check", "verify", "prefix-cache", "commit")):
+        sink.sync(ParamStream(pm, group_by="layer"), version=f"base-{k}")  # after a failure: full, and committed
+        before = vllm_generate(llm)
+        _training_step(pm)
+
+        def hook(p: str, point: str = point) -> None:
+            if p == point:
+                raise RuntimeError(f"injected at {p}")
+
+        set_fault_hook(hook)
+        try:
+            with pytest.raises(RuntimeError, match=f"injected at {point}"):
+                sink.sync(ParamStream(pm, group_by="layer"), version=f"fails-{k}")
+        finally:
+            set_fault_hook(None)
+        assert vllm_generate(llm) == before, f"outputs changed after a failure of a partial sync at {point}"
+        again = sink.sync(ParamStream(pm, group_by="layer"), version=f"after-{k}")
+        assert again.skipped_tensors == 0 and "failed" in again.full_because
+        assert_vllm_serves(vllm_generate(llm), merged_copy(pm))
+    partial = sink.sync(ParamStream(pm, group_by="layer"))
+    assert partial.skipped_tensors > 0 and partial.verification.passed
+
+
+def test_a_partial_update_onto_other_weights_is_refused_before_anything_is_loaded(untied) -> None:  # type: ignore[no-untyped-def]
+    """The engine's own check, below the sink's: a partial update names the sync it was computed against."""
+    from lora_stream.engine.holding import held_by
+    from lora_stream.engine.reload import ReloadBracket, VLLMLoadError
+    from lora_stream.sinks.local_engine import local_model_runner
+
+    _path, llm = untied
+    runner = local_model_runner(llm.llm_engine)
+    bracket = ReloadBracket(runner.model, runner.model_config)
+    held = held_by(runner.model)
+    with pytest.raises(VLLMLoadError, match="holds"):
+        bracket.begin(keep_previous=True, expect=["model.norm.weight"], base="not-" + str(held))
+    assert not bracket.open and held_by(runner.model) == held

@@ -89,4 +89,7 @@ def test_engine_in_a_child_process_through_the_worker_extension(tmp_path: Path) 
     stdout = run_child_engine_script("vllm_child_engine.py", path)
     assert event(stdout, "child-engine-match")["tensors"] > 0
     assert event(stdout, "child-engine-rollback") == {"event": "child-engine-rollback", "equal": True, "version": "v1"}
+    partial = event(stdout, "child-engine-partial")
+    assert "failed" in partial["full_because"], partial
+    assert partial["skipped"] > 0 and partial["partial_full_because"] is None and partial["verified"], partial
     assert "worker_extension_cls" in event(stdout, "no-extension-error")["message"]

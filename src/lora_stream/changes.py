@@ -30,7 +30,18 @@ from .lockstep import FLAG_CAPACITY
 from .stream import ParamStream, Selection
 from .transaction import Transaction
 
-__all__ = ["Changes", "EngineState", "SyncedSources", "agree_on_changes"]
+__all__ = ["Changes", "EngineState", "SyncedSources", "agree_on_changes", "takes_selection"]
+
+
+def takes_selection(stream: ParamStream) -> bool:
+    """Whether ``stream.iter_groups`` takes a :class:`~lora_stream.Selection` (a subclass that overrides it
+    without one always sends everything)."""
+    import inspect
+
+    try:
+        return "selection" in inspect.signature(stream.iter_groups).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 @dataclass(frozen=True)
@@ -103,15 +114,15 @@ def agree_on_changes(
     n = len(steps)
     sources = SyncedSources(stream.plan_digest, tuple(fingerprints))
     reason: str | None = None
-    if last is None:
-        reason = "no sync committed by this sink yet (or the last one failed)"
-    elif last.plan != sources.plan:
-        reason = "the stream's plan differs from the last committed sync's"
     for e in engines:
         if e.full_because is not None:
             reason = reason or e.full_because
         elif e.units is None:
             reason = reason or "the engine cannot tell which of its modules read which tensors"
+    if last is None:
+        reason = reason or "no sync committed by this sink yet (or the last one failed)"
+    elif last.plan != sources.plan:
+        reason = reason or "the stream's plan differs from the last committed sync's"
     if reason is None:
         assert last is not None
         local = [fp is None or fp != old for fp, old in zip(fingerprints, last.fingerprints, strict=True)]

@@ -145,7 +145,9 @@ def main() -> None:
     finally:
         set_fault_hook(None)
     if rank == 0:
-        report(rank=rank, event="fault", error=error, equal=server_generate(url) == before, seconds=time.monotonic() - t)
+        report(
+            rank=rank, event="fault", error=error, equal=server_generate(url) == before, seconds=time.monotonic() - t
+        )
     sync("v6")  # after a failed (rolled-back) sync: everything
     step()
     sync("v7")

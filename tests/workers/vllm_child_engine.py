@@ -33,6 +33,18 @@ def main(path: str) -> None:
     finally:
         set_fault_hook(None)
     report(event="child-engine-rollback", equal=vllm_generate(llm) == before, version=sink.version)
+    # After the failed sync everything goes once; then only what changed, over collective_rpc too.
+    full = sink.sync(ParamStream(pm, group_by="layer"), version="v3")
+    perturb_adapters(pm, seed=9)
+    partial = sink.sync(ParamStream(pm, group_by="layer"), version="v4")
+    assert_vllm_serves(vllm_generate(llm), pm)
+    report(
+        event="child-engine-partial",
+        full_because=full.full_because,
+        skipped=partial.skipped_tensors,
+        partial_full_because=partial.full_because,
+        verified=partial.verification.passed,
+    )
     del llm, sink
 
     from lora_stream import LoraStreamError

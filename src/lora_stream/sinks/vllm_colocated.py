@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ..changes import Changes, EngineState, SyncedSources, agree_on_changes
+from ..changes import Changes, EngineState, SyncedSources, agree_on_changes, takes_selection
 from ..engine.holding import held_by
 from ..engine.reload import LoadReport, ReloadBracket
 from ..stream import ParamStream
@@ -123,6 +123,7 @@ class VLLMColocatedSink:
         self._token: str | None = None
         self._synced: SyncedSources | None = None
         self._units: list[list[str]] | None = None
+        self._why_full = "no sync committed into this engine by this sink yet"
 
     @property
     def in_process(self) -> bool:
@@ -155,7 +156,7 @@ class VLLMColocatedSink:
         def prepare() -> tuple[dict[str, str], list[int | None] | None, EngineState]:
             aliases = self.preflight(stream)
             t = time.perf_counter()
-            fingerprints = stream.fingerprints() if self.skip_unchanged else None
+            fingerprints = stream.fingerprints() if self.skip_unchanged and takes_selection(stream) else None
             stages["fingerprint_s"] = time.perf_counter() - t
             return aliases, fingerprints, self._engine_state()
 
@@ -207,6 +208,12 @@ class VLLMColocatedSink:
         record.log()
         return record
 
+    def forget(self) -> None:
+        """Trust nothing about what the engine holds: the next sync sends every output (after writing the engine's
+        weights some other way, say; lora_stream's own writes are seen without it)."""
+        self._token = self._synced = self._units = None
+        self._why_full = "forget() was called"
+
     def close(self) -> None:
         """Nothing is held between syncs."""
 
@@ -228,6 +235,7 @@ class VLLMColocatedSink:
         """Every rank failed the sync: put this engine back (the bracket is closed already) and drop its KV blocks.
         The next sync sends every output (a rolled-back engine is not trusted to hold the last commit)."""
         self._token = self._synced = self._units = None
+        self._why_full = "the last sync failed (the engine was rolled back)"
         if opened:
             restored = self._bracket.rollback() if self._bracket is not None else all(self._rpc("lora_stream_rollback"))
             if not restored:
@@ -243,7 +251,7 @@ class VLLMColocatedSink:
     def _engine_state(self) -> EngineState:
         """Whether the engine still holds this sink's last commit (its token, on every worker), and its units."""
         if self._token is None:
-            return EngineState("no sync committed into this engine by this sink yet (or the last one failed)")
+            return EngineState(self._why_full)
         held = [held_by(self._bracket.model)] if self._bracket is not None else list(self._rpc("lora_stream_held"))
         if any(h != self._token for h in held):
             return EngineState("the engine no longer holds this sink's last commit (another sink or update wrote it)")

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..adapter import ADAPTER_PREFIX, AdapterStream
-from ..changes import Changes, EngineState, SyncedSources
+from ..changes import Changes, EngineState, SyncedSources, takes_selection
 from ..coordination import this_rank
 from ..engine.adapter_staging import AdapterLoadError, adapter_path
 from ..engine.reload import LOAD_ERROR_TAG, VLLMLoadError
@@ -419,15 +419,17 @@ class _Replica:
         self.written_by: str | None = None
         self.boot: str | None = None
         self.units: list[list[str]] | None = None
+        self.why_full = "no merged sync committed into this server by this sink yet"
         #: This sync's view of it, from the pre-flight: its lease status (``None``: it keeps none), and the ``boot``
         #: id of the server process its transfer group was built with.
         self.status: dict[str, Any] | None = None
         self.engine_boot: str | None = None
 
-    def forget(self) -> None:
-        """The server may hold anything: its next merged sync sends every output."""
+    def forget(self, why: str) -> None:
+        """The server may hold anything (``why``): its next merged sync sends every output."""
         self.holds = self.written_by = self.boot = None
         self.units = None
+        self.why_full = why
 
     def engine_state(self) -> EngineState:
         """Whether this server still holds this sink's last merged commit (what the pre-flight read)."""
@@ -435,7 +437,7 @@ class _Replica:
 
         status = self.status
         if self.holds is None:
-            return EngineState("no merged sync committed into this server by this sink yet (or its last one failed)")
+            return EngineState(self.why_full)
         if status is None or not status.get("boot"):
             return EngineState("the server keeps no lora_stream lease to say what it holds")
         if status.get("boot") != self.boot:
@@ -714,7 +716,7 @@ class VLLMServerSink:
                 r.client.lease = None
                 r.client.budget_s = None
         resume_note = self._agree_on_resume(tx, resume_failures, version)
-        return self._record(source, mine, version, start, verification, excluded, readmitted, resume_note)
+        return self._record(source, mine, version, start, verification, excluded, readmitted, resume_note, plan)
 
     # -- the phases of a sync ------------------------------------------------------------------------------------------
     def _start_sync(self) -> list[_Replica]:
@@ -752,8 +754,10 @@ class VLLMServerSink:
                     "path": adapter_path(self.lora_name, uuid.uuid4().hex[:12]),
                     "config": stream.adapter_config(),
                 }
-            skipping = self.skip_unchanged and adapter is None
-            return _SyncPlan(aliases, ids, adapter, stream.fingerprints() if skipping else None)
+            skipping = self.skip_unchanged and adapter is None and takes_selection(stream)
+            t = time.perf_counter()
+            fingerprints = stream.fingerprints() if skipping else None
+            return _SyncPlan(aliases, ids, adapter, fingerprints, fingerprint_s=time.perf_counter() - t)
 
         plan = tx.prepare(prepare)
         if plan.fingerprints is None:
@@ -876,8 +880,10 @@ class VLLMServerSink:
         changes = plan.changes
         self._synced = changes.sources if committed and changes is not None else None
         for r in mine:
-            if not committed or r.failure is not None or not r.state.committed:
-                r.forget()
+            if r.failure is not None:
+                r.forget("the server was excluded from the last sync")
+            elif not committed or not r.state.committed:
+                r.forget("the last sync failed (the server was rolled back)")
 
     def _agree_on_resume(self, tx: Transaction, resume_failures: list[str], version: str | None) -> str | None:
         """6. committed: every rank learns whether resuming failed on any server (its lease resumes it by itself),
@@ -904,11 +910,16 @@ class VLLMServerSink:
         excluded: dict[str, str],
         readmitted: tuple[str, ...],
         resume_note: str | None,
+        plan: _SyncPlan | None = None,
     ) -> SyncRecord:
         """The committed sync's record: what was sent, the workers' stages, the fleet's outcome."""
         record = source.record(self.name, time.perf_counter() - start)
         fed = [r for r in mine if r.engine is not None and r.state.committed]
         stages = dict(getattr(fed[0].engine, "last_stages", None) or {}) if fed else {}
+        if plan is not None and plan.fingerprints is not None:
+            stages["fingerprint_s"] = plan.fingerprint_s
+            if plan.changes is not None:
+                stages.update(plan.changes.stages)
         if len(fed) > 1:
             stages["replicas"] = {r.url: dict(r.engine.last_stages or {}) for r in fed}
         record = dataclasses.replace(
@@ -1279,6 +1290,13 @@ class VLLMServerSink:
         if engine is not None:
             engine.shutdown()
 
+    def forget(self) -> None:
+        """Trust nothing about what the servers hold: the next merged sync sends every output (after writing a
+        server's weights some other way its lease cannot see, say)."""
+        self._synced = None
+        for r in self.replicas:
+            r.forget("forget() was called")
+
     def close(self) -> None:
         """Tear down every server's data plane (the next sync builds new groups)."""
         for r in self.replicas:
@@ -1415,6 +1433,7 @@ class _SyncPlan:
     fingerprints: list[int | None] | None = None
     #: The agreed outcome of what changed (set after the pre-flight).
     changes: Changes | None = None
+    fingerprint_s: float = 0.0
 
 
 class _ServerUpdate:
