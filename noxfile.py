@@ -69,7 +69,7 @@ def architectures(session: nox.Session) -> None:
 
 @nox.session(python=False)
 def bench(session: nox.Session) -> None:
-    """Benchmarks (slow): `nox -s bench -- zero3|fsdp2|server|qlora|checkpoint|adapter|depth|soak` runs
+    """Benchmarks (slow): `nox -s bench -- zero3|fsdp2|server|skip|qlora|checkpoint|adapter|depth|soak` runs
     bench_<name>.py."""
     which = session.posargs[0] if session.posargs else "zero3"
     _in_stack(session, ["python", f"benchmarks/bench_{which}.py", *session.posargs[1:]])

@@ -335,6 +335,12 @@ class Setup:
     # release_memory's malloc_trim: "growth" (the library now: once the pass has grown past TRIM_BOUND_GROUPS largest
     # groups; none in a steady state) or "every_64mib" (once per 64 MiB released: the library the published runs ran)
     trim_policy: Literal["growth", "every_64mib"] = "growth"
+    # Which linear layers LoRA targets: "all" (every linear layer; the MoE models' attention, their experts being
+    # fused parameters) or "attention" (q, k, v, o only).
+    lora_targets: Literal["all", "attention"] = "all"
+    # A sync after the first with skip_unchanged (the default): only outputs with a trainable source travel; every
+    # rank fingerprints its shard of every frozen source instead.
+    skip_unchanged: bool = False
 
 
 @dataclass
@@ -351,6 +357,11 @@ def plan(shape: ModelShape, s: Setup) -> tuple[list[Unit], list[Group]]:
     """The units the stream gathers and how it groups them (greedy by budget, or one group per layer with the runs
     of un-indexed modules before and after the layers as one group each), as ``grouping.partition`` does."""
     us = units(shape, lora_experts=s.lora_experts)
+    if s.lora_targets == "attention":
+        attention = (".q_proj", ".k_proj", ".v_proj", ".o_proj")
+        us = [dataclasses.replace(u, lora=u.lora and u.name.endswith(attention)) for u in us]
+    if s.skip_unchanged and s.mode == "merged":
+        us = [u for u in us if u.lora]  # what changes with the adapter (and vLLM fuses LoRA targets with each other)
     if s.mode == "adapter":
         us = [u for u in us if u.lora and not u.experts]  # AdapterStream refuses LoRA on MoE experts
 
@@ -435,6 +446,11 @@ def predict(shape: ModelShape, s: Setup, r: Rates) -> Prediction:
                     n_params += 1
         n_params += 1 if small else 0
     stages: dict[str, float] = {}
+    if s.skip_unchanged and s.mode == "merged":
+        # Each rank reads its own shard of every frozen source once (fingerprint.py: one multiply-add per 8 bytes,
+        # memory-bound), and the ranks agree in two status exchanges.
+        frozen = sum(u.numel() for u in units(shape, lora_experts=s.lora_experts)) - sum(u.numel() for u in us)
+        stages["fingerprint"] = frozen * s.dtype_bytes / (W if sharded else 1) / r.copy_bps + 2 * r.ar_latency
     if sharded:
         # ZeRO-3's direct path: one all_reduce deciding the path plus the lockstep exchange per group (and one
         # at the end); FSDP2: the lockstep exchange only.
@@ -504,7 +520,9 @@ def predict(shape: ModelShape, s: Setup, r: Rates) -> Prediction:
     # Total: by default (no prefetch) the stages run one after another, except the server's: on GPUs its trainer,
     # transport and engine worker pipeline chunk by chunk (the slowest of produce, send and load, plus one group's
     # worth of the other two); on a CPU machine only the transfer hides.
-    produce = sum(v for k, v in stages.items() if k in ("setup", "status", "gather", "merge", "copy_out", "trim"))
+    produce = sum(
+        v for k, v in stages.items() if k in ("setup", "fingerprint", "status", "gather", "merge", "copy_out", "trim")
+    )
     if s.sink == "server":
         n = max(1, len(groups))
         engine = stages["engine_load"] + stages.get("snapshot", 0.0)
@@ -1111,6 +1129,17 @@ def project(gpu: str) -> list[dict[str, Any]]:
         fsdp = predict(shape, dataclasses.replace(base, sharding="fsdp2"), r)
         server = predict(shape, dataclasses.replace(base, sink="server"), r)
         adapter = predict(shape, dataclasses.replace(base, mode="adapter"), r)
+        skip: dict[str, float] = {}
+        for targets in ("all", "attention"):
+            t = dataclasses.replace(base, lora_targets=targets)  # type: ignore[arg-type]
+            for sink in ("colocated", "server"):
+                full = predict(shape, dataclasses.replace(t, sink=sink), r)  # type: ignore[arg-type]
+                part = predict(shape, dataclasses.replace(t, sink=sink, skip_unchanged=True), r)  # type: ignore[arg-type]
+                skip[f"{sink}_{targets}_full_s"] = full.seconds
+                skip[f"{sink}_{targets}_skip_s"] = part.seconds
+                skip[f"{sink}_{targets}_skip_sent_gb"] = part.sent / GB
+                skip[f"{sink}_{targets}_full_sent_gb"] = full.sent / GB
+                skip[f"{targets}_fingerprint_s"] = part.stages.get("fingerprint", 0.0)
         out.append(
             {
                 "gpu": gpu,
@@ -1136,6 +1165,7 @@ def project(gpu: str) -> list[dict[str, Any]]:
                 "adapter_mb": adapter.out_bytes / 1e6,
                 "stages_colocated": colo.stages,
                 "stages_server": server.stages,
+                "skip": skip,
             }
         )
     return out
@@ -1199,6 +1229,23 @@ def markdown(result: dict[str, Any]) -> str:
             f"{p['colocated_s']:.2f} | {p['colocated_prefetch_s']:.2f} | {p['colocated_no_rollback_prefetch_s']:.2f} | "
             f"{p['server_s']:.2f} | {p['adapter_s']:.3f} |"
         )
+    out += ["", "### Skipping unchanged outputs (a sync after the first, `skip_unchanged=True`)", ""]
+    out += [
+        "| GPU | model | LoRA on | colocated full s | colocated skip s | server full s | server skip s | "
+        "server sent GB full / skip | fingerprint s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in result["projections"]:
+        k = p.get("skip")
+        if not k:
+            continue
+        for targets in ("all", "attention"):
+            out.append(
+                f"| {p['gpu']} | {p['model']} | {targets} | {k[f'colocated_{targets}_full_s']:.2f} | "
+                f"{k[f'colocated_{targets}_skip_s']:.2f} | {k[f'server_{targets}_full_s']:.2f} | "
+                f"{k[f'server_{targets}_skip_s']:.2f} | {k[f'server_{targets}_full_sent_gb']:.1f} / "
+                f"{k[f'server_{targets}_skip_sent_gb']:.1f} | {k[f'{targets}_fingerprint_s']:.4f} |"
+            )
     keys = sorted({k for p in result["projections"] for k in p["stages_colocated"]})
     out += ["", "### Stages (H100, colocated, default)", "", "| model | " + " | ".join(keys) + " |"]
     out.append("|---|" + "---|" * len(keys))

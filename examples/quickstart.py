@@ -50,7 +50,10 @@ def main(model_dir: str) -> None:
         optimizer.zero_grad()
         record = sink.sync(ParamStream(model, group_by="layer"), version=f"step-{step}")  # the merged weights
         completion = llm.generate(["t5 t17 t42"], greedy, use_tqdm=False)[0].outputs[0].text
-        print(f"step {step}: loss {loss.item():.3f}, synced {record.tensors} tensors in {record.seconds:.3f} s")
+        print(
+            f"step {step}: loss {loss.item():.3f}, synced {record.tensors} tensors "
+            f"({record.skipped_tensors} unchanged, skipped) in {record.seconds:.3f} s"
+        )
         print(f"step {step}: vLLM now generates {completion!r}")
     # --8<-- [end:loop]
 

@@ -53,7 +53,10 @@ for step in range(3):
     record = sink.sync(ParamStream(model, group_by="layer"), version=f"step-{step}")  # every rank
     healthy = record.replicas  # route generation to these; record.excluded says why the others are not
     if rank == 0:
-        print(f"step {step}: synced {record.tensors} tensors to {len(healthy)} servers, version {record.version}")
+        print(
+            f"step {step}: synced {record.tensors} tensors ({record.skipped_tensors} unchanged, skipped) to "
+            f"{len(healthy)} servers, version {record.version}"
+        )
 sink.close()
 # --8<-- [end:loop]
 if rank == 0:

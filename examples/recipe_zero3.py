@@ -67,6 +67,9 @@ for step in range(3):
     record = sink.sync(ParamStream(engine, group_by="layer"), version=f"step-{step}")
     completion = llm.generate(["t5 t17 t42"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     if rank == 0:
-        print(f"step {step}: synced {record.tensors} tensors, peak gathered {record.peak_gathered_bytes} bytes")
+        print(
+            f"step {step}: synced {record.tensors} tensors ({record.skipped_tensors} unchanged, skipped), "
+            f"peak gathered {record.peak_gathered_bytes} bytes"
+        )
         print(f"step {step}: vLLM now generates {completion[0].outputs[0].text!r}")
 # --8<-- [end:loop]

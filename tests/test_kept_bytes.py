@@ -77,17 +77,17 @@ def test_kept_bytes_is_what_the_commit_gives_back(engine) -> None:  # type: igno
 
     path, llm = engine
     pm = lora(LlamaForCausalLM.from_pretrained(path), target_modules=["q_proj", "down_proj"], seed=2)
-    sink = VLLMColocatedSink(llm)
+    sink = VLLMColocatedSink(llm, skip_unchanged=False)  # two full syncs: the whole engine kept each time
     bracket = sink._bracket
     assert bracket is not None
     released: list[int] = []
     commit = bracket.commit
 
-    def measured_commit() -> None:
+    def measured_commit(*args: object) -> None:
         # Between finish and commit the engine holds the new weights and the snapshot everything it replaced; what
         # the commit frees is exactly what rollback would have needed.
         before = settled_rss()
-        commit()
+        commit(*args)
         released.append(before - settled_rss())
 
     bracket.commit = measured_commit  # type: ignore[method-assign]

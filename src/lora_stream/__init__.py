@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from .adapter import AdapterStream
+from .changes import Changes, EngineState, SyncedSources, agree_on_changes
 from .checkpoint_format import CheckpointFormatError, Layout
 from .coordination import Coordinator
 from .errors import (
@@ -23,6 +24,7 @@ from .errors import (
     UnsupportedAdapterError,
     UnsupportedModelError,
 )
+from .fingerprint import fingerprint
 from .gatherers import Fsdp1Gatherer, Fsdp2Gatherer, Gatherer, PlainGatherer, ZeroThreeGatherer, auto_gatherer
 from .grouping import DEFAULT_BUDGET_BYTES, GroupBy
 from .merge import DEFAULT_MERGE_BLOCK_BYTES
@@ -45,7 +47,7 @@ from .sinks import (
     save_merged,
 )
 from .sinks.verify import Verification, VerificationError, VerifyPolicy
-from .stream import ParamMeta, ParamStream, PassState, StreamPass, StreamStats, stream_merged_params
+from .stream import ParamMeta, ParamStream, PassState, Selection, StreamPass, StreamStats, stream_merged_params
 from .transaction import FAULT_POINTS, Transaction, set_fault_hook
 
 __version__ = "0.1.0"
@@ -89,6 +91,12 @@ __all__ = [
     "StreamAbortedError",
     "StreamPass",
     "StreamStats",
+    "Selection",
+    "Changes",
+    "EngineState",
+    "SyncedSources",
+    "agree_on_changes",
+    "fingerprint",
     "FAULT_POINTS",
     "Transaction",
     "TransferError",

@@ -160,9 +160,9 @@ def faults(rank: int, engine, sink, llm, step, expected, points) -> None:  # typ
     exchanges = count_exchanges()
     begin = sink._begin
 
-    def snapshot_then_begin() -> None:  # a failure taking the engine's snapshot, before this rank's pass
+    def snapshot_then_begin(*args: object) -> None:  # a failure taking the engine's snapshot, before this rank's pass
         fault_point("snapshot")
-        begin()
+        begin(*args)
 
     sink._begin = snapshot_then_begin
     # A short timeout: a rank left waiting for a peer that will not exchange would show as a wait of 60 s.
