@@ -417,7 +417,7 @@ def test_after_the_first_sync_only_what_changed_is_loaded_and_served_exactly(unt
     path, llm = untied
     pm = lora(LlamaForCausalLM.from_pretrained(path), target_modules=["q_proj", "v_proj"], r=8, lora_alpha=32)
     perturb_adapters(pm)
-    sink, full = VLLMColocatedSink(llm), VLLMColocatedSink(llm, skip_unchanged=False)
+    sink, full = VLLMColocatedSink(llm, skip_unchanged=True), VLLMColocatedSink(llm, skip_unchanged=False)
     first = sink.sync(ParamStream(pm, group_by="layer"))
     assert first.skipped_tensors == 0 and "no sync committed" in first.full_because
     perturb_adapters(pm, seed=5)
@@ -455,7 +455,7 @@ def test_a_partial_sync_failing_at_any_point_leaves_the_engine_bit_identical_and
 
     path, llm = untied
     pm = _two_versions(path)
-    sink = VLLMColocatedSink(llm, verify=True)
+    sink = VLLMColocatedSink(llm, verify=True, skip_unchanged=True)
     sink.sync(ParamStream(pm, group_by="layer"), version="v1")
     for k, point in enumerate(("group:0", "group:1", "reload-check", "verify", "prefix-cache", "commit")):
         sink.sync(ParamStream(pm, group_by="layer"), version=f"base-{k}")  # after a failure: full, and committed

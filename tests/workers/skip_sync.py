@@ -93,7 +93,7 @@ def main() -> None:
         dist.init_process_group("gloo")
     rank = dist.get_rank()
     trainer, model, step = build(gatherer, targets, ckpt)
-    sink = VLLMServerSink(url, rank=rank, timeout=30)
+    sink = VLLMServerSink(url, rank=rank, timeout=30, skip_unchanged=True)
     full = VLLMServerSink(url, rank=rank, timeout=30, skip_unchanged=False)
 
     def sync(label: str, into: VLLMServerSink = sink) -> None:

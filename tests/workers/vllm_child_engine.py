@@ -14,7 +14,7 @@ def main(path: str) -> None:
     from lora_stream.transaction import set_fault_hook
 
     llm = vllm_engine(path, worker_extension_cls=WORKER_EXTENSION)
-    sink = VLLMColocatedSink(llm, verify=True)
+    sink = VLLMColocatedSink(llm, verify=True, skip_unchanged=True)
     assert not sink.in_process
     # A tied checkpoint: lm_head travels as the embedding's alias, its own copy (safetensors refuses shared memory).
     pm = lora(LlamaForCausalLM.from_pretrained(path), target_modules="all-linear", lora_alpha=16)

@@ -81,11 +81,11 @@ class VLLMColocatedSink:
         verify_tolerance: nats; default :func:`~lora_stream.sinks.verify.tolerance` of the dtypes involved.
         prefix_cache_timeout: seconds to keep retrying vLLM's prefix-cache reset while it refuses (blocks still
             held); past it the sync fails and is rolled back.
-        skip_unchanged: send only the outputs whose sources changed since the engine's version (default), proven
+        skip_unchanged: send only the outputs whose sources changed since the engine's version, proven
             per rank by fingerprints of every frozen shard and agreed by every rank; the engine loads and
             snapshots only the modules they feed (:mod:`lora_stream.changes`). The first sync, and any sync after
-            a failed one or into an engine another writer touched, sends everything. ``False``: every sync sends
-            every output.
+            a failed one or into an engine another writer touched, sends everything. ``False`` (the default for now):
+            every sync sends every output.
     """
 
     name = "vllm-colocated"
@@ -100,7 +100,7 @@ class VLLMColocatedSink:
         verify: VerifyPolicy = False,
         verify_tolerance: float | None = None,
         prefix_cache_timeout: float = 10.0,
-        skip_unchanged: bool = True,
+        skip_unchanged: bool = False,
     ) -> None:
         self.llm = llm
         engine = llm.llm_engine

@@ -532,12 +532,12 @@ class VLLMServerSink:
             server that fails it is rolled back with the sync (or excluded, under ``"exclude"``). Merged syncs only:
             an :class:`~lora_stream.AdapterStream` sync with ``verify`` is refused in the pre-flight.
         verify_tolerance: nats; default :func:`~lora_stream.sinks.verify.tolerance` of the dtypes involved.
-        skip_unchanged: a merged sync sends only the outputs whose sources changed since the servers' version
-            (default), as the colocated sink does (:mod:`lora_stream.changes`): each server's lease must report that
+        skip_unchanged: a merged sync sends only the outputs whose sources changed since the servers' version,
+            as the colocated sink does (:mod:`lora_stream.changes`): each server's lease must report that
             it runs since, and that no other update wrote it since, this sink's last commit into it, and its workers
             refuse a partial update computed against other weights. A fleet gets one pass: if any server needs
             every output (a fresh, restarted or readmitted one), every server gets every output in that sync.
-            ``False``: every sync sends every output.
+            ``False`` (the default for now): every sync sends every output.
 
     **Timeouts and the deadline.** Every rank waits for the others at each agreement :meth:`wait_s` at most (the
     stream's ``timeout``, raised to cover what a feeding rank may spend between two agreements); each server gets
@@ -566,7 +566,7 @@ class VLLMServerSink:
         lease: float = DEFAULT_LEASE_S,
         verify: VerifyPolicy = False,
         verify_tolerance: float | None = None,
-        skip_unchanged: bool = True,
+        skip_unchanged: bool = False,
     ) -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
