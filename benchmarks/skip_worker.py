@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
 import time
+from pathlib import Path
 
 import deepspeed
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_server import TreeRss
 
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 DS = {
@@ -24,40 +27,8 @@ DS = {
 TARGETS = {"all": "all-linear", "attn": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 
 
-class TreeRss(threading.Thread):
-    """Peak growth of the RSS summed over the server and its children (its engine core), sampled every 5 ms."""
-
-    def __init__(self, pid: int) -> None:
-        import psutil
-
-        super().__init__(daemon=True)
-        self.proc = psutil.Process(pid)
-        self.base = self.peak = self.sample()
-        self.running = True
-
-    def sample(self) -> int:
-        import psutil
-
-        total = 0
-        for p in [self.proc, *self.proc.children(recursive=True)]:
-            try:
-                total += p.memory_info().rss
-            except psutil.Error:
-                pass
-        return total
-
-    def run(self) -> None:
-        while self.running:
-            self.peak = max(self.peak, self.sample())
-            time.sleep(0.005)
-
-    def stop(self) -> int:
-        self.running = False
-        self.join()
-        return max(self.peak, self.sample()) - self.base
-
-
 def main() -> None:
+    import psutil
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -83,7 +54,7 @@ def main() -> None:
     def sync(kind: str, i: int) -> dict[str, object]:
         if kind == "full":
             sink.forget()
-        sampler = TreeRss(int(pid)) if rank == 0 else None
+        sampler = TreeRss(psutil.Process(int(pid))) if rank == 0 else None
         if sampler is not None:
             sampler.start()
         t = time.perf_counter()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import hashlib
 import inspect
 import time
 import weakref
@@ -23,6 +24,7 @@ from .core import Step, Unit
 from .errors import LoraStreamError, StreamAbortedError
 from .fingerprint import fingerprint
 from .gatherers import Gatherer, auto_gatherer
+from .gatherers.base import nbytes
 from .grouping import DEFAULT_BUDGET_BYTES, Group, GroupBy, partition
 from .lockstep import FLAG_CAPACITY, Lockstep, Status, describe_error
 from .merge import DEFAULT_MERGE_BLOCK_BYTES, BufferRead, FullTensor
@@ -397,7 +399,7 @@ class ParamStream:
 
     def step_bytes(self) -> list[int]:
         """The bytes of each step's outputs, in stream order."""
-        return [sum(_nbytes(o.shape, o.dtype) for o in step.outputs) for step in self._steps]
+        return [sum(nbytes(torch.Size(o.shape), o.dtype) for o in step.outputs) for step in self._steps]
 
     def fingerprints(self) -> list[int | None]:
         """For each step, in stream order, a fingerprint of this rank's own bytes of every source it reads
@@ -714,17 +716,8 @@ def _target_fingerprints(t: Target, of_param: Callable[[Any], int | None]) -> li
 
 
 def _combine(parts: list[int]) -> int:
-    import hashlib
-
     raw = b"".join((p & ((1 << 64) - 1)).to_bytes(8, "little") for p in parts)
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little", signed=True)
-
-
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n * torch.empty((), dtype=dtype).element_size()
 
 
 def stream_merged_params(

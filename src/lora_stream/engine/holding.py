@@ -92,26 +92,13 @@ class LoadMap:
     def units(self) -> list[list[str]]:
         """The names that must travel together: two names are in one unit when one module reads both (directly or
         through a chain). Units of one name are left out."""
-        parent: dict[str, str] = {}
+        from ..transfer.protocol import merge_units
 
-        def find(x: str) -> str:
-            while parent.setdefault(x, x) != x:
-                parent[x] = parent[parent[x]]
-                x = parent[x]
-            return x
-
-        by_module: dict[str, str] = {}
+        readers: dict[str, list[str]] = {}
         for name, modules in self.receivers.items():
-            find(name)
             for m in modules:
-                other = by_module.setdefault(m, name)
-                a, b = find(name), find(other)
-                if a != b:
-                    parent[a] = b
-        groups: dict[str, list[str]] = {}
-        for name in self.receivers:
-            groups.setdefault(find(name), []).append(name)
-        return sorted(sorted(g) for g in groups.values() if len(g) > 1)
+                readers.setdefault(m, []).append(name)
+        return merge_units(list(readers.values()), []) or []
 
 
 class BatchIndex:

@@ -419,7 +419,7 @@ class _Replica:
         self.written_by: str | None = None
         self.boot: str | None = None
         self.units: list[list[str]] | None = None
-        self.why_full = "no merged sync committed into this server by this sink yet"
+        self.why_full = "no sync committed into this server by this sink yet"
         #: This sync's view of it, from the pre-flight: its lease status (``None``: it keeps none), and the ``boot``
         #: id of the server process its transfer group was built with.
         self.status: dict[str, Any] | None = None
