@@ -5,11 +5,14 @@
 - vLLM's worker internals (its model executor, forward context, parallel state, LoRA worker manager, ...) are imported
   by ``lora_stream.engine`` alone; the trainer's side uses vLLM's public API only.
 - A sink never imports another sink: code several sinks share lives in a module of its own.
+- ``import lora_stream`` works with neither vLLM nor DeepSpeed nor TRL installed (each is imported where it is used).
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "lora_stream"
 ENGINE_MAY_IMPORT = (
     "lora_stream.engine",
     "lora_stream.errors",
+    "lora_stream.units",
     "lora_stream.transfer.protocol",
     "lora_stream.transfer.group",
     "lora_stream.transfer.packing",
@@ -114,3 +118,29 @@ def test_no_sink_imports_another() -> None:
         if me in sinks:
             wrong += [f"{me} line {line}: {mod}" for line, mod in imports(path) if mod in sinks - {me}]
     assert not wrong, f"shared code belongs in a module of its own, not in a sink: {wrong}"
+
+
+#: Run in a fresh interpreter: vLLM, DeepSpeed and TRL made unimportable, then the package and its public names.
+_WITHOUT_OPTIONAL = """
+import importlib.abc, sys
+class Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {"vllm", "deepspeed", "trl"}:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+sys.meta_path.insert(0, Absent())
+import lora_stream
+missing = [n for n in lora_stream.__all__ if not hasattr(lora_stream, n)]
+assert not missing, missing
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in {"vllm", "deepspeed", "trl"})
+assert not loaded, loaded
+"""
+
+
+def test_the_package_imports_without_vllm_deepspeed_or_trl() -> None:
+    """The trainer's side must import where only torch and peft are installed (``nox -s wheel`` checks the same in
+    a clean virtualenv; this catches a stray module-level import in the fast tier)."""
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", _WITHOUT_OPTIONAL], capture_output=True, text=True, timeout=120, env=None
+    )
+    assert done.returncode == 0, done.stderr[-4000:]

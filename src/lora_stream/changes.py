@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from .lockstep import FLAG_CAPACITY
 from .stream import ParamStream, Selection
 from .transaction import Transaction
+from .units import Partition
 
 __all__ = ["Changes", "EngineState", "SyncedSources", "agree_on_changes", "takes_selection"]
 
@@ -136,23 +137,12 @@ def agree_on_changes(
     for alias, primary in (aliases or {}).items():
         if primary in step_of:
             step_of.setdefault(alias, step_of[primary])
-    parent = list(range(n))
-
-    def find(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
+    together: Partition[int] = Partition()
     for e in engines:
         for unit in e.units or ():
-            ids = [step_of[name] for name in unit if name in step_of]
-            for other in ids[1:]:
-                a, b = find(ids[0]), find(other)
-                if a != b:
-                    parent[a] = b
-    hot = {find(i) for i in range(n) if changed[i]}
-    needed_local = [find(i) in hot for i in range(n)]
+            together.join(step_of[name] for name in unit if name in step_of)
+    hot = {together.find(i) for i in range(n) if changed[i]}
+    needed_local = [together.find(i) in hot for i in range(n)]
     needed = _bits_any(tx, needed_local, "agreeing on what to send")
     if needed is None:
         return Changes(None, sources, "the agreement failed", agreed=False)

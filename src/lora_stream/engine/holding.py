@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from ..units import merge_units
+
 __all__ = ["LoadMap", "held_by", "hold", "release"]
 
 _HELD: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
@@ -92,8 +94,6 @@ class LoadMap:
     def units(self) -> list[list[str]]:
         """The names that must travel together: two names are in one unit when one module reads both (directly or
         through a chain). Units of one name are left out."""
-        from ..transfer.protocol import merge_units
-
         readers: dict[str, list[str]] = {}
         for name, modules in self.receivers.items():
             for m in modules:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..errors import LoraStreamError
-from ..transfer.protocol import merge_units
+from ..units import merge_units
 from .holding import BatchIndex, LoadMap, hold, loaded_tensor
 
 __all__ = ["EngineSnapshot", "LoadReport", "ReloadBracket", "VLLMLoadError"]

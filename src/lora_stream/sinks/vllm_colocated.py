@@ -84,8 +84,8 @@ class VLLMColocatedSink:
         skip_unchanged: send only the outputs whose sources changed since the engine's version, proven
             per rank by fingerprints of every frozen shard and agreed by every rank; the engine loads and
             snapshots only the modules they feed (:mod:`lora_stream.changes`). The first sync, and any sync after
-            a failed one or into an engine another writer touched, sends everything. ``False`` (the default for now):
-            every sync sends every output.
+            a failed one or into an engine another writer touched, sends everything. On by default;
+            ``False``: every sync sends every output.
     """
 
     name = "vllm-colocated"
@@ -100,7 +100,7 @@ class VLLMColocatedSink:
         verify: VerifyPolicy = False,
         verify_tolerance: float | None = None,
         prefix_cache_timeout: float = 10.0,
-        skip_unchanged: bool = False,
+        skip_unchanged: bool = True,
     ) -> None:
         self.llm = llm
         engine = llm.llm_engine

@@ -537,7 +537,7 @@ class VLLMServerSink:
             it runs since, and that no other update wrote it since, this sink's last commit into it, and its workers
             refuse a partial update computed against other weights. A fleet gets one pass: if any server needs
             every output (a fresh, restarted or readmitted one), every server gets every output in that sync.
-            ``False`` (the default for now): every sync sends every output.
+            On by default; ``False``: every sync sends every output.
 
     **Timeouts and the deadline.** Every rank waits for the others at each agreement :meth:`wait_s` at most (the
     stream's ``timeout``, raised to cover what a feeding rank may spend between two agreements); each server gets
@@ -566,7 +566,7 @@ class VLLMServerSink:
         lease: float = DEFAULT_LEASE_S,
         verify: VerifyPolicy = False,
         verify_tolerance: float | None = None,
-        skip_unchanged: bool = False,
+        skip_unchanged: bool = True,
     ) -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")

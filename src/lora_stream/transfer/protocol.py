@@ -25,7 +25,6 @@ __all__ = [
     "VERIFY_KEY",
     "TransferInitInfo",
     "TransferUpdateInfo",
-    "merge_units",
     "replica_digest",
 ]
 
@@ -99,27 +98,3 @@ class TransferUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
 def replica_digest(digests: dict[str, str]) -> str:
     """One SHA-256 over a replica's per-parameter digests (sorted by key): equal iff every served tensor is."""
     return hashlib.sha256(json.dumps(sorted(digests.items())).encode()).hexdigest()
-
-
-def merge_units(a: list[list[str]] | None, b: list[list[str]] | None) -> list[list[str]] | None:
-    """Two workers' (or two servers') units as one: names joined by either travel together. ``None`` (unknown)
-    wins: nothing may be left out where one side cannot tell."""
-    if a is None or b is None:
-        return None
-    parent: dict[str, str] = {}
-
-    def find(x: str) -> str:
-        while parent.setdefault(x, x) != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    for unit in (*a, *b):
-        for n in unit[1:]:
-            ra, rb = find(unit[0]), find(n)
-            if ra != rb:
-                parent[ra] = rb
-    groups: dict[str, list[str]] = {}
-    for n in parent:
-        groups.setdefault(find(n), []).append(n)
-    return sorted(sorted(g) for g in groups.values() if len(g) > 1)

@@ -28,9 +28,10 @@ from vllm.distributed.weight_transfer.base import (  # type: ignore[import-not-f
 )
 
 from ..errors import TransferError
+from ..units import merge_units
 from .group import TransferGroup
 from .packing import ChunkPlan, plan_chunks
-from .protocol import TIMING_KEY, VERIFY_KEY, merge_units
+from .protocol import TIMING_KEY, VERIFY_KEY
 
 #: Seconds to wait for the workers' reports (timing, verification) to reach the store once the server answered.
 REPORT_WAIT_S = 5.0
