@@ -20,6 +20,7 @@ from helpers import (
 )
 
 from lora_stream import CheckpointMismatchError, ParamStream, VLLMColocatedSink
+from lora_stream.sinks.local_engine import local_model_runner
 
 for _k, _v in VLLM_ENV.items():
     os.environ.setdefault(_k, _v)
@@ -448,6 +449,20 @@ def test_after_the_first_sync_only_what_changed_is_loaded_and_served_exactly(unt
     assert sink.sync(ParamStream(pm, group_by="layer")).tensors == 6
     sink.forget()
     assert "forget" in sink.sync(ParamStream(pm, group_by="layer")).full_because
+    # Anyone else calling vLLM's loader (TRL's own sync does; so do reload_weights and vLLM's update_weights), even
+    # with the bytes the engine holds: everything again.
+    model = local_model_runner(llm.llm_engine).model
+    model.load_weights([("model.norm.weight", pm.base_model.model.model.norm.weight.detach().clone())])
+    assert "no longer holds" in sink.sync(ParamStream(pm, group_by="layer")).full_because
+    # A sleep that keeps the weights (level 1, offloaded and restored) changes nothing; one that discards them
+    # (level 2: TRL's colocate mode sleeps so after every generation) makes the next sync a full one.
+    llm.sleep(level=1)
+    llm.wake_up()
+    assert sink.sync(ParamStream(pm, group_by="layer")).full_because is None
+    llm.sleep(level=2)
+    llm.wake_up()
+    assert "no longer holds" in sink.sync(ParamStream(pm, group_by="layer")).full_because
+    assert sink.sync(ParamStream(pm, group_by="layer")).full_because is None
 
 
 def test_a_partial_sync_failing_at_any_point_leaves_the_engine_bit_identical_and_the_next_sync_is_full(untied) -> None:  # type: ignore[no-untyped-def]
@@ -456,8 +471,21 @@ def test_a_partial_sync_failing_at_any_point_leaves_the_engine_bit_identical_and
     path, llm = untied
     pm = _two_versions(path)
     sink = VLLMColocatedSink(llm, verify=True, skip_unchanged=True)
-    sink.sync(ParamStream(pm, group_by="layer"), version="v1")
-    for k, point in enumerate(("group:0", "group:1", "reload-check", "verify", "prefix-cache", "commit")):
+    passed: list[str] = []
+    set_fault_hook(passed.append)
+    try:
+        sink.sync(ParamStream(pm, group_by="layer"), version="v1")
+        _training_step(pm)
+        n_full = len(passed)
+        partial = sink.sync(ParamStream(pm, group_by="layer"), version="v2")
+    finally:
+        set_fault_hook(None)
+    # The partial sync skips the embedding's group and the last one (norm, lm_head), yet passes every point, in order.
+    assert partial.skipped_tensors > 0 and partial.groups < 4
+    assert passed[n_full:] == passed[:n_full], passed
+    groups = [p for p in passed[:n_full] if p.startswith("group:")]
+    assert groups == [f"group:{k}" for k in range(4)], passed
+    for k, point in enumerate((*groups, "reload-check", "verify", "prefix-cache", "commit")):
         sink.sync(ParamStream(pm, group_by="layer"), version=f"base-{k}")  # after a failure: full, and committed
         before = vllm_generate(llm)
         _training_step(pm)
@@ -484,7 +512,6 @@ def test_a_partial_update_onto_other_weights_is_refused_before_anything_is_loade
     """The engine's own check, below the sink's: a partial update names the sync it was computed against."""
     from lora_stream.engine.holding import held_by
     from lora_stream.engine.reload import ReloadBracket, VLLMLoadError
-    from lora_stream.sinks.local_engine import local_model_runner
 
     _path, llm = untied
     runner = local_model_runner(llm.llm_engine)

@@ -48,8 +48,9 @@ LOST_WAIT_S = 2.0
 T = TypeVar("T")
 
 #: Where a sink calls the fault hook, in order: the pre-flight; before loading each group (``"group:<k>"``,
-#: k counted from 0); after the engine's reload check; after the verification probe; after the prefix-cache reset;
-#: just before the commit vote.
+#: k counted from 0 over the stream's whole plan: a sync that sends only what changed passes the points of the
+#: groups it skips too, in their place, so that a point fires on every sync whatever changed); after the engine's
+#: reload check; after the verification probe; after the prefix-cache reset; just before the commit vote.
 FAULT_POINTS = ("prepare", "group:<k>", "reload-check", "verify", "prefix-cache", "commit")
 
 FaultHook = Callable[[str], None]

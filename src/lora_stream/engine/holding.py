@@ -6,8 +6,12 @@ the engine, and both are established here, never assumed:
 
 1. **The engine holds the weights the trainer compared against.** Every commit leaves a token (the committing
    sync's id) on the model; every reload bracket that opens clears it, so a rolled-back, failed or foreign
-   lora_stream update leaves none. A partial update names the token it was computed against and is refused
-   before a byte is loaded when the model holds another (a restarted server holds none).
+   lora_stream update leaves none. So does any other call of the model's ``load_weights`` (vLLM's own
+   ``reload_weights`` or weight-transfer update, TRL's own sync, a user's ``collective_rpc``: :func:`hold` wraps
+   it on the model), and a sleep that discards the weights (``LLM.sleep(level=2)``: the colocated sink wraps the
+   engine's ``sleep``; a server's lease counts ``/sleep`` as a write). A partial update names the token it was
+   computed against and is refused before a byte is loaded when the model holds another (a restarted server holds
+   none).
 2. **Every vLLM module gets all of its weights or none of them.** vLLM fuses checkpoint tensors into one module
    (``q_proj``, ``k_proj`` and ``v_proj`` into ``qkv_proj``; every expert of a layer into one ``FusedMoE``); a module
    that got only some of them is rebuilt with the rest missing. The :class:`LoadMap` asks vLLM instead of
@@ -48,8 +52,30 @@ def hold(model: torch.nn.Module, token: str | None) -> None:
     """A sync committed on ``model`` (``token``), or an update opened on it (``None``)."""
     if token is None:
         _HELD.pop(model, None)
-    else:
-        _HELD[model] = token
+        return
+    _watch_loads(model)
+    _HELD[model] = token
+
+
+def _watch_loads(model: torch.nn.Module) -> None:
+    """Make every call of ``model.load_weights`` forget what the model holds first. A reload bracket has already
+    forgotten it when it loads (and sets it again at commit); any other caller is a writer this module cannot
+    account for, whose write must make the next sync a full one."""
+    own = model.__dict__.get("load_weights")  # an instance attribute someone set before: wrapped, not replaced
+    if getattr(own, "lora_stream_watched", False):
+        return
+    ref = weakref.ref(model)  # the wrapper lives on the model: no reference cycle through it
+
+    def load_weights(*args: Any, **kwargs: Any) -> Any:
+        watched = ref()
+        assert watched is not None  # reached through the model
+        _HELD.pop(watched, None)
+        if own is not None:
+            return own(*args, **kwargs)
+        return type(watched).load_weights(watched, *args, **kwargs)  # type: ignore[attr-defined]
+
+    load_weights.lora_stream_watched = True  # type: ignore[attr-defined]
+    object.__setattr__(model, "load_weights", load_weights)
 
 
 def release(model: torch.nn.Module) -> None:

@@ -83,7 +83,14 @@ LEASED_PATHS = frozenset(
 #: Routes that may write the served weights: a request to one (lora_stream's or anyone's) is remembered as the
 #: latest writer (``weights_by`` in the status), which a sink that sends only what changed checks first.
 WRITE_PATHS = frozenset(
-    {"/start_weight_update", "/init_weight_transfer_engine", "/collective_rpc", "/reload_weights", "/load_weights"}
+    {
+        "/start_weight_update",
+        "/init_weight_transfer_engine",
+        "/collective_rpc",
+        "/reload_weights",
+        "/load_weights",
+        "/sleep",  # level 2 discards the weights (waking maps their memory again, not their bytes)
+    }
 )
 #: The marker in a ``409`` answer to a request of a sync whose lease expired (the server rolled it back).
 EXPIRED = "lora_stream_lease_expired"

@@ -43,6 +43,12 @@ class LoraStreamWorkerExtension:
 
         return held_by(self.model_runner.model)
 
+    def lora_stream_release(self) -> None:
+        """The weights are about to be discarded (a level-2 sleep): this worker's model holds no committed sync."""
+        from .holding import hold
+
+        hold(self.model_runner.model, None)
+
     def lora_stream_load(self, blob: bytes, optional: list[str] | None = None) -> list[str]:
         from safetensors.torch import load
 

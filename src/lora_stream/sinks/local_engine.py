@@ -25,6 +25,7 @@ __all__ = [
     "WORKER_EXTENSION",
     "engine_checkpoint",
     "engine_rpc",
+    "forget_weights_on_sleep",
     "local_model_runner",
     "probe_before",
     "verify_reset_and_vote",
@@ -76,6 +77,31 @@ def engine_rpc(llm: Any, method: str, *args: Any) -> list[Any]:
                 "VLLM_ENABLE_V1_MULTIPROCESSING=0 to keep the engine in this process)"
             ) from exc
         raise
+
+
+def forget_weights_on_sleep(llm: Any, model: Any | None) -> None:
+    """Wrap ``llm.llm_engine.sleep`` (which ``LLM.sleep`` calls) so that a sleep that discards the weights (level 2
+    and above: vLLM frees their memory, and waking maps it again with whatever it holds) first makes the engine's
+    model hold no committed sync: a sink that sends only what changed then sends everything next (TRL's colocate
+    mode sleeps at level 2 after every generation). ``model``: the engine's model in this process, or ``None`` for an
+    engine reached over ``collective_rpc``. Once per engine, whichever sink comes first."""
+    from ..engine.holding import hold
+
+    engine = llm.llm_engine
+    original = getattr(engine, "sleep", None)
+    if original is None or getattr(original, "lora_stream_forgets", False):
+        return
+
+    def sleep(level: int = 1, *args: Any, **kwargs: Any) -> Any:
+        if level >= 2:
+            if model is not None:
+                hold(model, None)
+            else:
+                engine_rpc(llm, "lora_stream_release")
+        return original(level, *args, **kwargs)
+
+    sleep.lora_stream_forgets = True  # type: ignore[attr-defined]
+    engine.sleep = sleep
 
 
 def probe_before(sink: Any, stages: dict[str, Any], lora_request: Any = None) -> Any:

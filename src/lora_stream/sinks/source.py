@@ -56,6 +56,19 @@ class SyncSource:
             for names in self._groups
             for n in names
         ]
+        # The fault points before each batch: "group:<k>" counts the groups of the stream's whole plan, so a partial
+        # sync passes the points of the groups it skips as well, in order (the last ones after its last batch).
+        self._points: list[list[int]] = [[k] for k in range(len(groups))]
+        self._trailing: list[int] = []
+        if selection is not None:
+            full = stream.groups()
+            owner = {n: j for j, names in enumerate(full) for n in names}
+            nxt, self._points = 0, []
+            for names in groups:
+                j = owner[names[0]]
+                self._points.append(list(range(nxt, j + 1)))
+                nxt = j + 1
+            self._trailing = list(range(nxt, len(full)))
         self.pass_: StreamPass[Any] | None = None
         self._stop_reason: str | None = None
         self.tensors = self.bytes = self.groups_sent = self.peak_group_bytes = 0
@@ -117,7 +130,8 @@ class SyncSource:
                 # before the end of this sync, leaving it unknown that every rank already learned how it ended (the
                 # sink would then ask the peers to agree once more, alone, until the timeout).
                 self.pass_ = self.stream.last_pass
-            fault_point(f"group:{k}")
+            for j in self._points[k] if k < len(self._points) else (k,):
+                fault_point(f"group:{j}")
             out_names, out_tensors = list(names), list(tensors)
             for n, t in zip(names, tensors):
                 for alias in self._by_primary.get(n, ()):
@@ -129,6 +143,8 @@ class SyncSource:
             self.groups_sent += 1
             self.peak_group_bytes = max(self.peak_group_bytes, group_bytes)
             yield out_names, out_tensors
+        for j in self._trailing:
+            fault_point(f"group:{j}")
 
     @contextmanager
     def batches(self) -> Iterator[Generator[tuple[list[str], list[torch.Tensor]], None, None]]:

@@ -40,7 +40,14 @@ from ..engine.holding import held_by
 from ..engine.reload import LoadReport, ReloadBracket
 from ..stream import ParamStream
 from ..transaction import Transaction, fault_point
-from .local_engine import engine_checkpoint, engine_rpc, local_model_runner, probe_before, verify_reset_and_vote
+from .local_engine import (
+    engine_checkpoint,
+    engine_rpc,
+    forget_weights_on_sleep,
+    local_model_runner,
+    probe_before,
+    verify_reset_and_vote,
+)
 from .prefix_cache import reset_prefix_cache
 from .preflight import preflight
 from .record import SyncRecord
@@ -109,6 +116,7 @@ class VLLMColocatedSink:
         self.checkpoint = self._ckpt.path if self._ckpt is not None else None
         runner = local_model_runner(engine)
         self._bracket = ReloadBracket(runner.model, runner.model_config) if runner is not None else None
+        forget_weights_on_sleep(llm, runner.model if runner is not None else None)
         self.check_consumed = check_consumed
         self.rollback = rollback
         self.verify = check_policy(verify)
@@ -254,7 +262,10 @@ class VLLMColocatedSink:
             return EngineState(self._why_full)
         held = [held_by(self._bracket.model)] if self._bracket is not None else list(self._rpc("lora_stream_held"))
         if any(h != self._token for h in held):
-            return EngineState("the engine no longer holds this sink's last commit (another sink or update wrote it)")
+            return EngineState(
+                "the engine no longer holds this sink's last commit (another sink or update wrote it, or a sleep "
+                "discarded it)"
+            )
         units = None if self._units is None else tuple(tuple(u) for u in self._units)
         return EngineState(None, units)
 
