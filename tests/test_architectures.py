@@ -130,8 +130,11 @@ def vllm_records(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     """The vLLM runs of every architecture this session selected, in one worker process (vLLM, torch and
     transformers imported once rather than once per architecture; each still gets its own two engines)."""
     require("vllm")
-    name = test_vllm_serves_the_merged_model_after_one_sync.__name__
-    selected = {item.callspec.params["arch"].id for item in request.session.items if item.originalname == name}
+    names = {
+        test_vllm_serves_the_merged_model_after_one_sync.__name__,
+        test_after_the_adapter_moved_a_sync_sends_only_what_changed_and_serves_what_a_full_sync_does.__name__,
+    }
+    selected = {item.callspec.params["arch"].id for item in request.session.items if item.originalname in names}
     archs = [a for a in ARCHS if a.id in selected]
     return run_vllm_worker(archs, tmp_path_factory.mktemp("architectures"))
 
@@ -146,6 +149,22 @@ def test_vllm_serves_the_merged_model_after_one_sync(arch: Arch, vllm_records: A
         return
     assert result["status"] == "matches", result
     assert result["control_differs"], "the engine served the merged model before the sync: the test proves nothing"
+
+
+SERVED = [a for a in ARCHS if not a.vllm_cannot]
+
+
+@pytest.mark.parametrize("arch", SERVED, ids=[a.id for a in SERVED])
+def test_after_the_adapter_moved_a_sync_sends_only_what_changed_and_serves_what_a_full_sync_does(
+    arch: Arch, vllm_records: Any
+) -> None:
+    """The same engine, after a second perturbation of the adapter: the frozen outputs (embeddings, norms, and with
+    LoRA on attention the MLP or the experts) stay, and the engine serves ``==`` what a full sync makes it serve."""
+    partial = find_event(vllm_records[arch.id], "partial", f"the records of {arch.id}: {vllm_records[arch.id]}")
+    assert partial["ok"], partial
+    assert partial["full_because"] is None and partial["skipped"] > 0, partial
+    assert partial["tensors"] + partial["skipped"] == partial["full_tensors"], partial
+    assert partial["generated"] and partial["same"], partial
 
 
 def write_table(path: Path) -> None:

@@ -12,7 +12,9 @@ then the base model is synced into it, so that it serves something else (the con
 synced, and what it serves must be the oracle again: the sync alone made the engine serve exactly what the merged
 checkpoint does. Prints ``RESULT`` lines: ``reference``, ``engine`` (started, or vLLM's own error), ``oracle``
 (generated from the merged checkpoint), ``control`` (generated after the base sync, or vLLM's error when it loads the
-model but cannot run it), ``synced`` (the merged sync's outcome, and what was generated after it).
+model but cannot run it), ``synced`` (the merged sync's outcome, and what was generated after it), ``partial``
+(after the adapter moved again: a sync that sends only what changed, then what it served and what a full sync of the
+same weights serves, which must be equal).
 """
 
 from __future__ import annotations
@@ -119,8 +121,46 @@ def check(p: Prepared) -> None:
                 say(event="synced", ok=True, tensors=record.tensors, generated=vllm_generate(llm))
             except Exception as exc:
                 say(event="synced", ok=True, tensors=record.tensors, error=f"{type(exc).__name__}: {str(exc)[:400]}")
+        partial(p, llm, sink)
     finally:
         del llm
+
+
+def partial(p: Prepared, llm: Any, sink: Any) -> None:
+    """A training step's worth of change (the adapter only), synced by the sink that holds the engine: it sends
+    only the LoRA-merged outputs (and what vLLM loads into one module with them); what the engine then serves must be
+    ``==`` what a full sync of the same weights makes it serve."""
+    from helpers import perturb_adapters, report, vllm_generate
+
+    from lora_stream import ParamStream, VLLMColocatedSink
+
+    def served() -> Any:
+        try:
+            return vllm_generate(llm)
+        except Exception as exc:  # vLLM cannot run this architecture here: the syncs are still compared by record
+            llm.reset_prefix_cache(reset_running_requests=True)
+            return f"{type(exc).__name__}"
+
+    perturb_adapters(p.pm, seed=7)
+    try:
+        record = sink.sync(ParamStream(p.pm, group_by="layer"))
+        after = served()
+        full = VLLMColocatedSink(llm, skip_unchanged=False).sync(ParamStream(p.pm, group_by="layer"))
+        again = served()
+    except Exception as exc:
+        report(arch=p.arch_id, event="partial", ok=False, error=f"{type(exc).__name__}: {str(exc)[:1500]}")
+        return
+    report(
+        arch=p.arch_id,
+        event="partial",
+        ok=True,
+        tensors=record.tensors,
+        skipped=record.skipped_tensors,
+        full_tensors=full.tensors,
+        full_because=record.full_because,
+        generated=isinstance(after, list),
+        same=after == again,
+    )
 
 
 def main(arch_ids: list[str], workdir: str) -> None:
