@@ -10,6 +10,7 @@ and the worker extension (:data:`WORKER_EXTENSION`), which runs the same classes
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any
 
 from ..coordination import this_rank
@@ -88,17 +89,27 @@ def forget_weights_on_sleep(llm: Any, model: Any | None) -> None:
     from ..engine.holding import hold
 
     engine = llm.llm_engine
-    original = getattr(engine, "sleep", None)
-    if original is None or getattr(original, "lora_stream_forgets", False):
+    own = engine.__dict__.get("sleep")  # an instance attribute someone set before: wrapped, not replaced
+    if (own is None and not hasattr(type(engine), "sleep")) or getattr(own, "lora_stream_forgets", False):
         return
+    # Weakly: a wrapper stored on the engine that held the engine (or the LLM) would make a reference cycle, and an
+    # engine collected late tears down vLLM's process-wide parallel state under the next engine built here.
+    engine_ref, llm_ref = weakref.ref(engine), weakref.ref(llm)
+    model_ref = weakref.ref(model) if model is not None else None
 
     def sleep(level: int = 1, *args: Any, **kwargs: Any) -> Any:
+        this = engine_ref()
+        assert this is not None  # reached through the engine
         if level >= 2:
-            if model is not None:
-                hold(model, None)
-            else:
-                engine_rpc(llm, "lora_stream_release")
-        return original(level, *args, **kwargs)
+            local = model_ref() if model_ref is not None else None
+            owner = llm_ref()
+            if local is not None:
+                hold(local, None)
+            elif model_ref is None and owner is not None:
+                engine_rpc(owner, "lora_stream_release")
+        if own is not None:
+            return own(level, *args, **kwargs)
+        return type(this).sleep(this, level, *args, **kwargs)
 
     sleep.lora_stream_forgets = True  # type: ignore[attr-defined]
     engine.sleep = sleep

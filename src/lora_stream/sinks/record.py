@@ -48,7 +48,8 @@ class SyncRecord:
     #: Servers excluded from the previous sync that took this one: they serve the full current weights again.
     readmitted: tuple[str, ...] = ()
     #: Outputs (and their bytes) this sync did not gather or send because every source was unchanged since the
-    #: engines' version and the engines hold it (:mod:`lora_stream.changes`); 0 for a full sync.
+    #: engines' version and the engines hold it (:mod:`lora_stream.changes`), tied aliases counted as in
+    #: ``tensors``; 0 for a full sync. ``tensors + skipped_tensors`` is what a full sync sends.
     skipped_tensors: int = 0
     skipped_bytes: int = 0
     #: Whole bytes this rank gathered (made whole, group after group) for the sync.

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..gatherers.base import nbytes
 from ..lockstep import describe_error
 from ..stream import ParamMeta, ParamStream, Selection, StreamPass
 from ..transaction import fault_point
@@ -60,8 +61,15 @@ class SyncSource:
         # sync passes the points of the groups it skips as well, in order (the last ones after its last batch).
         self._points: list[list[int]] = [[k] for k in range(len(groups))]
         self._trailing: list[int] = []
+        # The tied aliases of skipped outputs stay in the engine with them: counted as skipped, as they are sent.
+        self._skipped_aliases = self._skipped_alias_bytes = 0
         if selection is not None:
             full = stream.groups()
+            sent = {n for names in groups for n in names}
+            for n in (n for names in full for n in names if n not in sent):
+                k = len(self._by_primary.get(n, ()))
+                self._skipped_aliases += k
+                self._skipped_alias_bytes += k * nbytes(torch.Size(meta[n].shape), meta[n].dtype)
             owner = {n: j for j, names in enumerate(full) for n in names}
             nxt, self._points = 0, []
             for names in groups:
@@ -183,8 +191,8 @@ class SyncSource:
             peak_group_bytes=self.peak_group_bytes,
             peak_gathered_bytes=stats.peak_gathered_bytes if stats is not None else 0,
             version=self.weight_version,
-            skipped_tensors=stats.skipped_tensors if stats is not None else 0,
-            skipped_bytes=stats.skipped_bytes if stats is not None else 0,
+            skipped_tensors=(stats.skipped_tensors + self._skipped_aliases) if stats is not None else 0,
+            skipped_bytes=(stats.skipped_bytes + self._skipped_alias_bytes) if stats is not None else 0,
             gathered_bytes=stats.gathered_bytes if stats is not None else 0,
             full_because=self.full_because if self.selection is None else None,
         )
