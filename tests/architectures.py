@@ -44,7 +44,9 @@ _DEEPSEEK = {
     "num_key_value_heads": 2,
 }
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-_MLA_CPU = "Unsupported block size: 16"
+# vLLM's CPU attention has no MLA block size of 16; on a CPU with AMX its fused-MoE kernel refuses float32 weights
+# first, while the engine starts. Either is vLLM's own refusal; which one depends on the machine.
+_MLA_CPU = "Unsupported block size: 16|expect weight to be bfloat16"
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,8 @@ class Arch:
     config: dict[str, Any] = field(default_factory=dict)
     #: peft LoraConfig keyword arguments.
     lora: dict[str, Any] = field(default_factory=lambda: {"target_modules": "all-linear"})
-    #: A phrase of vLLM's own error when vLLM (CPU) cannot serve it; the stream-level check still runs.
+    #: A regular expression matching vLLM's own error when vLLM (CPU) cannot serve it; the stream-level check still
+    #: runs.
     vllm_cannot: str = ""
 
 
