@@ -9,7 +9,7 @@ weight times a non-zero difference below 2**64 is never 0 modulo 2**64); several
 about 2**-64. Dtype, shape and the byte count are part of the fingerprint.
 
 Cost: one read of the tensor and one multiply-add per 8 bytes, on its device (measured in
-``benchmarks/bench_skip.py``), and a temporary of one block (:data:`BLOCK_WORDS` words).
+``benchmarks/bench_skip.py``), and on a GPU a temporary of one block (:data:`BLOCK_WORDS` words).
 """
 
 from __future__ import annotations
@@ -49,6 +49,12 @@ def _block_weights(device: torch.device) -> torch.Tensor:
     return w
 
 
+def _weighted_sum(block: torch.Tensor, weights: torch.Tensor, dot: bool) -> torch.Tensor:
+    """``sum(block * weights)`` in wrapping int64. On CPU (``dot``), int64 ``torch.dot`` wraps the same way without
+    the block-sized temporary, whose fresh pages cost more than the arithmetic; other devices have no integer dot."""
+    return torch.dot(block, weights) if dot else (block * weights).sum()
+
+
 @torch.no_grad()
 def fingerprint(t: torch.Tensor) -> int:
     """The fingerprint of ``t``'s bytes, dtype and shape (see the module docstring). Reads ``t`` only."""
@@ -63,9 +69,10 @@ def fingerprint(t: torch.Tensor) -> int:
     sums: list[torch.Tensor] = []
     if words:
         main = flat[: words * 8].view(torch.int64)
+        on_cpu = flat.device.type == "cpu"
         for start in range(0, words, BLOCK_WORDS):
             block = main[start : start + BLOCK_WORDS]
-            sums.append((block * w[: block.numel()]).sum())
+            sums.append(_weighted_sum(block, w[: block.numel()], on_cpu))
     tail = flat[words * 8 :]
     if tail.numel():
         sums.append((tail.to(torch.int64) * w[: tail.numel()]).sum())
