@@ -339,7 +339,7 @@ class Setup:
     # fused parameters) or "attention" (q, k, v, o only).
     lora_targets: Literal["all", "attention"] = "all"
     # A sync after the first with skip_unchanged (the default): only outputs with a trainable source travel; every
-    # rank fingerprints its shard of every frozen source instead.
+    # rank fingerprints its shard of the sources of every other output instead.
     skip_unchanged: bool = False
 
 
@@ -447,8 +447,8 @@ def predict(shape: ModelShape, s: Setup, r: Rates) -> Prediction:
         n_params += 1 if small else 0
     stages: dict[str, float] = {}
     if s.skip_unchanged and s.mode == "merged":
-        # Each rank reads its own shard of every frozen source once (fingerprint.py: one multiply-add per 8 bytes,
-        # memory-bound), and the ranks agree in two status exchanges.
+        # Each rank reads its own shard of the sources of every untrained output once (fingerprint.py: one
+        # multiply-add per 8 bytes, memory-bound), and the ranks agree in two status exchanges.
         frozen = sum(u.numel() for u in units(shape, lora_experts=s.lora_experts)) - sum(u.numel() for u in us)
         stages["fingerprint"] = frozen * s.dtype_bytes / (W if sharded else 1) / r.copy_bps + 2 * r.ar_latency
     if sharded:

@@ -85,9 +85,10 @@ def main() -> None:
         rows.append(sync("full", i))
         step()
         rows.append(sync("skip", i))
-    fp_bytes = sum(
-        (p.ds_tensor.numel() * p.ds_tensor.element_size()) for p in engine.module.parameters() if not p.requires_grad
-    )
+    # What the fingerprints read on this rank: its share of the outputs with no trainable source (the others are
+    # sent at every sync, so their frozen bases are not read).
+    fp_bytes = sum(b for b, fp in zip(stream.step_bytes(), stream.fingerprints(), strict=True) if fp is not None)
+    fp_bytes //= dist.get_world_size()
     with open(f"{out}.rank{rank}.json", "w") as f:
         json.dump({"rank": rank, "rows": rows, "fingerprinted_local_bytes": fp_bytes}, f)
     dist.barrier()

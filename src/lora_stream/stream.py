@@ -405,7 +405,8 @@ class ParamStream:
         """For each step, in stream order, a fingerprint of this rank's own bytes of every source it reads
         (:func:`lora_stream.fingerprint.fingerprint` of each local shard), or ``None`` where the step must be sent
         at every sync: a source is trainable (``requires_grad``), quantized, or the gatherer cannot say
-        (``local_shard``). No communication; reads every frozen local shard once."""
+        (``local_shard``). No communication; reads the local shards of every step with no trainable source once (a
+        step with one is not read: it is sent anyway)."""
         local_shard = getattr(self.gatherer, "local_shard", None)
         cache: dict[int, int | None] = {}
 
@@ -418,6 +419,9 @@ class ParamStream:
 
         out: list[int | None] = []
         for step in self._steps:
+            if any(_reads_trainable(t) for t in step.inputs):
+                out.append(None)  # sent anyway: its frozen base is not read for nothing
+                continue
             parts: list[int] | None = []
             for t in step.inputs:
                 found = _target_fingerprints(t, of_param)
@@ -694,6 +698,13 @@ class ParamStream:
                     lock.exchange(status, f"after rank {lock.rank} stopped", handle.stop_reason or "")
                 except StreamAbortedError:
                     pass  # the peers are gone too; the error that stopped this rank is the one to report
+
+
+def _reads_trainable(t: Target) -> bool:
+    """Whether ``t`` reads a trainable parameter (a LoRA factor, a ``modules_to_save`` copy, anything trained)."""
+    if isinstance(t.merge, BufferRead):
+        return False
+    return any(getattr(p, "requires_grad", True) for p in (t.merge.params() if t.merge is not None else [t.param]))
 
 
 def _target_fingerprints(t: Target, of_param: Callable[[Any], int | None]) -> list[int] | None:
