@@ -81,9 +81,14 @@ def test_one_sink_keeps_two_servers_in_sync_and_a_server_dying_mid_transfer_is_h
         for e in events["excluded"]:
             assert e["replicas"] == [a.url] and list(e["excluded"]) == [b.url], e
             assert e["warned"] is True and e["version"] == "v2", e
-        # B came back and was readmitted with the full weights (the worker checked both serve v3).
+        # B came back and was readmitted with the full weights (the worker checked both serve v3): the fleet is one
+        # pass, so A got everything too.
         for e in events["readmitted"]:
             assert e["replicas"] == [a.url, b.url] and e["readmitted"] == [b.url], e
+            assert e["full_because"] is not None, e
+        # Then both hold v3, and v4 sends only what changed to both (the worker checked both serve v4).
+        for e in events["partial"]:
+            assert e["replicas"] == [a.url, b.url] and e["full_because"] is None and e["skipped"] > 0, e
     finally:
         stop.set()
         if not b.healthy():

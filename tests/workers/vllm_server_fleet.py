@@ -10,6 +10,7 @@ One run, in order (the test drives the servers through marker files in MARKER_DI
   4. ``on_replica_failure="exclude"``: B is killed in the middle of v2's transfer (``kill2``) : A commits and
      serves v2, the record and a warning name B.
   5. ``restart2`` / ``restarted2`` (B is back, serving its checkpoint): v3 readmits B, and both serve v3.
+  6. a step: v4 sends only what changed to both servers (B's record is its own since v3), and both serve v4.
 Every outcome is printed as one RESULT {json} line.
 """
 
@@ -167,7 +168,27 @@ def main() -> None:
     expected = reference()
     for url in (url_a, url_b):
         assert_vllm_serves(server_generate(url), expected)
-    report(rank=rank, event="readmitted", replicas=list(record.replicas), readmitted=list(record.readmitted))
+    report(
+        rank=rank,
+        event="readmitted",
+        replicas=list(record.replicas),
+        readmitted=list(record.readmitted),
+        full_because=record.full_because,
+    )
+
+    # 6. after the readmission, both servers hold v3: the next sync sends only what changed, to both.
+    step()
+    record = fleet.sync(ParamStream(engine, group_by="layer"), version="v4")
+    expected = reference()
+    for url in (url_a, url_b):
+        assert_vllm_serves(server_generate(url), expected)
+    report(
+        rank=rank,
+        event="partial",
+        replicas=list(record.replicas),
+        skipped=record.skipped_tensors,
+        full_because=record.full_because,
+    )
     report(rank=rank, outcome="ok")
     finish()
 

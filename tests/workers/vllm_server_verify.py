@@ -151,7 +151,10 @@ def main() -> None:
         same = {u: served(u) == committed.get(u) for u in urls} if rank == 0 else None
         report(rank=rank, event=name, hits=tamper.hits, versions=versions, outputs_unchanged=same, **outcome)
 
-    server = VLLMServerSink([url_a], rank=rank, timeout=60, verify=True)
+    # skip_unchanged=False: the "stale" corruption replays the previous sync's chunks, which needs every sync to send
+    # the same chunks (after a failed partial sync the next one is full, and nothing would be replayed). Verification
+    # of partial syncs: tests/test_vllm_colocated.py and tests/test_vllm_colocated_dist.py.
+    server = VLLMServerSink([url_a], rank=rank, timeout=60, verify=True, skip_unchanged=False)
     sync(server, "server-v1", "v1")
     sync(server, "server-double", "x1", "double", url_a)
     sync(server, "server-drop", "x2", "drop", url_a)
@@ -161,7 +164,7 @@ def main() -> None:
     sync(server, "server-v2", "v2")
     server.close()
 
-    fleet = VLLMServerSink([url_a, url_b], rank=rank, timeout=60, verify=True)
+    fleet = VLLMServerSink([url_a, url_b], rank=rank, timeout=60, verify=True, skip_unchanged=False)
     # A probe the workers cannot run (token ids beyond the vocabulary): each reports the error instead of raising
     # (an error would end vLLM's update session with the update still loaded), and the sync rolls back.
     client_cls = vllm_server.VLLMServerClient
