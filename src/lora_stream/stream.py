@@ -411,9 +411,8 @@ class ParamStream:
         cache: dict[int, int | None] = {}
 
         def of_param(p: Any) -> int | None:
-            if id(p) not in cache:
-                trainable = getattr(p, "requires_grad", True)
-                shard = None if trainable or local_shard is None else local_shard(p)
+            if id(p) not in cache:  # frozen: steps with a trainable source are not read
+                shard = None if local_shard is None else local_shard(p)
                 cache[id(p)] = None if shard is None else fingerprint(shard)
             return cache[id(p)]
 
@@ -448,7 +447,7 @@ class ParamStream:
                     if index in keep:
                         steps.append(step)
                         for t in step.inputs:
-                            reads.update(id(p) for p in (t.merge.params() if t.merge is not None else [t.param]))
+                            reads.update(id(p) for p in _params_read(t))
                     index += 1
                 if steps:
                     units.append(Unit(unit.module, [t for s in steps for t in s.inputs], [], steps))
@@ -700,11 +699,14 @@ class ParamStream:
                     pass  # the peers are gone too; the error that stopped this rank is the one to report
 
 
+def _params_read(t: Target) -> list[Any]:
+    """The parameters ``t`` reads: its merge's (none for a buffer), or its own."""
+    return t.merge.params() if t.merge is not None else [t.param]
+
+
 def _reads_trainable(t: Target) -> bool:
     """Whether ``t`` reads a trainable parameter (a LoRA factor, a ``modules_to_save`` copy, anything trained)."""
-    if isinstance(t.merge, BufferRead):
-        return False
-    return any(getattr(p, "requires_grad", True) for p in (t.merge.params() if t.merge is not None else [t.param]))
+    return any(getattr(p, "requires_grad", True) for p in _params_read(t))
 
 
 def _target_fingerprints(t: Target, of_param: Callable[[Any], int | None]) -> list[int] | None:
@@ -718,7 +720,7 @@ def _target_fingerprints(t: Target, of_param: Callable[[Any], int | None]) -> li
     if getattr(getattr(merge, "base", None), "quantized", False):
         return None
     out = []
-    for p in merge.params() if merge is not None else [t.param]:
+    for p in _params_read(t):
         fp = of_param(p)
         if fp is None:
             return None

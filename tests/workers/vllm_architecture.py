@@ -81,15 +81,12 @@ def check(p: Prepared) -> None:
         report(arch=p.arch_id, **fields)
 
     def generated(event: str, llm: Any) -> bool:
-        try:
-            say(event=event, ok=True, generated=vllm_generate(llm))
-            return True
-        except Exception as exc:  # vLLM loads the model but cannot run it here: the syncs are still checked
-            say(event=event, ok=False, error=f"{type(exc).__name__}: {str(exc)[:400]}")
-            # The crashed request still holds its KV blocks, and the sink refuses to report success over a prefix
-            # cache it cannot reset: drop them, as a user recovering from the crash would.
-            llm.reset_prefix_cache(reset_running_requests=True)
-            return False
+        out, error = generate_or_error(llm)
+        if error is None:
+            say(event=event, ok=True, generated=out)
+        else:
+            say(event=event, ok=False, error=error)
+        return error is None
 
     say(event="reference", generated=p.reference)
     try:
@@ -126,27 +123,34 @@ def check(p: Prepared) -> None:
         del llm
 
 
+def generate_or_error(llm: Any) -> tuple[Any, str | None]:
+    """What ``llm`` generates, or vLLM's error where it loads the model but cannot run it here (the syncs are still
+    checked)."""
+    from helpers import vllm_generate
+
+    try:
+        return vllm_generate(llm), None
+    except Exception as exc:
+        # The crashed request still holds its KV blocks, and the sink refuses to report success over a prefix
+        # cache it cannot reset: drop them, as a user recovering from the crash would.
+        llm.reset_prefix_cache(reset_running_requests=True)
+        return None, f"{type(exc).__name__}: {str(exc)[:400]}"
+
+
 def partial(p: Prepared, llm: Any, sink: Any) -> None:
     """A training step's worth of change (the adapter only), synced by the sink that holds the engine: it sends
     only the LoRA-merged outputs (and what vLLM loads into one module with them); what the engine then serves must be
     ``==`` what a full sync of the same weights makes it serve."""
-    from helpers import perturb_adapters, report, vllm_generate
+    from helpers import perturb_adapters, report
 
     from lora_stream import ParamStream, VLLMColocatedSink
-
-    def served() -> Any:
-        try:
-            return vllm_generate(llm)
-        except Exception as exc:  # vLLM cannot run this architecture here: the syncs are still compared by record
-            llm.reset_prefix_cache(reset_running_requests=True)
-            return f"{type(exc).__name__}"
 
     perturb_adapters(p.pm, seed=7)
     try:
         record = sink.sync(ParamStream(p.pm, group_by="layer"))
-        after = served()
+        after = generate_or_error(llm)
         full = VLLMColocatedSink(llm, skip_unchanged=False).sync(ParamStream(p.pm, group_by="layer"))
-        again = served()
+        again = generate_or_error(llm)
     except Exception as exc:
         report(arch=p.arch_id, event="partial", ok=False, error=f"{type(exc).__name__}: {str(exc)[:1500]}")
         return
@@ -158,7 +162,7 @@ def partial(p: Prepared, llm: Any, sink: Any) -> None:
         skipped=record.skipped_tensors,
         full_tensors=full.tensors,
         full_because=record.full_because,
-        generated=isinstance(after, list),
+        generated=after[1] is None,
         same=after == again,
     )
 

@@ -29,14 +29,14 @@ from __future__ import annotations
 
 import bisect
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from ..units import merge_units
 
-__all__ = ["LoadMap", "held_by", "hold", "release"]
+__all__ = ["LoadMap", "held_by", "hold", "release", "run_before"]
 
 _HELD: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
 _MAPS: weakref.WeakKeyDictionary[torch.nn.Module, LoadMap] = weakref.WeakKeyDictionary()
@@ -61,21 +61,31 @@ def _watch_loads(model: torch.nn.Module) -> None:
     """Make every call of ``model.load_weights`` forget what the model holds first. A reload bracket has already
     forgotten it when it loads (and sets it again at commit); any other caller is a writer this module cannot
     account for, whose write must make the next sync a full one."""
-    own = model.__dict__.get("load_weights")  # an instance attribute someone set before: wrapped, not replaced
-    if getattr(own, "lora_stream_watched", False):
-        return
-    ref = weakref.ref(model)  # the wrapper lives on the model: no reference cycle through it
+    run_before(model, "load_weights", lambda watched, *_args, **_kwargs: _HELD.pop(watched, None))
 
-    def load_weights(*args: Any, **kwargs: Any) -> Any:
-        watched = ref()
-        assert watched is not None  # reached through the model
-        _HELD.pop(watched, None)
+
+def run_before(obj: Any, method: str, hook: Callable[..., object]) -> None:
+    """Make every call of ``obj.<method>(...)`` call ``hook(obj, ...)`` first, with the same arguments; once per
+    object and method. An instance attribute someone set before is wrapped, not replaced. The wrapper lives on
+    ``obj`` and holds it weakly: a strong reference would be a cycle, which keeps a vLLM engine alive past its
+    owner's ``del`` (and its late teardown breaks the parallel state of the next engine built in the process), so
+    ``hook`` must not hold ``obj`` either."""
+    own = obj.__dict__.get(method)
+    marker = f"lora_stream_runs_before_{method}"
+    if (own is None and not hasattr(type(obj), method)) or getattr(own, marker, False):
+        return
+    ref = weakref.ref(obj)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        this = ref()
+        assert this is not None  # reached through the object
+        hook(this, *args, **kwargs)
         if own is not None:
             return own(*args, **kwargs)
-        return type(watched).load_weights(watched, *args, **kwargs)  # type: ignore[attr-defined]
+        return getattr(type(this), method)(this, *args, **kwargs)
 
-    load_weights.lora_stream_watched = True  # type: ignore[attr-defined]
-    object.__setattr__(model, "load_weights", load_weights)
+    setattr(wrapper, marker, True)
+    object.__setattr__(obj, method, wrapper)
 
 
 def release(model: torch.nn.Module) -> None:

@@ -86,33 +86,25 @@ def forget_weights_on_sleep(llm: Any, model: Any | None) -> None:
     model hold no committed sync: a sink that sends only what changed then sends everything next (TRL's colocate
     mode sleeps at level 2 after every generation). ``model``: the engine's model in this process, or ``None`` for an
     engine reached over ``collective_rpc``. Once per engine, whichever sink comes first."""
-    from ..engine.holding import hold
+    from ..engine.holding import hold, run_before
 
-    engine = llm.llm_engine
-    own = engine.__dict__.get("sleep")  # an instance attribute someone set before: wrapped, not replaced
-    if (own is None and not hasattr(type(engine), "sleep")) or getattr(own, "lora_stream_forgets", False):
-        return
-    # Weakly: a wrapper stored on the engine that held the engine (or the LLM) would make a reference cycle, and an
-    # engine collected late tears down vLLM's process-wide parallel state under the next engine built here.
-    engine_ref, llm_ref = weakref.ref(engine), weakref.ref(llm)
+    # Weakly, as run_before asks: the hook lives on the engine.
+    llm_ref = weakref.ref(llm)
     model_ref = weakref.ref(model) if model is not None else None
 
-    def sleep(level: int = 1, *args: Any, **kwargs: Any) -> Any:
-        this = engine_ref()
-        assert this is not None  # reached through the engine
-        if level >= 2:
-            local = model_ref() if model_ref is not None else None
-            owner = llm_ref()
+    def discarding(_engine: Any, level: int = 1, *_args: Any, **_kwargs: Any) -> None:
+        if level < 2:
+            return
+        if model_ref is not None:
+            local = model_ref()
             if local is not None:
                 hold(local, None)
-            elif model_ref is None and owner is not None:
-                engine_rpc(owner, "lora_stream_release")
-        if own is not None:
-            return own(level, *args, **kwargs)
-        return type(this).sleep(this, level, *args, **kwargs)
+            return
+        owner = llm_ref()
+        if owner is not None:
+            engine_rpc(owner, "lora_stream_release")
 
-    sleep.lora_stream_forgets = True  # type: ignore[attr-defined]
-    engine.sleep = sleep
+    run_before(llm.llm_engine, "sleep", discarding)
 
 
 def probe_before(sink: Any, stages: dict[str, Any], lora_request: Any = None) -> Any:

@@ -57,26 +57,22 @@ class SyncSource:
             for names in self._groups
             for n in names
         ]
-        # The fault points before each batch: "group:<k>" counts the groups of the stream's whole plan, so a partial
-        # sync passes the points of the groups it skips as well, in order (the last ones after its last batch).
-        self._points: list[list[int]] = [[k] for k in range(len(groups))]
-        self._trailing: list[int] = []
+        # "group:<k>" counts the groups of the stream's whole plan: each batch's index there, so that a partial sync
+        # passes the fault points of the groups it skips as well, in order (the last ones after its last batch).
+        self._plan_index = list(range(len(groups)))
+        self._plan_groups = len(groups)
         # The tied aliases of skipped outputs stay in the engine with them: counted as skipped, as they are sent.
         self._skipped_aliases = self._skipped_alias_bytes = 0
         if selection is not None:
             full = stream.groups()
+            owner = {n: j for j, names in enumerate(full) for n in names}
+            self._plan_index = [owner[names[0]] for names in groups]
+            self._plan_groups = len(full)
             sent = {n for names in groups for n in names}
             for n in (n for names in full for n in names if n not in sent):
                 k = len(self._by_primary.get(n, ()))
                 self._skipped_aliases += k
                 self._skipped_alias_bytes += k * nbytes(torch.Size(meta[n].shape), meta[n].dtype)
-            owner = {n: j for j, names in enumerate(full) for n in names}
-            nxt, self._points = 0, []
-            for names in groups:
-                j = owner[names[0]]
-                self._points.append(list(range(nxt, j + 1)))
-                nxt = j + 1
-            self._trailing = list(range(nxt, len(full)))
         self.pass_: StreamPass[Any] | None = None
         self._stop_reason: str | None = None
         self.tensors = self.bytes = self.groups_sent = self.peak_group_bytes = 0
@@ -131,6 +127,7 @@ class SyncSource:
                     self.pass_.close()
 
     def _expanded(self, batches: Any) -> Generator[tuple[list[str], list[torch.Tensor]], None, None]:
+        passed = 0  # the fault points "group:<j>" passed so far, j < passed
         for k, (names, tensors) in enumerate(batches):
             if self.pass_ is None:
                 # A subclass wrapped the stream's pass in a generator of its own: hold the pass now, while it runs.
@@ -138,8 +135,10 @@ class SyncSource:
                 # before the end of this sync, leaving it unknown that every rank already learned how it ended (the
                 # sink would then ask the peers to agree once more, alone, until the timeout).
                 self.pass_ = self.stream.last_pass
-            for j in self._points[k] if k < len(self._points) else (k,):
+            at = self._plan_index[k] if k < len(self._plan_index) else k
+            for j in range(passed, at + 1):
                 fault_point(f"group:{j}")
+            passed = max(passed, at + 1)
             out_names, out_tensors = list(names), list(tensors)
             for n, t in zip(names, tensors):
                 for alias in self._by_primary.get(n, ()):
@@ -151,7 +150,7 @@ class SyncSource:
             self.groups_sent += 1
             self.peak_group_bytes = max(self.peak_group_bytes, group_bytes)
             yield out_names, out_tensors
-        for j in self._trailing:
+        for j in range(passed, self._plan_groups):
             fault_point(f"group:{j}")
 
     @contextmanager
