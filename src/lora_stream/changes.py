@@ -100,13 +100,15 @@ def agree_on_changes(
     last: SyncedSources | None,
     engines: Sequence[EngineState],
     aliases: Mapping[str, str] | None = None,
+    force_full: str | None = None,
 ) -> Changes:
     """Decide, with every other rank, which steps of ``stream`` this sync produces (see the module docstring).
 
     ``fingerprints``: this rank's (:meth:`ParamStream.fingerprints`, taken in the sync's pre-flight so that a
     failure refuses on every rank); ``last``: what this rank recorded at the engines' committed version (``None``:
     nothing); ``engines``: the engines this rank feeds (none: it only gathers); ``aliases``: tied alias -> primary
-    output name, for the engines' units. Every rank calls it with a stream of the same plan: it runs the same two
+    output name, for the engines' units; ``force_full``: this rank needs every output sent, for this reason (the
+    engine-side merge's base must travel again). Every rank calls it with a stream of the same plan: it runs the same two
     agreements (per :data:`~lora_stream.lockstep.FLAG_CAPACITY` steps) on every path."""
     import time
 
@@ -114,7 +116,7 @@ def agree_on_changes(
     steps = stream.steps()
     n = len(steps)
     sources = SyncedSources(stream.plan_digest, tuple(fingerprints))
-    reason: str | None = None
+    reason: str | None = force_full
     for e in engines:
         if e.full_because is not None:
             reason = reason or e.full_because

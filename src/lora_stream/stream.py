@@ -120,6 +120,17 @@ class Selection:
     steps: frozenset[int]
 
 
+@dataclass(frozen=True)
+class InputRequest:
+    """What one pass of :meth:`ParamStream.iter_inputs` sends: for every selected step (indices into
+    ``steps()``), the merge inputs to make whole and yield (:class:`~lora_stream.engine_merge.InputSpec`, each
+    once per pass). The merge itself runs where the base is: in the engine (:mod:`lora_stream.engine_merge`).
+    Every rank of a sharded stream must pass the same request."""
+
+    steps: frozenset[int]
+    sends: dict[int, list[Any]]
+
+
 T = TypeVar("T")
 
 
@@ -456,6 +467,29 @@ class ParamStream:
                 out.append(Group(units, params, g.gather_bytes(params) if params else 0))
         return out
 
+    def _select_inputs(self, request: InputRequest) -> tuple[list[Group], list[list[Any]]]:
+        """The groups an input pass gathers, each with only the parameters it sends, and what each sends."""
+        out: list[Group] = []
+        sends: list[list[Any]] = []
+        index = 0
+        seen: set[str] = set()
+        g = self.gatherer
+        for grp in self._groups:
+            specs: list[Any] = []
+            for step in grp.steps:
+                if index in request.steps:
+                    for spec in request.sends.get(index, ()):
+                        if spec.key not in seen:
+                            seen.add(spec.key)
+                            specs.append(spec)
+                index += 1
+            if specs:
+                refs = {id(s.ref) for s in specs if s.ref is not None}
+                params = [p for p in grp.params if id(p) in refs]
+                out.append(Group(grp.units, params, g.gather_bytes(params) if params else 0))
+                sends.append(specs)
+        return out, sends
+
     def held_names(self) -> None:
         """Every rank produces every tensor (vLLM's ``WeightSource.held_names``: ``None`` means all)."""
         return None
@@ -489,9 +523,18 @@ class ParamStream:
         :class:`StreamPass`); with ``selection``, only its steps' outputs (every rank passes the same one)."""
         return self._open(batched=True, selection=selection)  # type: ignore[return-value]
 
-    def _open(self, batched: bool, selection: Selection | None = None) -> StreamPass[object]:
+    def iter_inputs(self, request: InputRequest) -> StreamPass[tuple[list[str], list[torch.Tensor]]]:
+        """A fresh pass yielding, per group that has any, ``(keys, tensors)``: the whole merge inputs ``request``
+        names (a merge's trainable factors, and the base where the engine lacks it), not merged outputs. Only
+        those are gathered; groups with nothing to send are not gathered at all. Otherwise a pass like
+        :meth:`iter_groups` (lockstep, early stop, the record)."""
+        return self._open(batched=True, inputs=request)  # type: ignore[return-value]
+
+    def _open(
+        self, batched: bool, selection: Selection | None = None, inputs: InputRequest | None = None
+    ) -> StreamPass[object]:
         def produce(record: PassRecord) -> Generator[object, None, None]:
-            return self._produce(batched, record, selection)
+            return self._produce(batched, record, selection, inputs)
 
         p: StreamPass[object] = StreamPass(produce)
         # Weakly: a pass abandoned by its consumer must still be collected, which is what ends it for the peers.
@@ -573,6 +616,23 @@ class ParamStream:
             )
         return out
 
+    def _input_tensor(self, spec: Any, full: FullTensor, stats: StreamStats) -> torch.Tensor:
+        """One merge input as it travels: whole, in its own dtype, never a view of a buffer the next group reuses."""
+        if spec.buffer is not None:
+            out = spec.buffer.module._buffers[spec.buffer.attr]
+        else:
+            out = full(spec.ref)
+            if getattr(self.gatherer, "reuses_buffers", False):
+                out = out.clone()
+        if tuple(out.shape) != spec.shape or out.dtype != spec.dtype:
+            raise LoraStreamError(
+                f"{self._where()}merge input {spec.source!r} came out as {tuple(out.shape)} {out.dtype}, but the plan "
+                f"promised {spec.shape} {spec.dtype}; the {self.gatherer.name} gatherer did not make it whole"
+            )
+        stats.tensors += 1
+        stats.bytes += out.numel() * out.element_size()
+        return out
+
     def _produce_step(self, step: Step, full: FullTensor, stats: StreamStats, scratch: Scratch) -> list[torch.Tensor]:
         """The outputs of one step: its targets merged, then converted to the checkpoint's layout."""
         tensors = [self._materialize(t, full, stats, scratch) for t in step.inputs]
@@ -594,12 +654,21 @@ class ParamStream:
         return ""
 
     def _produce(
-        self, batched: bool, handle: PassRecord, selection: Selection | None = None
+        self,
+        batched: bool,
+        handle: PassRecord,
+        selection: Selection | None = None,
+        inputs: InputRequest | None = None,
     ) -> Generator[object, None, None]:
         stats = handle.stats
         handle.state = PassState.RUNNING
         lock = self._lockstep()
-        groups = self._groups if selection is None else self._select(selection)
+        sends: list[list[Any]] = []
+        if inputs is not None:
+            selection = Selection(inputs.steps)
+            groups, sends = self._select_inputs(inputs)
+        else:
+            groups = self._groups if selection is None else self._select(selection)
         if selection is not None:
             sizes = self.step_bytes()
             left = [i for i in range(len(self._steps)) if i not in selection.steps]
@@ -643,7 +712,11 @@ class ParamStream:
                         prefetch(groups[gi + 1].params)
                         held += groups[gi + 1].gathered_bytes
                     stats.peak_gathered_bytes = max(stats.peak_gathered_bytes, held)
-                    if batched:
+                    if inputs is not None:
+                        tensors = [self._input_tensor(spec, full, stats) for spec in sends[gi]]
+                        yield [spec.key for spec in sends[gi]], tensors
+                        del tensors
+                    elif batched:
                         tensors = [x for s in group.steps for x in self._produce_step(s, full, stats, scratch)]
                         yield [o.name for o in group.outputs], tensors
                         del tensors

@@ -58,6 +58,8 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
         self._received_digest: str | None = None
         self._received_digest_s = 0.0
         self._units: list[list[str]] | None = None
+        #: The undecided update's engine-side merges (``merge="engine"``), committed with the update.
+        self._merge: Any = None
 
     def init_transfer_engine(self, init_info: TransferInitInfo) -> None:
         self.shutdown()  # a new trainer (after a failed one) starts a new group
@@ -79,13 +81,32 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
         # An update a trainer that vanished left open or undecided: the safe outcome is the previous weights. The
         # new bracket opens with the update, which says whether it loads weights at all (an adapter sync only
         # stages tensors).
-        self._bracket.rollback()
+        self._rollback()
 
     def finish_weight_update(self) -> None:
         # receive_weights already closed and checked the bracket; this closes one that an update never reached.
         # Finishing ends the update: one the trainer did not roll back stands (vLLM's protocol has no other way).
         self._bracket.abort()
         self._bracket.commit()
+        self._commit_merge()
+
+    def _commit_merge(self) -> None:
+        update, self._merge = self._merge, None
+        if update is not None:
+            from .merger import EngineMerger
+
+            EngineMerger.of(self.model).commit(update)
+
+    def _rollback(self) -> None:
+        self._merge = None
+        try:
+            self._bracket.rollback()
+        except BaseException:
+            # The previous weights could not be recomputed: nothing computed here describes the model any more.
+            from .merger import EngineMerger
+
+            EngineMerger.of(self.model).forget()
+            raise
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class calls torch.accelerator.synchronize() afterwards, which has no meaning on CPU.
@@ -129,12 +150,32 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
                 t = clock()
                 self._probe_before = self._probe(update_info.probe_ids)
                 self._probe_before_s = clock() - t
+            merge = None
+            expect = update_info.names if update_info.base is not None else None
+            restore = None
+            if update_info.merge is not None:
+                from .merger import EngineMerger
+
+                merger = EngineMerger.of(self.model)
+                # Refused here, before the bracket opens, if this worker's base is not the trainer's.
+                merge = merger.begin(update_info.merge, partial=update_info.base is not None)
+                if expect is not None:
+                    expect = merge.output_names
+                    restore = merger.restorer(expect) if update_info.rollback else None
+                timing["merge_s"] = timing["base_fingerprint_s"] = 0.0
+            elif adapter is None:
+                from .merger import EngineMerger
+
+                # Weights this worker did not merge: its recipes no longer describe what the model holds.
+                EngineMerger.of(self.model).forget()
+            self._merge = merge
             if adapter is None:
                 self._bracket.begin(
                     keep_previous=update_info.rollback,
-                    expect=update_info.names if update_info.base is not None else None,
+                    expect=expect,
                     base=update_info.base,
                     optional=update_info.optional_names,
+                    restore=restore,
                 )
 
             def post(c: int) -> tuple[torch.Tensor, Any]:
@@ -164,9 +205,21 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
                 t = clock()
                 if adapter is not None:
                     received.update(pairs)
+                elif merge is not None:
+                    self._bracket.load(merge.feed(pairs), update_info.optional_names)
                 else:
                     self._bracket.load(pairs, update_info.optional_names)
                 timing["load_s"] += clock() - t
+            if merge is not None:
+                t = clock()
+                rest = merge.rest()
+                if rest:
+                    self._bracket.load(rest, update_info.optional_names)
+                timing["load_s"] += clock() - t
+                # Merging ran inside load_s's clock: report it apart, and load_s as vLLM's share.
+                timing["merge_s"] = merge.merge_s
+                timing["base_fingerprint_s"] = merge.fingerprint_s
+                timing["load_s"] -= merge.merge_s + merge.fingerprint_s
             t = clock()
             if adapter is not None:
                 # Staged only: the trainer's /v1/load_lora_adapter call makes vLLM build, check and swap it in.
@@ -186,12 +239,17 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
             if hasher is not None:
                 self._received_digest = hasher.hexdigest()
             # What this worker keeps alive to undo the update until the decision (its copies and old packed kernels).
-            timing["kept_bytes"] = float(self._bracket.kept_bytes)
+            timing["kept_bytes"] = float(self._bracket.kept_bytes + (merge.kept_bytes if merge is not None else 0))
+            if merge is not None:
+                from .merger import EngineMerger
+
+                merger = EngineMerger.of(self.model)
+                timing["base_bytes"] = float(merger.base_bytes if merge.partial else merge.kept_bytes)
             self._report({**timing, "units": self._units if adapter is None else None})
         except BaseException:
             # Never leave layers on the meta device (the next forward would kill the engine), and put back what the
             # update replaced: vLLM ends the update session when this raises, so no decision will come.
-            self._bracket.rollback()
+            self._rollback()
             self.shutdown()
             raise
 
@@ -201,8 +259,9 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
         if command == "commit":
             self._bracket.abort()  # a no-op after a complete update
             self._bracket.commit(sync)
+            self._commit_merge()
         elif command == "rollback":
-            self._bracket.rollback()
+            self._rollback()
         else:
             raise ValueError(f"unknown weight-update command {command!r} (expected 'commit' or 'rollback')")
 

@@ -389,6 +389,9 @@ class ReloadBracket:
         self._relaid: list[tuple[str, Any, Any]] = []
         self._rolled_back: set[int] = set()
         self._previous: EngineSnapshot | None = None
+        #: ``begin(restore=...)``: what a rollback loads back instead of a copy -- the update's names, the sync
+        #: the model held, and the tensors recomputed (:meth:`~lora_stream.engine.merger.EngineMerger.restorer`).
+        self._restore: tuple[list[str], str, Any, Collection[str]] | None = None
         #: What this model's loaders read (shared by every bracket on the model).
         self.load_map = LoadMap.of(model)
         #: A partial update (``begin(expect=...)``): the modules it must leave untouched, by qualified name.
@@ -416,6 +419,7 @@ class ReloadBracket:
         Idempotent."""
         if self._open:
             raise RuntimeError("commit() with the reload bracket still open: call finish() first")
+        self._restore = None
         previous, self._previous = self._previous, None
         if previous is not None:
             previous.drop()
@@ -428,11 +432,34 @@ class ReloadBracket:
         Idempotent."""
         self.abort()
         previous, self._previous = self._previous, None
-        if previous is None:
+        restore, self._restore = self._restore, None
+        if previous is not None:
+            previous.restore()
+            previous.drop()
+            return True
+        if restore is None:
             return False
-        previous.restore()
-        previous.drop()
+        self._reload(*restore)
         return True
+
+    def _reload(self, names: list[str], token: str, produce: Any, optional: Collection[str]) -> None:
+        """Roll back by loading again what the model held: a partial update onto sync ``token`` with the tensors
+        ``produce()`` recomputes for ``names``, checked like any update. Every module the failed update touched is
+        reloaded whole from the same values it was loaded from before, so it serves exactly what it served."""
+        hold(self.model, token)
+        self.begin(expect=names, base=token, optional=optional)
+        try:
+            self.load(produce(), optional)
+        except BaseException:
+            self.abort()
+            hold(self.model, None)
+            raise
+        report = self.finish()
+        error = report.error(" (recomputing the previous weights)")
+        if error is not None:
+            hold(self.model, None)
+            raise error
+        hold(self.model, token)
 
     def begin(
         self,
@@ -441,8 +468,12 @@ class ReloadBracket:
         expect: Collection[str] | None = None,
         base: str | None = None,
         optional: Collection[str] = (),
+        restore: Any = None,
     ) -> None:
-        """Open the bracket. ``expect``: a partial update, which sends exactly these checkpoint names onto the
+        """Open the bracket. ``restore``: instead of ``keep_previous``'s copy, a callable that recomputes, for a
+        rollback, every tensor this update sends (``expect``, which it then needs) as the model holds it now
+        (:meth:`~lora_stream.engine.merger.EngineMerger.restorer`); taken only while the model holds a committed
+        sync and can tell which modules the names feed, else the copy is kept as asked. ``expect``: a partial update, which sends exactly these checkpoint names onto the
         weights of the committed sync ``base``; every module they do not feed is left untouched (not snapshotted,
         and guarded against receiving anything). Names in ``optional`` that no module ever read (tied aliases the
         model does not hold, see :meth:`load`) feed nothing. Refused (:class:`VLLMLoadError`, nothing opened) when
@@ -495,6 +526,11 @@ class ReloadBracket:
         self._sent = set()
         modules = dict(self.model.named_modules())
         skip = {id(modules[m]) for m in untouched if m in modules}
+        self._restore = None
+        held_now = held_by(self.model)
+        if restore is not None and expect is not None and held_now is not None and self.load_map.complete:
+            self._restore = (list(expect), held_now, restore, tuple(optional))
+            keep_previous = False
         self._previous = EngineSnapshot.take(self.model, skip) if keep_previous else None
         hold(self.model, None)  # from here on, until a commit, the model holds no committed sync's weights
         self._untouched, self._partial = untouched, expect is not None

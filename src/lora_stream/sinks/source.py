@@ -195,3 +195,110 @@ class SyncSource:
             gathered_bytes=stats.gathered_bytes if stats is not None else 0,
             full_because=self.full_because if self.selection is None else None,
         )
+
+
+class EngineMergeSource(SyncSource):
+    """A sync whose merges run in the engine (:mod:`lora_stream.engine_merge`): what travels is each selected
+    step's trainable inputs -- and, in a full sync, the frozen base with them -- under their plan keys, and
+    :attr:`merge_info` carries the recipes. ``metadata()``, ``groups()`` and ``iter_groups()`` describe those
+    inputs; the record counts them, and the outputs the engine computes from them as the stream's.
+
+    In a full sync each frozen tensor is fingerprinted as it passes (:attr:`base_fp`, whole tensors, on every
+    rank): the engine fingerprints what it received, and every later partial sync names these fingerprints again
+    (``base_fp``), so that the engine refuses to merge onto any other base.
+    """
+
+    def __init__(
+        self,
+        stream: ParamStream,
+        plan: Any,
+        aliases: Mapping[str, str] | None = None,
+        version: str | None = None,
+        selection: Selection | None = None,
+        full_because: str | None = None,
+        base_fp: Mapping[str, int] | None = None,
+    ):
+        super().__init__(stream, aliases, version, None, selection=selection, full_because=full_because)
+        from ..stream import InputRequest
+
+        self.plan = plan
+        n = len(plan.recipes)
+        steps = sorted(selection.steps) if selection is not None else list(range(n))
+        full = selection is None
+        sends = {i: [plan.inputs[k] for k in (plan.reads[i] if full else plan.trainable(i))] for i in steps}
+        self.request = InputRequest(frozenset(steps), sends)
+        groups, specs = stream._select_inputs(self.request)
+        self._input_groups = [[s.key for s in group] for group in specs]
+        self._input_meta = [ParamMeta(s.key, s.dtype, s.shape) for group in specs for s in group]
+        self._frozen = {k for k, spec in plan.inputs.items() if not spec.trainable}
+        # The fault points "group:<k>" of the whole plan, as for merged syncs: each input batch's group there.
+        owner: dict[int, int] = {}
+        index = 0
+        for j, grp in enumerate(stream._groups):
+            for _ in grp.steps:
+                owner[index] = j
+                index += 1
+        first = [min(i for i in steps if any(s.key in names for s in sends[i])) for names in self._input_groups]
+        self._plan_index = [owner[i] for i in first]
+        self._plan_groups = len(stream._groups)
+        recipes = [plan.recipes[i] for i in steps]
+        read = {k for i in steps for k in plan.reads[i] if k in self._frozen}
+        self.merge_info: dict[str, Any] = {
+            "recipes": recipes,
+            "frozen": sorted(read),
+            "base_fp": {} if full else {k: int((base_fp or {})[k]) for k in sorted(read)},
+        }
+        #: Fingerprints of the base tensors this (full) sync sent, whole; filled as they pass.
+        self.base_fp: dict[str, int] = {}
+        self.outputs = sum(len(plan.recipes[i]["outputs"]) for i in steps)
+
+    @property
+    def aliases(self) -> list[str]:
+        return [a for r in self.merge_info["recipes"] for names in r.get("aliases", {}).values() for a in names]
+
+    def metadata(self) -> list[ParamMeta]:
+        return list(self._input_meta)
+
+    def groups(self) -> list[list[str]]:
+        return [list(g) for g in self._input_groups]
+
+    def iter_groups(self) -> Generator[tuple[list[str], list[torch.Tensor]], None, None]:
+        self.tensors = self.bytes = self.groups_sent = self.peak_group_bytes = 0
+        self.base_fp = {}
+        batches = self.stream.iter_inputs(self.request)
+        self.pass_ = batches
+        self._stop_reason = None
+        with closing(batches):
+            try:
+                yield from self._expanded(batches)
+            except GeneratorExit:
+                raise
+            except BaseException as exc:
+                if self.pass_.record.stop_reason is None:
+                    self.pass_.record.stop_reason = describe_error(exc)
+                raise
+            finally:
+                if self._stop_reason is not None and self.pass_.record.stop_reason is None:
+                    self.pass_.record.stop_reason = self._stop_reason
+                self.pass_.close()
+
+    def _expanded(self, batches: Any) -> Generator[tuple[list[str], list[torch.Tensor]], None, None]:
+        from ..fingerprint import fingerprint
+
+        passed = 0
+        for k, (names, tensors) in enumerate(batches):
+            at = self._plan_index[k] if k < len(self._plan_index) else k
+            for j in range(passed, at + 1):
+                fault_point(f"group:{j}")
+            passed = max(passed, at + 1)
+            for n, t in zip(names, tensors):
+                if n in self._frozen:
+                    self.base_fp[n] = fingerprint(t)
+            group_bytes = sum(t.numel() * t.element_size() for t in tensors)
+            self.tensors += len(tensors)
+            self.bytes += group_bytes
+            self.groups_sent += 1
+            self.peak_group_bytes = max(self.peak_group_bytes, group_bytes)
+            yield list(names), list(tensors)
+        for j in range(passed, self._plan_groups):
+            fault_point(f"group:{j}")

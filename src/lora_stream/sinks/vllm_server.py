@@ -27,6 +27,7 @@ import threading
 import time
 import uuid
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -567,7 +568,16 @@ class VLLMServerSink:
         verify: VerifyPolicy = False,
         verify_tolerance: float | None = None,
         skip_unchanged: bool = True,
+        merge: str = "trainer",
     ) -> None:
+        from ..engine_merge import MERGE_LOCATIONS
+
+        if merge not in MERGE_LOCATIONS:
+            raise ValueError(f"merge must be one of {MERGE_LOCATIONS}, got {merge!r}")
+        if merge == "engine" and not skip_unchanged:
+            raise ValueError(
+                "merge='engine' sends the base once and then only what changed; it needs skip_unchanged=True"
+            )
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         if pause not in PAUSE_MODES:
@@ -611,6 +621,14 @@ class VLLMServerSink:
         self.verify = check_policy(verify)
         self.verify_tolerance = verify_tolerance
         self.skip_unchanged = skip_unchanged
+        self.merge = merge
+        #: merge="engine": each stream's recipes (built once per stream object).
+        self._merge_plans: weakref.WeakKeyDictionary[ParamStream, Any] = weakref.WeakKeyDictionary()
+        #: merge="engine": the whole-tensor fingerprint of every base tensor the servers hold from this sink's last
+        #: committed full sync, and this rank's shard fingerprints of the adapted steps' bases then.
+        self._base_sent: dict[str, int] | None = None
+        self._synced_base: dict[str, int] | None = None
+        self._last_source: SyncSource | None = None
         #: This rank's fingerprints at the last committed merged sync (``None``: none, or it failed).
         self._synced: SyncedSources | None = None
         #: Committed syncs (what ``verify=N`` counts).
@@ -755,9 +773,19 @@ class VLLMServerSink:
                     "config": stream.adapter_config(),
                 }
             skipping = self.skip_unchanged and adapter is None and takes_selection(stream)
+            merge_plan = self._merge_plan(stream) if adapter is None and self.merge == "engine" else None
             t = time.perf_counter()
             fingerprints = stream.fingerprints() if skipping else None
-            return _SyncPlan(aliases, ids, adapter, fingerprints, fingerprint_s=time.perf_counter() - t)
+            base_fps = merge_plan.base_fingerprints(stream) if merge_plan is not None else None
+            return _SyncPlan(
+                aliases,
+                ids,
+                adapter,
+                fingerprints,
+                fingerprint_s=time.perf_counter() - t,
+                merge_plan=merge_plan,
+                base_fps=base_fps,
+            )
 
         plan = tx.prepare(prepare)
         if plan.fingerprints is None:
@@ -765,11 +793,36 @@ class VLLMServerSink:
         from ..changes import agree_on_changes
 
         engines = [r.engine_state() for r in self._live(mine)]
-        changes = agree_on_changes(tx, stream, plan.fingerprints, self._synced, engines, plan.aliases)
+        force = self._base_reason(plan) if plan.merge_plan is not None else None
+        changes = agree_on_changes(tx, stream, plan.fingerprints, self._synced, engines, plan.aliases, force_full=force)
         if not changes.agreed:
             assert tx.error is not None
             raise tx.error
         return dataclasses.replace(plan, changes=changes)
+
+    def _merge_plan(self, stream: ParamStream) -> Any:
+        """The engine recipes of ``stream`` (refused here, in the pre-flight, for what the engine cannot merge)."""
+        from ..engine_merge import EngineMergePlan
+
+        found = self._merge_plans.get(stream)
+        if found is None or found.digest != stream.plan_digest:
+            found = EngineMergePlan(stream)
+            self._merge_plans[stream] = found
+        return found
+
+    def _base_reason(self, plan: _SyncPlan) -> str | None:
+        """Why this rank needs the base sent again with every output (``None``: the servers hold it)."""
+        if self._base_sent is None:
+            return "the servers hold no base from this sink's engine-side merges yet"
+        if plan.base_fps is None:
+            return "this gatherer cannot fingerprint its shards, so the engine's base is sent at every sync"
+        if plan.base_fps != self._synced_base:
+            return "a frozen base weight under an adapter changed on this rank: the engine's base is sent again"
+        last = self._synced
+        fps = plan.fingerprints or []
+        if last is not None and any(fp is not None and fp != old for fp, old in zip(fps, last.fingerprints)):
+            return "a frozen weight changed on this rank: the engine's base is sent again"
+        return None
 
     def _arm(self, stream: ParamStream, mine: list[_Replica], plan: _SyncPlan, version: str | None) -> SyncSource:
         """Tell each live server's engine what this sync asks of its workers; returns what is sent."""
@@ -786,9 +839,24 @@ class VLLMServerSink:
         full_because = changes.full_because if changes is not None else None
         if changes is None and plan.adapter is None:
             full_because = "skip_unchanged=False"
-        source = self._source.current = SyncSource(
-            stream, plan.aliases, version, plan.adapter, selection=selection, full_because=full_because
-        )
+        if plan.merge_plan is not None:
+            from .source import EngineMergeSource
+
+            source: SyncSource = EngineMergeSource(
+                stream,
+                plan.merge_plan,
+                plan.aliases,
+                version,
+                selection=selection,
+                full_because=full_because,
+                base_fp=self._base_sent,
+            )
+        else:
+            source = SyncSource(
+                stream, plan.aliases, version, plan.adapter, selection=selection, full_because=full_because
+            )
+        self._source.current = source
+        self._last_source = source
         return source
 
     def _transfer(self, tx: Transaction, mine: list[_Replica], keeper: _LeaseKeeper, source: SyncSource) -> None:
@@ -879,6 +947,12 @@ class VLLMServerSink:
             return
         changes = plan.changes
         self._synced = changes.sources if committed and changes is not None else None
+        source, self._last_source = self._last_source, None
+        if plan.merge_plan is None or not committed or source is None:
+            self._base_sent = self._synced_base = None
+        elif source.selection is None:  # a full sync: the servers now hold the base it sent
+            self._base_sent = dict(getattr(source, "base_fp", {}))
+            self._synced_base = plan.base_fps
         for r in mine:
             if r.failure is not None:
                 r.forget("the server was excluded from the last sync")
@@ -1434,6 +1508,9 @@ class _SyncPlan:
     #: The agreed outcome of what changed (set after the pre-flight).
     changes: Changes | None = None
     fingerprint_s: float = 0.0
+    #: merge="engine": the stream's recipes, and this rank's fingerprints of the adapted steps' bases.
+    merge_plan: Any = None
+    base_fps: dict[str, int] | None = None
 
 
 class _ServerUpdate:

@@ -208,6 +208,7 @@ class TrainerTransferEngine(TrainerWeightTransferEngine[TrainerTransferInitInfo]
             "probe_ids": self.probe_ids,
             "digest": self.digest_received,
             "base": self.base_sync,
+            "merge": getattr(source, "merge_info", None),
         }
 
     def conclude(self, commit: bool, version: str | None, sync: str | None = None) -> None:

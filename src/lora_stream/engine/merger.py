@@ -1,0 +1,204 @@
+"""Engine side of the merge in the engine (:mod:`lora_stream.engine_merge`): the base this server's worker keeps,
+the inputs of its committed sync, and each update's merges, computed as their inputs arrive.
+
+Contract with the trainer's sink (:class:`~lora_stream.VLLMServerSink` with ``merge="engine"``):
+
+* The update's ``merge`` field carries one recipe per step it loads, in load order, which keys are the frozen base
+  (``frozen``), and, for a partial update, the fingerprint the trainer recorded for every base key the recipes read
+  (``base_fp``). A partial update whose base this worker does not hold with exactly those fingerprints is refused in
+  :meth:`EngineMerger.begin`, before a byte is loaded: merging a new adapter onto another base would serve a model
+  the trainer never had.
+* A full update sends the base with it; the worker fingerprints every base tensor on arrival and keeps the new base
+  only when the update commits (a failed full update leaves the previous base, and the previous weights, in place).
+* Steps are computed in recipe order as soon as every input they read is there (received, or in the base), so the
+  reload bracket sees whole layers in layer order, as with merged tensors.
+* **Rollback without a copy.** Once this worker committed a sync whose every output it computed itself, it can
+  recompute any output of that sync from the base and the inputs it keeps (adapter-sized), so an update over it
+  needs no host copy of the model: :meth:`restorer` gives the reload bracket what to load back on a rollback.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+import torch
+
+from ..buffers import Scratch
+from ..engine_merge import Recipe, compute_step, recipe_keys
+from ..fingerprint import fingerprint
+from .reload import LOAD_ERROR_TAG, VLLMLoadError
+
+__all__ = ["EngineMerger", "MergeUpdate"]
+
+_MERGERS: weakref.WeakKeyDictionary[torch.nn.Module, EngineMerger] = weakref.WeakKeyDictionary()
+
+
+class MergeUpdate:
+    """One update's merges: fed the received inputs batch by batch, it returns what to load, in order."""
+
+    def __init__(self, merger: EngineMerger, info: Mapping[str, Any], partial: bool) -> None:
+        self.merger = merger
+        self.partial = partial
+        self.recipes: list[Recipe] = list(info.get("recipes") or [])
+        self.frozen: set[str] = set(info.get("frozen") or [])
+        self.received: dict[str, torch.Tensor] = {}
+        #: Fingerprints of the base tensors this update brought (a full update), computed here on arrival.
+        self.base_fp: dict[str, int] = {}
+        self._next = 0
+        self._scratch = Scratch(None)
+        self.fingerprint_s = 0.0
+        self.merge_s = 0.0
+
+    @property
+    def output_names(self) -> list[str]:
+        """Every checkpoint name this update loads (tied aliases included)."""
+        names: list[str] = []
+        for r in self.recipes:
+            for name, _, _ in r["outputs"]:
+                names.append(name)
+                names += r.get("aliases", {}).get(name, [])
+        return names
+
+    def _lookup(self, key: str) -> torch.Tensor | None:
+        if key in self.received:
+            return self.received[key]
+        if self.partial:
+            return self.merger.base.get(key)
+        return None
+
+    def feed(self, pairs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """Take a batch of received inputs; return the outputs of every step that is now complete, in order."""
+        import time
+
+        for key, tensor in pairs:
+            if key in self.frozen:
+                t = time.perf_counter()
+                self.base_fp[key] = fingerprint(tensor)
+                self.fingerprint_s += time.perf_counter() - t
+            self.received[key] = tensor
+        return self._ready(final=False)
+
+    def rest(self) -> list[tuple[str, torch.Tensor]]:
+        """Every step not computed yet (all its inputs must be there now)."""
+        return self._ready(final=True)
+
+    def _ready(self, final: bool) -> list[tuple[str, torch.Tensor]]:
+        import time
+
+        out: list[tuple[str, torch.Tensor]] = []
+        t = time.perf_counter()
+        while self._next < len(self.recipes):
+            recipe = self.recipes[self._next]
+            lookup: dict[str, torch.Tensor] = {}
+            for key in recipe_keys(recipe):
+                found = self._lookup(key)
+                if found is None:
+                    if final:
+                        raise VLLMLoadError(
+                            f"{LOAD_ERROR_TAG} merge input {key!r} of {recipe['outputs'][0][0]!r} never arrived and is "
+                            "not in this worker's base; nothing of the update stays"
+                        )
+                    self.merge_s += time.perf_counter() - t
+                    return out
+                lookup[key] = found
+            out += compute_step(recipe, lookup, self._scratch)
+            self._next += 1
+        self.merge_s += time.perf_counter() - t
+        return out
+
+    @property
+    def kept_bytes(self) -> int:
+        """Host bytes this undecided update holds (its inputs, the base of a full update): what a rollback frees."""
+        return sum(t.numel() * t.element_size() for t in self.received.values())
+
+
+class EngineMerger:
+    """What one worker's model keeps for engine-side merges (one per model: :meth:`of`)."""
+
+    def __init__(self) -> None:
+        #: The trainer's frozen base, as the committed full sync brought it, and each tensor's fingerprint.
+        self.base: dict[str, torch.Tensor] = {}
+        self.base_fp: dict[str, int] = {}
+        #: The trained inputs of the committed state, and the recipe each served output was computed with.
+        self.inputs: dict[str, torch.Tensor] = {}
+        self.recipe_of: dict[str, Recipe] = {}
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> EngineMerger:
+        merger = _MERGERS.get(model)
+        if merger is None:
+            merger = _MERGERS[model] = cls()
+        return merger
+
+    @property
+    def base_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.base.values())
+
+    @property
+    def input_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.inputs.values())
+
+    def begin(self, info: Mapping[str, Any], partial: bool) -> MergeUpdate:
+        """Open one update's merges. A partial update is checked against the base held here first: every base key
+        it reads must be here, with the fingerprint the trainer recorded when it sent it."""
+        update = MergeUpdate(self, info, partial)
+        if partial:
+            expected = {k: int(v) for k, v in (info.get("base_fp") or {}).items()}
+            for recipe in update.recipes:
+                for key in recipe_keys(recipe):
+                    if key not in update.frozen:
+                        continue
+                    held = self.base_fp.get(key)
+                    if held is None or held != expected.get(key):
+                        what = "does not hold it" if held is None else f"holds fingerprint {held:#x}"
+                        raise VLLMLoadError(
+                            f"{LOAD_ERROR_TAG} the engine's base for {recipe['outputs'][0][0]!r} (input {key!r}) is not "
+                            f"the trainer's: the trainer sent fingerprint {expected.get(key, 0):#x}, this worker {what}; "
+                            "nothing was loaded, and the next sync sends the base again"
+                        )
+        return update
+
+    def commit(self, update: MergeUpdate) -> None:
+        """The update stands: its base (a full update) and inputs are what later updates and rollbacks merge on."""
+        if not update.partial:
+            self.base = {k: t for k, t in update.received.items() if k in update.frozen}
+            self.base_fp = dict(update.base_fp)
+            self.inputs = {}
+            self.recipe_of = {}
+        self.inputs.update({k: t for k, t in update.received.items() if k not in update.frozen})
+        for recipe in update.recipes:
+            for name, _, _ in recipe["outputs"]:
+                self.recipe_of[name] = recipe
+                for alias in recipe.get("aliases", {}).get(name, []):
+                    self.recipe_of[alias] = recipe
+
+    def forget(self) -> None:
+        """The model's weights are no longer what the committed state computes (a load this worker did not merge,
+        a rollback it could not recompute): nothing can be recomputed from here."""
+        self.inputs = {}
+        self.recipe_of = {}
+
+    def restorer(self, names: Collection[str]) -> Callable[[], list[tuple[str, torch.Tensor]]] | None:
+        """What a rollback loads back for ``names``, recomputed from the committed base and inputs (``None`` when
+        some name was not computed here: the bracket keeps a copy instead). Captures the committed state now."""
+        if not names or any(n not in self.recipe_of for n in names):
+            return None
+        wanted = set(names)
+        recipes: list[Recipe] = []
+        for n in names:
+            r = self.recipe_of[n]
+            if not any(r is x for x in recipes):
+                recipes.append(r)
+        base, inputs = dict(self.base), dict(self.inputs)
+
+        def produce() -> list[tuple[str, torch.Tensor]]:
+            scratch = Scratch(None)
+            out: list[tuple[str, torch.Tensor]] = []
+            for recipe in recipes:
+                lookup = {k: inputs[k] if k in inputs else base[k] for k in recipe_keys(recipe)}
+                out += [(n, t) for n, t in compute_step(recipe, lookup, scratch) if n in wanted]
+            return out
+
+        return produce

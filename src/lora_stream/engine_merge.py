@@ -1,0 +1,365 @@
+"""The merge in the engine: the trainer sends each changed output's :class:`~lora_stream.merge.Merge` and its
+trainable inputs, and the engine computes the merged tensor on the base it keeps.
+
+Both halves import this module (it imports neither vLLM nor a sink):
+
+* **The recipe.** :class:`EngineMergePlan` turns a :class:`~lora_stream.ParamStream`'s plan into one JSON-able
+  recipe per step: every parameter a merge reads is replaced by a key (``"i<n>"``, numbered in plan order), every
+  float is kept exactly (JSON round-trips Python floats), and nothing of peft travels. :func:`compute_step` rebuilds
+  the very same :class:`~lora_stream.merge.Merge` dataclasses over those keys and runs their ``compute``: the same
+  float32 blocks, the same single rounding, hence the same bits as the trainer-side merged sync on the same kind of
+  device and torch build. The engine never reinterprets peft.
+* **What travels.** Trainable inputs (LoRA factors with the scaling kept in the recipe, DoRA magnitudes, LoHa/LoKr
+  factors, ``lora_bias``, ``modules_to_save`` copies, expert LoRA) go at every sync that sends their step. The
+  frozen base goes once, in a full sync, with a fingerprint per tensor (:func:`lora_stream.fingerprint.fingerprint`
+  of the whole tensor) that the engine checks on arrival and that every later sync names again: a partial update
+  whose base the engine does not hold with exactly those fingerprints is refused before a byte is loaded.
+* **Refusals**, at construction (:class:`~lora_stream.UnsupportedModelError`): a quantized (QLoRA) base -- the
+  engine's copy would be the served checkpoint's, not the trainer's dequantized base -- and a step that
+  transformers' checkpoint conversion rewrites (fused MoE experts of transformers 5): the conversion needs the
+  trainer's model object. Everything else :class:`~lora_stream.ParamStream` merges, the engine merges.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from .base_weights import DenseWeight
+from .buffers import Scratch
+from .core import Step, Target
+from .errors import UnsupportedModelError
+from .merge import (
+    BufferRead,
+    ExpertLoraMerge,
+    LoraBiasMerge,
+    LoraTerm,
+    LoraWeightMerge,
+    LycorisMerge,
+    Merge,
+)
+
+if TYPE_CHECKING:
+    from .stream import ParamStream
+
+__all__ = ["EngineMergePlan", "InputSpec", "MERGE_LOCATIONS", "compute_step", "recipe_keys"]
+
+#: Where a merged sync's merges run: ``"trainer"`` (the merged tensors travel) or ``"engine"`` (this module).
+MERGE_LOCATIONS = ("trainer", "engine")
+
+#: A step's recipe: ``{"targets": [...], "outputs": [[name, dtype, shape], ...], "aliases": {name: [alias, ...]}}``.
+Recipe = dict[str, Any]
+
+
+def _dtype_name(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
+
+
+def _dtype(name: str) -> torch.dtype:
+    d = getattr(torch, name, None)
+    if not isinstance(d, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in a merge recipe")
+    return d
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One tensor a merge reads, as it travels: its key, where it comes from in the trainer's model (for
+    messages), its whole dtype and shape, and whether it is trained (sent at every sync) or frozen (the base)."""
+
+    key: str
+    source: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    trainable: bool
+    #: What the gatherer makes whole (a parameter ref), or ``None`` for a persistent buffer (read from ``buffer``).
+    ref: Any = None
+    buffer: BufferRead | None = None
+
+
+class EngineMergePlan:
+    """A stream's plan as engine recipes (see the module docstring). Built once per stream, from its plan only:
+    nothing is gathered, read or communicated. Raises :class:`~lora_stream.UnsupportedModelError` for what the
+    engine cannot merge exactly."""
+
+    def __init__(self, stream: ParamStream) -> None:
+        g = stream.gatherer
+        #: The stream's plan this was built from (:attr:`ParamStream.plan_digest`).
+        self.digest = stream.plan_digest
+        self.inputs: dict[str, InputSpec] = {}
+        self._key_of: dict[int, str] = {}
+        self.recipes: list[Recipe] = []
+        #: Per step, in stream order: the keys its merges read.
+        self.reads: list[list[str]] = []
+        aliases_of: dict[str, list[str]] = {}
+        for alias, primary in stream.tied_aliases().items():
+            aliases_of.setdefault(primary, []).append(alias)
+        for step in stream._steps:
+            self.reads.append([])
+            self.recipes.append(self._recipe(step, g, aliases_of))
+
+    # -- trainer side ----------------------------------------------------------------------------------------------
+    def _key(self, ref: Any, source: str, g: Any, buffer: BufferRead | None = None) -> str:
+        ident = id(ref) if buffer is None else id(buffer.module._buffers[buffer.attr])
+        key = self._key_of.get(ident)
+        if key is None:
+            key = self._key_of[ident] = f"i{len(self._key_of)}"
+            if buffer is not None:
+                buf = buffer.module._buffers[buffer.attr]
+                assert buf is not None
+                spec = InputSpec(key, source, buf.dtype, tuple(buf.shape), False, None, buffer)
+            else:
+                trainable = bool(getattr(ref, "requires_grad", True))
+                spec = InputSpec(key, source, g.full_dtype(ref), tuple(g.full_shape(ref)), trainable, ref)
+            self.inputs[key] = spec
+        return key
+
+    def _recipe(self, step: Step, g: Any, aliases_of: Mapping[str, list[str]]) -> Recipe:
+        if step.convert is not None:
+            raise UnsupportedModelError(
+                f"the checkpoint names {[o.name for o in step.outputs][:4]} come from transformers' conversion of "
+                f"{[t.source for t in step.inputs]} (fused MoE experts); the engine cannot repeat that conversion "
+                "without the trainer's model object. Merge on the trainer (merge='trainer') for this model"
+            )
+        reads = self.reads[-1]
+
+        def key(ref: Any, source: str) -> str:
+            k = self._key(ref, source, g)
+            if k not in reads:
+                reads.append(k)
+            return k
+
+        targets = [self._target(t, key, g, reads) for t in step.inputs]
+        outputs = [[o.name, _dtype_name(o.dtype), list(o.shape)] for o in step.outputs]
+        aliases = {o.name: aliases_of[o.name] for o in step.outputs if o.name in aliases_of}
+        return {"targets": targets, "outputs": outputs, "aliases": aliases}
+
+    def _target(self, t: Target, key: Callable[[Any, str], str], g: Any, reads: list[str]) -> dict[str, Any]:
+        out: dict[str, Any] = {"dtype": _dtype_name(t.dtype), "shape": list(t.shape), "source": t.source}
+        m = t.merge
+        src = t.source
+        if m is None:
+            return {**out, "kind": "param", "key": key(t.param, src)}
+        if isinstance(m, BufferRead):
+            k = self._key(None, src, g, m)
+            if k not in reads:
+                reads.append(k)
+            return {**out, "kind": "param", "key": k}
+        base = getattr(m, "base", None)
+        if base is not None and getattr(base, "quantized", False):
+            raise UnsupportedModelError(
+                f"parameter {src!r} has a quantized (QLoRA) base: the engine's copy of it would be the served "
+                "checkpoint's weights, not the trainer's dequantized base, so an engine-side merge could not be "
+                "exact. Merge on the trainer (merge='trainer')"
+            )
+        if isinstance(m, LoraWeightMerge):
+            assert isinstance(m.base, DenseWeight)
+            terms = [
+                {
+                    "left": key(x.left, f"{src} (adapter)"),
+                    "right": key(x.right, f"{src} (adapter)"),
+                    "scaling": float(x.scaling),
+                    "lt": x.left_transposed,
+                    "rt": x.right_transposed,
+                    "mag": None if x.magnitude is None else key(x.magnitude, f"{src} (DoRA magnitude)"),
+                }
+                for x in m.terms
+            ]
+            base_key = key(m.base.param, src)
+            return {
+                **out,
+                "kind": "lora",
+                "base": base_key,
+                "base_shape": list(m.base.shape),
+                "terms": terms,
+                "channel_dim": m.channel_dim,
+                "block_bytes": m.block_bytes,
+            }
+        if isinstance(m, LoraBiasMerge):
+            return {
+                **out,
+                "kind": "lora_bias",
+                "base": key(m.base, src),
+                "terms": [[key(b, f"{src} (lora_bias)"), float(s)] for b, s in m.terms],
+            }
+        if isinstance(m, ExpertLoraMerge):
+            return {
+                **out,
+                "kind": "expert",
+                "param": key(m.param, src),
+                "terms": [[key(a, f"{src} (adapter)"), key(b, f"{src} (adapter)"), float(s)] for a, b, s in m.terms],
+                "transposed": m.transposed,
+                "block_bytes": m.block_bytes,
+            }
+        if isinstance(m, LycorisMerge):
+            assert isinstance(m.base, DenseWeight)
+            return {
+                **out,
+                "kind": "lycoris",
+                "family": m.family,
+                "base": key(m.base.param, src),
+                "base_shape": list(m.base.shape),
+                "adapters": [
+                    [float(s), {n: key(p, f"{src} ({n})") for n, p in factors.items()}] for s, factors in m.adapters
+                ],
+            }
+        raise UnsupportedModelError(
+            f"parameter {src!r} is computed by {type(m).__name__}, which the engine-side merge does not know; merge on "
+            "the trainer (merge='trainer')"
+        )
+
+    def trainable(self, step: int) -> list[str]:
+        """The trained inputs of ``step`` (sent whenever the step is)."""
+        return [k for k in self.reads[step] if self.inputs[k].trainable]
+
+    def frozen(self, step: int) -> list[str]:
+        """The base inputs of ``step`` (sent with a full sync only)."""
+        return [k for k in self.reads[step] if not self.inputs[k].trainable]
+
+    def reads_trainable(self, step: int) -> bool:
+        return any(self.inputs[k].trainable for k in self.reads[step])
+
+    def base_fingerprints(self, stream: ParamStream) -> dict[str, int] | None:
+        """This rank's fingerprint of its own shard of every frozen input of a step that also reads a trainable
+        one (the base under an adapter, which :meth:`ParamStream.fingerprints` does not read), by key; ``None``
+        when the gatherer cannot say (FSDP1). No communication."""
+        from .fingerprint import fingerprint
+
+        local_shard = getattr(stream.gatherer, "local_shard", None)
+        out: dict[str, int] = {}
+        for i in range(len(self.reads)):
+            if not self.reads_trainable(i):
+                continue
+            for k in self.frozen(i):
+                spec = self.inputs[k]
+                if spec.buffer is not None:
+                    buf = spec.buffer.module._buffers[spec.buffer.attr]
+                    shard = buf
+                else:
+                    shard = None if local_shard is None else local_shard(spec.ref)
+                if shard is None:
+                    return None
+                out[k] = fingerprint(shard)
+        return out
+
+
+def recipe_keys(recipe: Recipe) -> list[str]:
+    """Every input key ``recipe`` reads, in the order its merges read them."""
+    keys: list[str] = []
+
+    def add(k: str | None) -> None:
+        if k is not None and k not in keys:
+            keys.append(k)
+
+    for t in recipe["targets"]:
+        kind = t["kind"]
+        if kind == "param":
+            add(t["key"])
+        elif kind == "lora":
+            add(t["base"])
+            for term in t["terms"]:
+                add(term["left"])
+                add(term["right"])
+                add(term["mag"])
+        elif kind == "lora_bias":
+            add(t["base"])
+            for k, _ in t["terms"]:
+                add(k)
+        elif kind == "expert":
+            add(t["param"])
+            for a, b, _ in t["terms"]:
+                add(a)
+                add(b)
+        elif kind == "lycoris":
+            add(t["base"])
+            for _, factors in t["adapters"]:
+                for k in factors.values():
+                    add(k)
+        else:
+            raise ValueError(f"unknown merge kind {kind!r} in a recipe (different lora_stream versions?)")
+    return keys
+
+
+def _merge_of(t: dict[str, Any]) -> Merge | None:
+    """The trainer's own :class:`Merge` dataclass for target recipe ``t``, over keys instead of parameters."""
+    kind = t["kind"]
+    if kind == "param":
+        return None
+    if kind == "lora":
+        terms = [
+            LoraTerm(
+                cast(Any, x["left"]),
+                cast(Any, x["right"]),
+                float(x["scaling"]),
+                bool(x["lt"]),
+                bool(x["rt"]),
+                cast(Any, x["mag"]),
+            )
+            for x in t["terms"]
+        ]
+        base = DenseWeight(t["base"], torch.Size(t["base_shape"]))
+        return LoraWeightMerge(base, terms, int(t["channel_dim"]), int(t["block_bytes"]))
+    if kind == "lora_bias":
+        return LoraBiasMerge(cast(Any, t["base"]), [(cast(Any, k), float(s)) for k, s in t["terms"]])
+    if kind == "expert":
+        return ExpertLoraMerge(
+            cast(Any, t["param"]),
+            torch.Size(t["shape"]),
+            [(cast(Any, a), cast(Any, b), float(s)) for a, b, s in t["terms"]],
+            bool(t["transposed"]),
+            int(t["block_bytes"]),
+        )
+    if kind == "lycoris":
+        base = DenseWeight(t["base"], torch.Size(t["base_shape"]))
+        adapters = [(float(s), {n: cast(Any, k) for n, k in f.items()}) for s, f in t["adapters"]]
+        return LycorisMerge(str(t["family"]), base, adapters)
+    raise ValueError(f"unknown merge kind {kind!r} in a recipe (different lora_stream versions?)")
+
+
+def compute_step(
+    recipe: Recipe, lookup: Mapping[str, torch.Tensor], scratch: Scratch | None = None
+) -> list[tuple[str, torch.Tensor]]:
+    """The outputs of one step, aliases included, computed from ``lookup`` (key -> whole tensor) by the trainer's
+    own merge code. Each output is checked against the recipe's dtype and shape."""
+    scratch = scratch if scratch is not None else Scratch(None)
+
+    def full(k: Any) -> torch.Tensor:
+        try:
+            return lookup[k]
+        except KeyError:
+            raise KeyError(f"merge input {k!r} ({recipe_source(recipe)}) is neither received nor in the base") from None
+
+    tensors: list[torch.Tensor] = []
+    for t in recipe["targets"]:
+        dtype = _dtype(t["dtype"])
+        merge = _merge_of(t)
+        if merge is None:
+            out = full(t["key"])
+            if out.dtype != dtype:  # as the trainer's stream casts it: one copy into the output dtype
+                out = torch.empty(out.shape, dtype=dtype, device=out.device).copy_(out)
+        else:
+            out = merge.compute(full, dtype, scratch)
+        if list(out.shape) != list(t["shape"]) or out.dtype != dtype:
+            raise ValueError(
+                f"{t['source']!r} came out as {tuple(out.shape)} {out.dtype} in the engine, the recipe says "
+                f"{tuple(t['shape'])} {dtype}"
+            )
+        tensors.append(out)
+    pairs: list[tuple[str, torch.Tensor]] = []
+    for (name, _, _), out in zip(recipe["outputs"], tensors, strict=True):
+        pairs.append((name, out))
+        for alias in recipe.get("aliases", {}).get(name, ()):
+            pairs.append((alias, out))
+    return pairs
+
+
+def recipe_source(recipe: Recipe) -> str:
+    """The trainer paths a recipe reads, for messages."""
+    return ", ".join(str(t.get("source")) for t in recipe["targets"])
+
+
+def input_meta(plan: EngineMergePlan, keys: Sequence[str]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    return [(k, plan.inputs[k].dtype, plan.inputs[k].shape) for k in keys]

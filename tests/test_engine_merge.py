@@ -1,0 +1,180 @@
+"""The merge in the engine, in one process: recipes through JSON, inputs from ``iter_inputs``, outputs from
+``compute_step`` -- bit for bit the trainer-side stream's, for every peft configuration the stream merges.
+
+The real route (a vLLM server, 2 ZeRO-3 ranks, faults, refusals) is in ``tests/test_vllm_server.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+from helpers import lora, perturb_adapters, tiny_gpt2, tiny_llama, zoo
+from test_contract import LLAMA_CASES
+
+from lora_stream import ParamStream, UnsupportedModelError
+from lora_stream.engine.merger import EngineMerger
+from lora_stream.engine_merge import EngineMergePlan, compute_step
+from lora_stream.stream import InputRequest, Selection
+
+
+def _llama_with_bias(tie: bool) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        attention_bias=True,
+        tie_word_embeddings=tie,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def _engine_outputs(stream: ParamStream, plan: EngineMergePlan, steps: list[int] | None = None) -> dict[str, Any]:
+    """What an engine holding nothing computes from one full input pass (the recipes through JSON, as sent)."""
+    steps = list(range(len(plan.recipes))) if steps is None else steps
+    sends = {i: [plan.inputs[k] for k in plan.reads[i]] for i in steps}
+    received: dict[str, torch.Tensor] = {}
+    with stream.iter_inputs(InputRequest(frozenset(steps), sends)) as batches:
+        for keys, tensors in batches:
+            received.update((k, t.clone()) for k, t in zip(keys, tensors))
+    recipes = json.loads(json.dumps([plan.recipes[i] for i in steps]))
+    out: dict[str, torch.Tensor] = {}
+    for r in recipes:
+        out.update(compute_step(r, received))
+    return out
+
+
+def _assert_engine_equals_stream(model: torch.nn.Module) -> None:
+    stream = ParamStream(model, group_by="layer", merge_block_bytes=4096)  # several blocks per merge
+    plan = EngineMergePlan(stream)
+    expected = {n: t.clone() for names, ts in stream.iter_groups() for n, t in zip(names, ts)}
+    got = _engine_outputs(stream, plan)
+    aliases = stream.tied_aliases()
+    assert set(got) == set(expected) | set(aliases)
+    for name, t in expected.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+
+
+@pytest.mark.parametrize("case", list(LLAMA_CASES))
+def test_the_engine_merges_every_llama_configuration_bit_for_bit(case: str) -> None:
+    model = _llama_with_bias(False) if case == "lora_bias" else tiny_llama()
+    pm = lora(model, **LLAMA_CASES[case])
+    perturb_adapters(pm)
+    _assert_engine_equals_stream(pm)
+
+
+@pytest.mark.parametrize("kind", ["loha", "lokr"])
+def test_the_engine_merges_lycoris_bit_for_bit(kind: str) -> None:
+    from peft import LoHaConfig, LoKrConfig, get_peft_model
+
+    cfg = (LoHaConfig if kind == "loha" else LoKrConfig)(r=4, target_modules=["q_proj", "v_proj"], init_weights=False)
+    pm = get_peft_model(tiny_llama(), cfg)
+    perturb_adapters(pm)
+    _assert_engine_equals_stream(pm)
+
+
+@pytest.mark.parametrize("use_dora", [False, True])
+def test_the_engine_merges_conv1d_and_a_tied_model_bit_for_bit(use_dora: bool) -> None:
+    pm = lora(tiny_gpt2(tie=True), target_modules=["c_attn", "c_fc"], fan_in_fan_out=True, use_dora=use_dora)
+    perturb_adapters(pm)
+    _assert_engine_equals_stream(pm)
+
+
+def test_the_engine_merges_convolutions_embeddings_and_expert_lora_bit_for_bit() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(
+        r=4,
+        target_modules=["emb", "lin", "c1", "c2", "c3"],
+        target_parameters=["moe.gate_up", "moe.down", "moe_t.gate_up"],
+        init_lora_weights=False,
+    )
+    pm = get_peft_model(zoo(), cfg)
+    perturb_adapters(pm)
+    _assert_engine_equals_stream(pm)
+
+
+def test_bf16_outputs_are_the_float32_merge_rounded_once_in_the_engine_too() -> None:
+    pm = lora(tiny_llama(dtype=torch.bfloat16), target_modules="all-linear", use_dora=True)
+    perturb_adapters(pm)
+    _assert_engine_equals_stream(pm)
+
+
+def test_only_trainable_inputs_travel_after_the_base() -> None:
+    pm = lora(tiny_llama(), target_modules="all-linear", r=8)
+    stream = ParamStream(pm, group_by="layer")
+    plan = EngineMergePlan(stream)
+    trainable = [k for k, s in plan.inputs.items() if s.trainable]
+    adapter_bytes = sum(p.numel() * p.element_size() for p in pm.parameters() if p.requires_grad)
+    sent = sum(torch.Size(plan.inputs[k].shape).numel() * plan.inputs[k].dtype.itemsize for k in trainable)
+    assert sent == adapter_bytes
+    steps = [i for i in range(len(plan.recipes)) if plan.reads_trainable(i)]
+    sends = {i: [plan.inputs[k] for k in plan.trainable(i)] for i in steps}
+    with stream.iter_inputs(InputRequest(frozenset(steps), sends)) as batches:
+        keys = [k for names, _ in batches for k in names]
+    assert sorted(keys) == sorted(trainable)
+    # The pass gathered only the factors: the base is never made whole.
+    assert stream.last_stats.gathered_bytes == adapter_bytes
+    assert stream.last_stats.skipped_tensors == len(stream) - sum(len(plan.recipes[i]["outputs"]) for i in steps)
+    assert Selection(frozenset(steps)).steps == frozenset(steps)
+
+
+def test_a_partial_update_onto_another_base_is_refused_before_anything_is_computed() -> None:
+    from lora_stream.engine.merger import MergeUpdate
+    from lora_stream.engine.reload import VLLMLoadError
+
+    pm = lora(tiny_llama(), target_modules=["q_proj"])
+    stream = ParamStream(pm, group_by="layer")
+    plan = EngineMergePlan(stream)
+    merger = EngineMerger()
+    full = merger.begin(
+        {"recipes": plan.recipes, "frozen": [k for k, s in plan.inputs.items() if not s.trainable]}, False
+    )
+    everything = {i: [plan.inputs[k] for k in plan.reads[i]] for i in range(len(plan.recipes))}
+    with stream.iter_inputs(InputRequest(frozenset(everything), everything)) as batches:
+        for keys, tensors in batches:
+            full.feed([(k, t.clone()) for k, t in zip(keys, tensors)])
+    assert full.rest() == []
+    merger.commit(full)
+    step = next(i for i in range(len(plan.recipes)) if plan.reads_trainable(i))
+    frozen = plan.frozen(step)
+    info = {"recipes": [plan.recipes[step]], "frozen": frozen, "base_fp": {k: merger.base_fp[k] for k in frozen}}
+    assert isinstance(merger.begin(info, True), MergeUpdate)
+    wrong = {**info, "base_fp": {k: merger.base_fp[k] ^ 1 for k in frozen}}
+    with pytest.raises(VLLMLoadError, match="is not the trainer's"):
+        merger.begin(wrong, True)
+    # A rollback recomputes what the committed state served, bit for bit.
+    names = [o[0] for o in plan.recipes[step]["outputs"]]
+    restore = merger.restorer(names)
+    assert restore is not None
+    expected = {n: t.clone() for ns, ts in stream.iter_groups() for n, t in zip(ns, ts)}
+    assert all(torch.equal(t, expected[n]) for n, t in restore())
+
+
+def test_a_quantized_base_and_a_checkpoint_conversion_are_refused_with_the_reason() -> None:
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2MoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+    stream = ParamStream(lora(Qwen2MoeForCausalLM(cfg), target_modules=["q_proj"]))
+    with pytest.raises(UnsupportedModelError, match="transformers' conversion"):
+        EngineMergePlan(stream)
