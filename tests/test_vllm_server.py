@@ -12,6 +12,8 @@ from helpers import require, results_of, save_for_vllm, vllm_llama
 from launch import assert_all_ok, describe, launch
 from vllm_server import Server
 
+from lora_stream.transaction import FAULT_POINTS
+
 KEY = "test-secret-key"
 
 
@@ -395,3 +397,46 @@ def test_after_the_first_sync_only_what_changed_is_gathered_and_sent_and_served_
         assert equal.get("v8") is True
     fault = events["fault"][0]
     assert fault["equal"] is True and fault["seconds"] < 60, fault
+
+
+# -- the merge in the engine (merge="engine") -----------------------------------------------------------------------
+@pytest.mark.parametrize("config", ["lora", "dora", "loha", "modules_to_save", "lora_bias", "patterns"])
+def test_the_engine_side_merge_serves_exactly_what_a_trainer_side_merged_sync_serves(
+    server: Server, checkpoint: str, config: str
+) -> None:
+    faults = config == "lora"
+    results = launch("engine_merge_sync", config, checkpoint, server.url, *(["faults"] if faults else []), timeout=900)
+    assert_all_ok(results)
+    events = _events(results)
+    syncs = {(e["rank"], e["label"]): e for e in events["sync"]}
+    for rank in (0, 1):
+        first, partial = syncs[rank, "v1"], syncs[rank, "v2"]
+        assert "no base" in first["full_because"] or "no sync committed" in first["full_because"], first
+        assert partial["full_because"] is None, partial
+        # Only the adapter travels: the bytes of the trainable tensors, within 10% (they are exactly those).
+        assert partial["sent_bytes"] <= 1.1 * partial["adapter_bytes"], partial
+        assert partial["gathered"] <= 1.1 * partial["adapter_bytes"] < first["gathered"], partial
+        # Three steps later, still only the inputs.
+        assert syncs[rank, "v5"]["full_because"] is None and syncs[rank, "v4"]["full_because"] is None
+    if syncs[0, "v2"]["kept"] is not None:
+        # A partial update keeps no copy of the model to roll back: adapter-sized, not the first sync's copy.
+        assert syncs[0, "v2"]["kept"] <= 1.1 * syncs[0, "v2"]["adapter_bytes"] < syncs[0, "v1"]["kept"], syncs[0, "v2"]
+    equal = {e["label"]: e for e in events["equal"]}
+    for label in ("v2", "v5") + (("edited",) if faults else ()):
+        assert equal[label]["equal"] is True and equal[label]["changed"] is True, equal[label]
+    if not faults:
+        return
+    for f in events["fault"]:
+        assert f["error"] and f["seconds"] < 60, f
+        if f["rank"] == 0:
+            assert f["equal"] is True, f  # bit for bit what it served before
+    assert len({f["point"] for f in events["fault"]}) == len([p for p in FAULT_POINTS if p != "verify"])
+    for rank in (0, 1):
+        # After a failure that wrote something (a pre-flight refusal writes nothing), the base travels again.
+        assert syncs[rank, "after-0"]["full_because"] is None
+        assert syncs[rank, "after-1"]["full_because"] is not None
+        assert syncs[rank, "after-refused"]["full_because"] is not None
+        assert "base" in (syncs[rank, "edited"]["full_because"] or "") or rank == 0, syncs[rank, "edited"]
+    refused = [e for e in events["refused"]]
+    assert all("is not the trainer's" in e["message"] for e in refused), refused
+    assert next(e for e in refused if e["rank"] == 0)["equal"] is True

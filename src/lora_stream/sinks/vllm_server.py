@@ -370,6 +370,11 @@ class _CurrentSource:
     def adapter(self) -> dict[str, Any] | None:
         return self._source().adapter
 
+    @property
+    def merge_info(self) -> dict[str, Any] | None:
+        """The engine-side merge's recipes (``None``: the merged tensors travel)."""
+        return getattr(self._source(), "merge_info", None)
+
     def metadata(self) -> Any:
         return self._source().metadata()
 
