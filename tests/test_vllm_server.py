@@ -400,7 +400,7 @@ def test_after_the_first_sync_only_what_changed_is_gathered_and_sent_and_served_
 
 
 # -- the merge in the engine (merge="engine") -----------------------------------------------------------------------
-@pytest.mark.parametrize("config", ["lora", "dora", "loha", "modules_to_save", "lora_bias", "patterns"])
+@pytest.mark.parametrize("config", ["lora", "dora", "loha", "lokr", "modules_to_save", "rslora", "patterns"])
 def test_the_engine_side_merge_serves_exactly_what_a_trainer_side_merged_sync_serves(
     server: Server, checkpoint: str, config: str
 ) -> None:

@@ -108,8 +108,8 @@ def agree_on_changes(
     failure refuses on every rank); ``last``: what this rank recorded at the engines' committed version (``None``:
     nothing); ``engines``: the engines this rank feeds (none: it only gathers); ``aliases``: tied alias -> primary
     output name, for the engines' units; ``force_full``: this rank needs every output sent, for this reason (the
-    engine-side merge's base must travel again). Every rank calls it with a stream of the same plan: it runs the same two
-    agreements (per :data:`~lora_stream.lockstep.FLAG_CAPACITY` steps) on every path."""
+    engine-side merge's base must travel again). Every rank calls it with a stream of the same plan: it runs the
+    same two agreements (per :data:`~lora_stream.lockstep.FLAG_CAPACITY` steps) on every path."""
     import time
 
     t = time.perf_counter()

@@ -476,7 +476,7 @@ class ParamStream:
         g = self.gatherer
         for grp in self._groups:
             specs: list[Any] = []
-            for step in grp.steps:
+            for _ in grp.steps:
                 if index in request.steps:
                     for spec in request.sends.get(index, ()):
                         if spec.key not in seen:
@@ -618,6 +618,7 @@ class ParamStream:
 
     def _input_tensor(self, spec: Any, full: FullTensor, stats: StreamStats) -> torch.Tensor:
         """One merge input as it travels: whole, in its own dtype, never a view of a buffer the next group reuses."""
+        out: torch.Tensor
         if spec.buffer is not None:
             out = spec.buffer.module._buffers[spec.buffer.attr]
         else:

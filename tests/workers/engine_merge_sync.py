@@ -30,7 +30,9 @@ deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 CONFIGS = {
     "lora": dict(target_modules="all-linear"),
     "rslora": dict(target_modules=["q_proj", "v_proj", "down_proj"], use_rslora=True),
-    "patterns": dict(target_modules=["q_proj", "o_proj", "gate_proj"], rank_pattern={"o_proj": 2}, alpha_pattern={"q_proj": 3}),
+    "patterns": dict(
+        target_modules=["q_proj", "o_proj", "gate_proj"], rank_pattern={"o_proj": 2}, alpha_pattern={"q_proj": 3}
+    ),
     "dora": dict(target_modules=["q_proj", "down_proj", "up_proj"], use_dora=True),
     "modules_to_save": dict(target_modules=["q_proj"], modules_to_save=["lm_head"]),
     "lora_bias": dict(target_modules=["o_proj", "down_proj"], lora_bias=True),
@@ -52,7 +54,9 @@ def build(config: str, ckpt: str):  # type: ignore[no-untyped-def]
     perturb_adapters(pm)  # random factors everywhere: peft's initial B = 0 would make a wrong merge look right
     opt = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=0.5)
     engine, *_ = deepspeed.initialize(model=pm, optimizer=opt, config=ZERO3_CONFIG)
-    adapter_bytes = sum(p.ds_numel * 4 if hasattr(p, "ds_numel") else p.numel() * 4 for p in pm.parameters() if p.requires_grad)
+    adapter_bytes = sum(
+        p.ds_numel * 4 if hasattr(p, "ds_numel") else p.numel() * 4 for p in pm.parameters() if p.requires_grad
+    )
     return engine, adapter_bytes
 
 
@@ -134,8 +138,15 @@ def main() -> None:
             error = type(exc).__name__
         finally:
             set_fault_hook(None)
-        report(rank=rank, event="fault", point=point, label=label, error=error, seconds=time.monotonic() - t,
-               equal=served() == before if rank == 0 else None)
+        report(
+            rank=rank,
+            event="fault",
+            point=point,
+            label=label,
+            error=error,
+            seconds=time.monotonic() - t,
+            equal=served() == before if rank == 0 else None,
+        )
 
     points = [p.replace("<k>", "1") for p in FAULT_POINTS if p != "verify"]
     for i, point in enumerate(points):

@@ -154,9 +154,9 @@ class EngineMerger:
                     if held is None or held != expected.get(key):
                         what = "does not hold it" if held is None else f"holds fingerprint {held:#x}"
                         raise VLLMLoadError(
-                            f"{LOAD_ERROR_TAG} the engine's base for {recipe['outputs'][0][0]!r} (input {key!r}) is not "
-                            f"the trainer's: the trainer sent fingerprint {expected.get(key, 0):#x}, this worker {what}; "
-                            "nothing was loaded, and the next sync sends the base again"
+                            f"{LOAD_ERROR_TAG} the engine's base for {recipe['outputs'][0][0]!r} (input {key!r}) is "
+                            f"not the trainer's: the trainer sent fingerprint {expected.get(key, 0):#x}, this worker "
+                            f"{what}; nothing was loaded, and the next sync sends the base again"
                         )
         return update
 

@@ -22,7 +22,7 @@ from ..transfer.group import TransferGroup
 from ..transfer.packing import plan_chunks, unpack
 from ..transfer.protocol import TIMING_KEY, VERIFY_KEY, TransferInitInfo, TransferUpdateInfo, replica_digest
 from .adapter_staging import StagedAdapter, prune, stage
-from .reload import ReloadBracket
+from .reload import ReloadBracket, VLLMLoadError
 
 __all__ = ["WorkerTransferEngine"]
 
@@ -157,8 +157,14 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
                 from .merger import EngineMerger
 
                 merger = EngineMerger.of(self.model)
-                # Refused here, before the bracket opens, if this worker's base is not the trainer's.
-                merge = merger.begin(update_info.merge, partial=update_info.base is not None)
+                try:
+                    merge = merger.begin(update_info.merge, partial=update_info.base is not None)
+                except VLLMLoadError as exc:
+                    # This worker's base is not the trainer's: refused before the bracket opens. The chunks already
+                    # on their way are taken and dropped, so that the trainer learns this reason from the update's
+                    # answer rather than a data plane torn down under it.
+                    self._drain(plan)
+                    raise exc
                 if expect is not None:
                     expect = merge.output_names
                     restore = merger.restorer(expect) if update_info.rollback else None
@@ -252,6 +258,12 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
             self._rollback()
             self.shutdown()
             raise
+
+    def _drain(self, plan: Any) -> None:
+        """Receive every chunk of ``plan`` and drop it."""
+        for c in range(len(plan.chunks)):
+            buffer = torch.empty(plan.chunk_bytes(c), dtype=torch.uint8, device=self.group.device)
+            self.group.broadcast(buffer).wait()
 
     def _decide(self, command: str, sync: str | None = None) -> None:
         """The trainer ranks voted: keep the update this session loaded (the model then holds sync ``sync``'s

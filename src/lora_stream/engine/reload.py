@@ -470,14 +470,17 @@ class ReloadBracket:
         optional: Collection[str] = (),
         restore: Any = None,
     ) -> None:
-        """Open the bracket. ``restore``: instead of ``keep_previous``'s copy, a callable that recomputes, for a
-        rollback, every tensor this update sends (``expect``, which it then needs) as the model holds it now
-        (:meth:`~lora_stream.engine.merger.EngineMerger.restorer`); taken only while the model holds a committed
-        sync and can tell which modules the names feed, else the copy is kept as asked. ``expect``: a partial update, which sends exactly these checkpoint names onto the
+        """Open the bracket. ``expect``: a partial update, which sends exactly these checkpoint names onto the
         weights of the committed sync ``base``; every module they do not feed is left untouched (not snapshotted,
         and guarded against receiving anything). Names in ``optional`` that no module ever read (tied aliases the
         model does not hold, see :meth:`load`) feed nothing. Refused (:class:`VLLMLoadError`, nothing opened) when
-        the model does not hold ``base``'s weights or cannot tell which modules the names feed."""
+        the model does not hold ``base``'s weights or cannot tell which modules the names feed.
+
+        ``restore``: instead of ``keep_previous``'s copy, a callable that recomputes, for a rollback, every tensor a
+        partial update sends (``expect``) as the model holds it now
+        (:meth:`~lora_stream.engine.merger.EngineMerger.restorer`). Taken only for a partial update onto a
+        committed sync, on a model that can tell which modules the names feed; otherwise the copy is kept as
+        asked."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         from .holding import held_by

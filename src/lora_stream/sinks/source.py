@@ -227,7 +227,7 @@ class EngineMergeSource(SyncSource):
         full = selection is None
         sends = {i: [plan.inputs[k] for k in (plan.reads[i] if full else plan.trainable(i))] for i in steps}
         self.request = InputRequest(frozenset(steps), sends)
-        groups, specs = stream._select_inputs(self.request)
+        _, specs = stream._select_inputs(self.request)
         self._input_groups = [[s.key for s in group] for group in specs]
         self._input_meta = [ParamMeta(s.key, s.dtype, s.shape) for group in specs for s in group]
         self._frozen = {k for k, spec in plan.inputs.items() if not spec.trainable}

@@ -544,6 +544,16 @@ class VLLMServerSink:
             refuse a partial update computed against other weights. A fleet gets one pass: if any server needs
             every output (a fresh, restarted or readmitted one), every server gets every output in that sync.
             On by default; ``False``: every sync sends every output.
+        merge: where a merged sync's merges run (:mod:`lora_stream.engine_merge`, docs "Where the merge runs").
+            ``"trainer"`` (default): the merged tensors travel. ``"engine"``: each changed output's merge travels
+            with its trainable inputs only (LoRA, DoRA, LoHa/LoKr factors, ``lora_bias``, ``modules_to_save``
+            copies), and the servers' workers run the same merge code on the base they keep -- bit for bit what the
+            trainer-side merge serves, at an adapter sync's bytes, served at merged speed. The base travels with
+            the first sync into a server (and again whenever a frozen weight changes, a server restarts, or a sync
+            fails), fingerprinted per tensor; a partial update onto any other base is refused before a byte is
+            loaded; a failed partial update is rolled back by recomputing, with no copy of the model. A quantized
+            (QLoRA) base and transformers' fused-expert conversions are refused in the pre-flight. Needs
+            ``skip_unchanged=True``.
 
     **Timeouts and the deadline.** Every rank waits for the others at each agreement :meth:`wait_s` at most (the
     stream's ``timeout``, raised to cover what a feeding rank may spend between two agreements); each server gets
@@ -1418,6 +1428,8 @@ class VLLMServerSink:
             if self.checkpoint is not False:
                 adapter_preflight(stream.metadata(), self._checkpoint(replica, models), ADAPTER_PREFIX)
             return {}
+        if self.merge == "engine":
+            self._merge_plan(stream)  # what the engine cannot merge exactly is refused here, before any byte
         if self.checkpoint is False:
             return stream.tied_aliases()  # offered; the worker loads each only if its model holds it
         return preflight(stream.metadata(), stream.tied_aliases(), self._checkpoint(replica, models))
