@@ -121,7 +121,8 @@ def main() -> None:
     for mode in MODES:
         r = results[mode]
         print(
-            f"{mode:<8} {r['seconds']:>8.3f} {r['seconds'] / base['seconds']:>9.2f} {r['gathered_mib_per_rank']:>18.1f} "
+            f"{mode:<8} {r['seconds']:>8.3f} {r['seconds'] / base['seconds']:>9.2f} "
+            f"{r['gathered_mib_per_rank']:>18.1f} "
             f"{r['sent_mib']:>9.1f} {r['produce_s']:>10.3f} {r['server_merge_s']:>15.3f} {r['server_load_s']:>12.3f} "
             f"{r['server_kept_mib']:>9.1f} {r['server_base_mib']:>9.1f} {r['server_rss_mib']:>15.0f} "
             f"{r['tokens_per_s']:>9.1f} {r['tokens_per_s'] / base['tokens_per_s']:>9.2f}"

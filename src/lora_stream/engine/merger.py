@@ -12,6 +12,11 @@ Contract with the trainer's sink (:class:`~lora_stream.VLLMServerSink` with ``me
   only when the update commits (a failed full update leaves the previous base, and the previous weights, in place).
 * Steps are computed in recipe order as soon as every input they read is there (received, or in the base), so the
   reload bracket sees whole layers in layer order, as with merged tensors.
+* **One host copy per host.** A committed base is written once into a file named by its fingerprints
+  (``LORA_STREAM_BASE_DIR``, default ``/dev/shm`` when it has room, else the temporary directory) and every worker
+  maps that file (:func:`shared_base`): a server's tensor-parallel workers, and servers on one host fed the same
+  base, share one copy in the page cache. The first worker to finish writing publishes it with a hard link; the
+  others map the published file.
 * **Rollback without a copy.** Once this worker committed a sync whose every output it computed itself, it can
   recompute any output of that sync from the base and the inputs it keeps (adapter-sized), so an update over it
   needs no host copy of the model: :meth:`restorer` gives the reload bracket what to load back on a rollback.
@@ -19,6 +24,12 @@ Contract with the trainer's sink (:class:`~lora_stream.VLLMServerSink` with ``me
 
 from __future__ import annotations
 
+import atexit
+import hashlib
+import json
+import os
+import shutil
+import tempfile
 import weakref
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
@@ -30,9 +41,108 @@ from ..engine_merge import Recipe, compute_step, recipe_keys
 from ..fingerprint import fingerprint
 from .reload import LOAD_ERROR_TAG, VLLMLoadError
 
-__all__ = ["EngineMerger", "MergeUpdate"]
+__all__ = ["BASE_DIR_ENV", "EngineMerger", "MergeUpdate", "shared_base"]
+
+#: Where committed bases are kept as files shared by every worker on the host (see the module docstring).
+BASE_DIR_ENV = "LORA_STREAM_BASE_DIR"
+_ALIGN = 64
+_FILE_PREFIX = "lora_stream-base-"
 
 _MERGERS: weakref.WeakKeyDictionary[torch.nn.Module, EngineMerger] = weakref.WeakKeyDictionary()
+
+
+def _base_dir(nbytes: int) -> str:
+    chosen = os.environ.get(BASE_DIR_ENV)
+    if chosen:
+        return chosen
+    shm = "/dev/shm"
+    try:
+        if os.path.isdir(shm) and shutil.disk_usage(shm).free > 2 * nbytes:
+            return shm
+    except OSError:
+        pass
+    return tempfile.gettempdir()
+
+
+_OWNED: set[str] = set()
+
+
+@atexit.register
+def _unlink_owned() -> None:
+    # Workers that still map a file keep their pages: unlinking removes only the name.
+    for path in list(_OWNED):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _collect(directory: str) -> None:
+    """Remove base files no living process maps any more (a worker killed without running ``atexit``), leaving
+    young ones alone: a worker may have just published one it has not mapped yet."""
+    import glob
+    import time
+
+    mapped: set[str] = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                mapped.update(line.split(None, 5)[-1].strip() for line in f if _FILE_PREFIX in line)
+        except OSError:
+            continue
+    for path in glob.glob(os.path.join(directory, f"{_FILE_PREFIX}*.bin")):
+        try:
+            if path not in mapped and time.time() - os.path.getmtime(path) > 60:
+                os.unlink(path)
+        except OSError:
+            pass
+
+
+def shared_base(base: Mapping[str, torch.Tensor], fps: Mapping[str, int]) -> tuple[dict[str, torch.Tensor], str]:
+    """``base`` as read-only views of one file that every worker given the same base maps (the page cache holds it
+    once), and the file's path. The file is named by the tensors' fingerprints, dtypes and shapes."""
+    keys = sorted(base)
+    layout: list[tuple[str, int, int]] = []
+    offset = 0
+    for k in keys:
+        n = base[k].numel() * base[k].element_size()
+        layout.append((k, offset, n))
+        offset += -(-n // _ALIGN) * _ALIGN
+    total = max(offset, _ALIGN)
+    desc = [(k, int(fps[k]), str(base[k].dtype), list(base[k].shape)) for k in keys]
+    ident = hashlib.blake2b(json.dumps(desc).encode(), digest_size=16).hexdigest()
+    directory = _base_dir(total)
+    path = os.path.join(directory, f"{_FILE_PREFIX}{ident}.bin")
+    if os.path.isdir("/proc/self"):
+        _collect(directory)
+    for _ in range(3):
+        if not os.path.exists(path):
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as f:
+                for k, off, _ in layout:
+                    f.seek(off)
+                    t = base[k].detach().contiguous().cpu()
+                    f.write(t.view(-1).view(torch.uint8).numpy().data)
+                f.truncate(total)
+            try:
+                os.link(tmp, path)  # the first to finish publishes; the others map its file
+                _OWNED.add(path)
+            except FileExistsError:
+                pass
+            finally:
+                os.unlink(tmp)
+        try:
+            storage = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+            break
+        except (FileNotFoundError, RuntimeError):
+            continue  # another worker replaced its base and removed the name meanwhile: write it again
+    else:
+        raise RuntimeError(f"lora_stream: could not map the shared base file {path!r}")
+    views = {}
+    for k, off, n in layout:
+        t = base[k]
+        views[k] = storage.narrow(0, off, n).view(t.dtype).view(t.shape)
+    return views, path
 
 
 class MergeUpdate:
@@ -124,6 +234,8 @@ class EngineMerger:
         #: The trained inputs of the committed state, and the recipe each served output was computed with.
         self.inputs: dict[str, torch.Tensor] = {}
         self.recipe_of: dict[str, Recipe] = {}
+        #: The file the committed base is mapped from (``None``: none yet).
+        self.base_file: str | None = None
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> EngineMerger:
@@ -163,8 +275,16 @@ class EngineMerger:
     def commit(self, update: MergeUpdate) -> None:
         """The update stands: its base (a full update) and inputs are what later updates and rollbacks merge on."""
         if not update.partial:
-            self.base = {k: t for k, t in update.received.items() if k in update.frozen}
+            received = {k: t for k, t in update.received.items() if k in update.frozen}
+            previous = self.base_file
+            self.base, self.base_file = shared_base(received, update.base_fp)
             self.base_fp = dict(update.base_fp)
+            if previous is not None and previous != self.base_file and previous in _OWNED:
+                _OWNED.discard(previous)
+                try:
+                    os.unlink(previous)  # the name only: a worker still mapping it keeps its pages until it lets go
+                except OSError:
+                    pass
             self.inputs = {}
             self.recipe_of = {}
         self.inputs.update({k: t for k, t in update.received.items() if k not in update.frozen})
