@@ -520,3 +520,11 @@ def test_a_partial_update_onto_other_weights_is_refused_before_anything_is_loade
     with pytest.raises(VLLMLoadError, match="holds"):
         bracket.begin(keep_previous=True, expect=["model.norm.weight"], base="not-" + str(held))
     assert not bracket.open and held_by(runner.model) == held
+
+
+def test_the_engine_side_merge_is_refused_in_process_with_the_reason(untied) -> None:  # type: ignore[no-untyped-def]
+    _, llm = untied
+    with pytest.raises(ValueError, match="another process"):
+        VLLMColocatedSink(llm, merge="engine")
+    with pytest.raises(ValueError, match="merge must be one of"):
+        VLLMColocatedSink(llm, merge="nowhere")

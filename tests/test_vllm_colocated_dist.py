@@ -93,3 +93,14 @@ def test_engine_in_a_child_process_through_the_worker_extension(tmp_path: Path) 
     assert "failed" in partial["full_because"], partial
     assert partial["skipped"] > 0 and partial["partial_full_because"] is None and partial["verified"], partial
     assert "worker_extension_cls" in event(stdout, "no-extension-error")["message"]
+
+
+def test_the_engine_side_merge_into_an_engine_in_a_child_process(tmp_path: Path) -> None:
+    path = save_for_vllm(vllm_llama(tie=True), str(tmp_path / "m"))  # tied: lm_head computed as the alias
+    stdout = run_child_engine_script("vllm_child_engine_merge.py", path)
+    equal = event(stdout, "child-merge-equal")
+    assert equal["equal"] is True and equal["first_full_because"] and equal["partial_full_because"] is None, equal
+    assert equal["partial_bytes"] <= 1.1 * equal["adapter_bytes"], equal
+    rollback = event(stdout, "child-merge-rollback")
+    assert rollback == {"event": "child-merge-rollback", "raised": True, "equal": True, "version": "v3"}, rollback
+    assert event(stdout, "child-merge-after")["full_because"] is not None  # after a failure: the base again

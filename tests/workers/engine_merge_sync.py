@@ -161,9 +161,10 @@ def main() -> None:
     # The trainer's record of the servers' base no longer matches what they hold: refused before any load.
     before = served()
     if rank == 0:
-        assert sink._base_sent is not None and sink._synced_base is not None
-        key = next(iter(sink._synced_base))  # the base under an adapter: every partial sync reads it
-        sink._base_sent[key] ^= 1
+        record = sink._base
+        assert record.sent is not None and record.synced is not None
+        key = next(iter(record.synced))  # the base under an adapter: every partial sync reads it
+        record.sent[key] ^= 1
     step()
     try:
         sync("refused")

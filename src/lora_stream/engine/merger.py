@@ -39,9 +39,9 @@ import torch
 from ..buffers import Scratch
 from ..engine_merge import Recipe, compute_step, recipe_keys
 from ..fingerprint import fingerprint
-from .reload import LOAD_ERROR_TAG, VLLMLoadError
+from .reload import LOAD_ERROR_TAG, ReloadBracket, VLLMLoadError
 
-__all__ = ["BASE_DIR_ENV", "EngineMerger", "MergeUpdate", "shared_base"]
+__all__ = ["BASE_DIR_ENV", "EngineMerger", "MergeUpdate", "open_merge", "shared_base"]
 
 #: Where committed bases are kept as files shared by every worker on the host (see the module docstring).
 BASE_DIR_ENV = "LORA_STREAM_BASE_DIR"
@@ -322,3 +322,33 @@ class EngineMerger:
             return out
 
         return produce
+
+
+def open_merge(
+    bracket: ReloadBracket,
+    info: Mapping[str, Any],
+    *,
+    keep_previous: bool,
+    partial: bool,
+    base: str | None,
+    optional: Collection[str],
+) -> MergeUpdate:
+    """Open ``bracket`` for an engine-side merge update: refused first if this worker's base is not the trainer's
+    (nothing opened); a partial update onto this worker's committed merges rolls back by recomputing instead of a
+    copy. Every worker transport (the server's receiver, the child-process worker extension) opens it here."""
+    merger = EngineMerger.of(bracket.model)
+    update = merger.begin(info, partial=partial)
+    expect = update.output_names if partial else None
+    restore = merger.restorer(expect) if expect is not None and keep_previous else None
+    bracket.begin(keep_previous=keep_previous, expect=expect, base=base, optional=optional, restore=restore)
+    return update
+
+
+def rolled_back(bracket: ReloadBracket) -> bool:
+    """``bracket.rollback()``; if the previous weights could not be recomputed, nothing computed here describes
+    the model any more, and the merger forgets its recipes."""
+    try:
+        return bracket.rollback()
+    except BaseException:
+        EngineMerger.of(bracket.model).forget()
+        raise

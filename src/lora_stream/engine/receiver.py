@@ -98,15 +98,10 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
             EngineMerger.of(self.model).commit(update)
 
     def _rollback(self) -> None:
-        self._merge = None
-        try:
-            self._bracket.rollback()
-        except BaseException:
-            # The previous weights could not be recomputed: nothing computed here describes the model any more.
-            from .merger import EngineMerger
+        from .merger import rolled_back
 
-            EngineMerger.of(self.model).forget()
-            raise
+        self._merge = None
+        rolled_back(self._bracket)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class calls torch.accelerator.synchronize() afterwards, which has no meaning on CPU.
@@ -151,38 +146,37 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
                 self._probe_before = self._probe(update_info.probe_ids)
                 self._probe_before_s = clock() - t
             merge = None
-            expect = update_info.names if update_info.base is not None else None
-            restore = None
             if update_info.merge is not None:
-                from .merger import EngineMerger
+                from .merger import open_merge
 
-                merger = EngineMerger.of(self.model)
+                timing["merge_s"] = timing["base_fingerprint_s"] = 0.0
                 try:
-                    merge = merger.begin(update_info.merge, partial=update_info.base is not None)
+                    merge = open_merge(
+                        self._bracket,
+                        update_info.merge,
+                        keep_previous=update_info.rollback,
+                        partial=update_info.base is not None,
+                        base=update_info.base,
+                        optional=update_info.optional_names,
+                    )
                 except VLLMLoadError as exc:
-                    # This worker's base is not the trainer's: refused before the bracket opens. The chunks already
-                    # on their way are taken and dropped, so that the trainer learns this reason from the update's
-                    # answer rather than a data plane torn down under it.
+                    # Refused before the bracket opened (this worker's base is not the trainer's). The chunks
+                    # already on their way are taken and dropped, so that the trainer learns this reason from the
+                    # update's answer rather than a data plane torn down under it.
                     self._drain(plan)
                     raise exc
-                if expect is not None:
-                    expect = merge.output_names
-                    restore = merger.restorer(expect) if update_info.rollback else None
-                timing["merge_s"] = timing["base_fingerprint_s"] = 0.0
             elif adapter is None:
                 from .merger import EngineMerger
 
                 # Weights this worker did not merge: its recipes no longer describe what the model holds.
                 EngineMerger.of(self.model).forget()
-            self._merge = merge
-            if adapter is None:
                 self._bracket.begin(
                     keep_previous=update_info.rollback,
-                    expect=expect,
+                    expect=update_info.names if update_info.base is not None else None,
                     base=update_info.base,
                     optional=update_info.optional_names,
-                    restore=restore,
                 )
+            self._merge = merge
 
             def post(c: int) -> tuple[torch.Tensor, Any]:
                 # A fresh buffer per chunk: the reload bracket may keep views until the layer is complete.

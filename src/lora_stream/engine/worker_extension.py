@@ -23,6 +23,8 @@ class LoraStreamWorkerExtension:
     model_runner: Any
     _lora_stream_bracket: ReloadBracket | None = None
     _lora_stream_previous: dict[str, StagedAdapter | None] | None = None
+    #: The undecided update's engine-side merges (``lora_stream_begin_merge``), committed with it.
+    _lora_stream_merge: Any = None
 
     def lora_stream_begin(
         self,
@@ -32,9 +34,32 @@ class LoraStreamWorkerExtension:
         optional: list[str] | None = None,
     ) -> None:
         """Open the bracket (:meth:`ReloadBracket.begin`; ``expect`` and ``base``: a partial update)."""
+        from .merger import EngineMerger
+
         self.lora_stream_rollback()  # an update a vanished trainer left undecided: the safe outcome is the old one
+        EngineMerger.of(self.model_runner.model).forget()  # weights this worker does not merge
         bracket = ReloadBracket(self.model_runner.model, self.model_runner.model_config)
         bracket.begin(keep_previous=keep_previous, expect=expect, base=base, optional=optional or ())
+        self._lora_stream_bracket = bracket
+
+    def lora_stream_begin_merge(
+        self,
+        keep_previous: bool,
+        partial: bool,
+        base: str | None,
+        optional: list[str] | None,
+        merge: dict[str, Any],
+    ) -> None:
+        """Open the bracket for an engine-side merge (:mod:`lora_stream.engine.merger`): the loads that follow carry
+        merge inputs, and ``merge`` the recipes. A partial update onto another base is refused here, before the
+        bracket opens; one onto this worker's committed merges rolls back by recomputing, with no copy."""
+        from .merger import open_merge
+
+        self.lora_stream_rollback()
+        bracket = ReloadBracket(self.model_runner.model, self.model_runner.model_config)
+        self._lora_stream_merge = open_merge(
+            bracket, merge, keep_previous=keep_previous, partial=partial, base=base, optional=optional or ()
+        )
         self._lora_stream_bracket = bracket
 
     def lora_stream_held(self) -> str | None:
@@ -54,12 +79,21 @@ class LoraStreamWorkerExtension:
 
         if self._lora_stream_bracket is None:
             raise RuntimeError("lora_stream_load outside a reload bracket: call lora_stream_begin first")
-        return self._lora_stream_bracket.load(list(load(bytes(blob)).items()), optional or ())
+        pairs = list(load(bytes(blob)).items())
+        if self._lora_stream_merge is not None:
+            pairs = self._lora_stream_merge.feed(pairs)
+        return self._lora_stream_bracket.load(pairs, optional or ())
 
     def lora_stream_finish(self) -> tuple[list[str], dict[str, list[str]], bool, list[list[str]] | None]:
         """Close and check the bracket; the update stays undecided (kept for ``commit`` or ``rollback``)."""
         bracket = self._lora_stream_bracket
-        return bracket.finish().to_wire() if bracket is not None else ([], {}, True, None)
+        if bracket is None:
+            return ([], {}, True, None)
+        if self._lora_stream_merge is not None and bracket.open:
+            rest = self._lora_stream_merge.rest()
+            if rest:
+                bracket.load(rest)
+        return bracket.finish().to_wire()
 
     def lora_stream_abort(self) -> None:
         """Close the bracket unchecked after a failure; the update stays undecided."""
@@ -69,17 +103,27 @@ class LoraStreamWorkerExtension:
     def lora_stream_commit(self, token: str | None = None) -> int:
         """The update stands (the model now holds sync ``token``'s weights); returns the bytes kept to undo it."""
         bracket, self._lora_stream_bracket = self._lora_stream_bracket, None
+        update, self._lora_stream_merge = self._lora_stream_merge, None
         if bracket is None:
             return 0
-        kept = bracket.kept_bytes
+        kept = bracket.kept_bytes + (update.kept_bytes if update is not None else 0)
         bracket.abort()  # a no-op after finish; never leave a bracket open
         bracket.commit(token)
+        if update is not None:
+            from .merger import EngineMerger
+
+            EngineMerger.of(self.model_runner.model).commit(update)
         return kept
 
     def lora_stream_rollback(self) -> bool:
         """Undo the update (bit for bit, when ``begin`` kept the previous weights); returns whether it was undone."""
         bracket, self._lora_stream_bracket = self._lora_stream_bracket, None
-        return bracket.rollback() if bracket is not None else True
+        self._lora_stream_merge = None
+        if bracket is None:
+            return True
+        from .merger import rolled_back
+
+        return rolled_back(bracket)
 
     # -- adapter sync (VLLMLoRASink): stage in this process, then the sink calls vLLM's own add_lora -------------------
     def lora_stream_stage_adapter(

@@ -40,6 +40,7 @@ from ..engine.holding import held_by
 from ..engine.reload import LoadReport, ReloadBracket
 from ..stream import ParamStream
 from ..transaction import Transaction, fault_point
+from .engine_base import EngineBaseRecord
 from .local_engine import (
     engine_checkpoint,
     engine_rpc,
@@ -51,7 +52,7 @@ from .local_engine import (
 from .prefix_cache import reset_prefix_cache
 from .preflight import preflight
 from .record import SyncRecord
-from .source import SyncSource
+from .source import EngineMergeSource, SyncSource
 from .verify import (
     ProbeHistory,
     VerifyPolicy,
@@ -93,6 +94,10 @@ class VLLMColocatedSink:
             snapshots only the modules they feed (:mod:`lora_stream.changes`). The first sync, and any sync after
             a failed one or into an engine another writer touched, sends everything. On by default;
             ``False``: every sync sends every output.
+        merge: ``"trainer"`` (default) or, for an engine in a child process, ``"engine"``: each changed output's
+            merge travels with its trainable inputs and the engine's workers merge it onto the base they keep, as
+            ``VLLMServerSink(merge="engine")`` does (docs "Where the merge runs"). Refused for an engine in this
+            process, where it would save no bytes and cost a second copy of the base.
     """
 
     name = "vllm-colocated"
@@ -108,7 +113,14 @@ class VLLMColocatedSink:
         verify_tolerance: float | None = None,
         prefix_cache_timeout: float = 10.0,
         skip_unchanged: bool = True,
+        merge: str = "trainer",
     ) -> None:
+        from ..engine_merge import MERGE_LOCATIONS
+
+        if merge not in MERGE_LOCATIONS:
+            raise ValueError(f"merge must be one of {MERGE_LOCATIONS}, got {merge!r}")
+        if merge == "engine" and not skip_unchanged:
+            raise ValueError("merge='engine' sends the base once and then only what changed; it needs skip_unchanged")
         self.llm = llm
         engine = llm.llm_engine
         self.model_config = engine.model_config
@@ -116,6 +128,15 @@ class VLLMColocatedSink:
         self.checkpoint = self._ckpt.path if self._ckpt is not None else None
         runner = local_model_runner(engine)
         self._bracket = ReloadBracket(runner.model, runner.model_config) if runner is not None else None
+        if merge == "engine" and self._bracket is not None:
+            raise ValueError(
+                "merge='engine' is for an engine in another process (a child-process engine, a server): in this "
+                "process no bytes travel, the merge costs the same, and the engine would need a second copy of the "
+                "base (docs: Where the merge runs). Use merge='trainer'"
+            )
+        self.merge = merge
+        #: merge="engine": which base the engine's workers hold from this sink.
+        self._base = EngineBaseRecord()
         forget_weights_on_sleep(llm, runner.model if runner is not None else None)
         self.check_consumed = check_consumed
         self.rollback = rollback
@@ -161,9 +182,14 @@ class VLLMColocatedSink:
         tx = Transaction.for_stream(stream, self.name)
         stages: dict[str, Any] = {}
 
+        merging: list[Any] = []  # the engine-side merge's recipes and this rank's base fingerprints
+
         def prepare() -> tuple[dict[str, str], list[int | None] | None, EngineState]:
             aliases = self.preflight(stream)
             t = time.perf_counter()
+            if self.merge == "engine":
+                plan = self._base.plan(stream)  # what the engine cannot merge exactly is refused here
+                merging[:] = [plan, plan.base_fingerprints(stream)]
             fingerprints = stream.fingerprints() if self.skip_unchanged and takes_selection(stream) else None
             stages["fingerprint_s"] = time.perf_counter() - t
             return aliases, fingerprints, self._engine_state()
@@ -171,18 +197,21 @@ class VLLMColocatedSink:
         aliases, fingerprints, engine = tx.prepare(prepare)
         changes = None
         if fingerprints is not None:
-            changes = agree_on_changes(tx, stream, fingerprints, self._synced, [engine], aliases)
+            force = self._base.reason(merging[1], fingerprints, self._synced) if merging else None
+            changes = agree_on_changes(tx, stream, fingerprints, self._synced, [engine], aliases, force_full=force)
             if not changes.agreed:
                 assert tx.error is not None
                 raise tx.error
             stages.update(changes.stages)
-        source = SyncSource(
-            stream,
-            aliases,
-            version,
-            selection=changes.selection if changes is not None else None,
-            full_because=changes.full_because if changes is not None else "skip_unchanged=False",
-        )
+        selection = changes.selection if changes is not None else None
+        full_because = changes.full_because if changes is not None else "skip_unchanged=False"
+        source: SyncSource
+        if merging:
+            source = EngineMergeSource(
+                stream, merging[0], aliases, version, selection, full_because, base_fp=self._base.sent
+            )
+        else:
+            source = SyncSource(stream, aliases, version, selection=selection, full_because=full_because)
         token = uuid.uuid4().hex
         opened = False
         before = None
@@ -208,7 +237,10 @@ class VLLMColocatedSink:
             if error is not None:
                 raise error
         verification = verify_reset_and_vote(tx, source, self, stream, " (colocated engine)", before=before)
-        tx.conclude(lambda: self._commit(version, token, changes, report), lambda error: self._abort(error, opened))
+        tx.conclude(
+            lambda: self._commit(version, token, changes, report, source, merging[1] if merging else None),
+            lambda error: self._abort(error, opened),
+        )
         stages["kept_bytes"] = self._kept_bytes
         record = dataclasses.replace(
             source.record(self.name, time.perf_counter() - start), stages=stages, verification=verification
@@ -220,13 +252,22 @@ class VLLMColocatedSink:
         """Trust nothing about what the engine holds: the next sync sends every output (after writing the engine's
         weights some other way, say; lora_stream's own writes are seen without it)."""
         self._token = self._synced = self._units = None
+        self._base.forget()
         self._why_full = "forget() was called"
 
     def close(self) -> None:
         """Nothing is held between syncs."""
 
     # -- commit and abort ---------------------------------------------------------------------------------------------
-    def _commit(self, version: str | None, token: str, changes: Changes | None, report: LoadReport) -> None:
+    def _commit(
+        self,
+        version: str | None,
+        token: str,
+        changes: Changes | None,
+        report: LoadReport,
+        source: SyncSource,
+        base_fps: dict[str, int] | None,
+    ) -> None:
         if self._bracket is not None:
             self._kept_bytes = self._bracket.kept_bytes
             self._bracket.commit(token)
@@ -234,6 +275,8 @@ class VLLMColocatedSink:
             self._kept_bytes = sum(int(n) for n in self._rpc("lora_stream_commit", token))
         self._token = token
         self._synced = changes.sources if changes is not None else None
+        if self.merge == "engine":
+            self._base.remember(True, source, base_fps)
         self._units = report.units
         self.version = version
         self._history.committed(self._syncs)
@@ -243,6 +286,7 @@ class VLLMColocatedSink:
         """Every rank failed the sync: put this engine back (the bracket is closed already) and drop its KV blocks.
         The next sync sends every output (a rolled-back engine is not trusted to hold the last commit)."""
         self._token = self._synced = self._units = None
+        self._base.forget()
         self._why_full = "the last sync failed (the engine was rolled back)"
         if opened:
             restored = self._bracket.rollback() if self._bracket is not None else all(self._rpc("lora_stream_rollback"))
@@ -270,6 +314,12 @@ class VLLMColocatedSink:
         return EngineState(None, units)
 
     def _begin(self, source: SyncSource) -> None:
+        merge_info = getattr(source, "merge_info", None)
+        if merge_info is not None:  # only for an engine in a child process (refused in process at construction)
+            partial = source.selection is not None
+            base_sync = self._token if partial else None
+            self._rpc("lora_stream_begin_merge", self.rollback, partial, base_sync, source.aliases, merge_info)
+            return
         expect = None if source.selection is None else [n for g in source.groups() for n in g]
         base = self._token if expect is not None else None
         if self._bracket is not None:

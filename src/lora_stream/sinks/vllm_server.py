@@ -27,7 +27,6 @@ import threading
 import time
 import uuid
 import warnings
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,6 +40,7 @@ from ..lockstep import COMPLETION_GRACE_S, describe_error
 from ..redaction import redact_text
 from ..stream import ParamStream
 from ..transaction import LOST_WAIT_S, Transaction, fault_point
+from .engine_base import EngineBaseRecord
 from .prefix_cache import PrefixCacheError, reset_prefix_cache
 from .preflight import EngineCheckpoint, adapter_preflight, preflight
 from .record import AdapterSyncRecord, SyncRecord
@@ -637,12 +637,8 @@ class VLLMServerSink:
         self.verify_tolerance = verify_tolerance
         self.skip_unchanged = skip_unchanged
         self.merge = merge
-        #: merge="engine": each stream's recipes (built once per stream object).
-        self._merge_plans: weakref.WeakKeyDictionary[ParamStream, Any] = weakref.WeakKeyDictionary()
-        #: merge="engine": the whole-tensor fingerprint of every base tensor the servers hold from this sink's last
-        #: committed full sync, and this rank's shard fingerprints of the adapted steps' bases then.
-        self._base_sent: dict[str, int] | None = None
-        self._synced_base: dict[str, int] | None = None
+        #: merge="engine": which base the servers hold from this sink.
+        self._base = EngineBaseRecord()
         self._last_source: SyncSource | None = None
         #: This rank's fingerprints at the last committed merged sync (``None``: none, or it failed).
         self._synced: SyncedSources | None = None
@@ -788,7 +784,7 @@ class VLLMServerSink:
                     "config": stream.adapter_config(),
                 }
             skipping = self.skip_unchanged and adapter is None and takes_selection(stream)
-            merge_plan = self._merge_plan(stream) if adapter is None and self.merge == "engine" else None
+            merge_plan = self._base.plan(stream) if adapter is None and self.merge == "engine" else None
             t = time.perf_counter()
             fingerprints = stream.fingerprints() if skipping else None
             base_fps = merge_plan.base_fingerprints(stream) if merge_plan is not None else None
@@ -808,36 +804,12 @@ class VLLMServerSink:
         from ..changes import agree_on_changes
 
         engines = [r.engine_state() for r in self._live(mine)]
-        force = self._base_reason(plan) if plan.merge_plan is not None else None
+        force = self._base.reason(plan.base_fps, plan.fingerprints, self._synced) if plan.merge_plan else None
         changes = agree_on_changes(tx, stream, plan.fingerprints, self._synced, engines, plan.aliases, force_full=force)
         if not changes.agreed:
             assert tx.error is not None
             raise tx.error
         return dataclasses.replace(plan, changes=changes)
-
-    def _merge_plan(self, stream: ParamStream) -> Any:
-        """The engine recipes of ``stream`` (refused here, in the pre-flight, for what the engine cannot merge)."""
-        from ..engine_merge import EngineMergePlan
-
-        found = self._merge_plans.get(stream)
-        if found is None or found.digest != stream.plan_digest:
-            found = EngineMergePlan(stream)
-            self._merge_plans[stream] = found
-        return found
-
-    def _base_reason(self, plan: _SyncPlan) -> str | None:
-        """Why this rank needs the base sent again with every output (``None``: the servers hold it)."""
-        if self._base_sent is None:
-            return "the servers hold no base from this sink's engine-side merges yet"
-        if plan.base_fps is None:
-            return "this gatherer cannot fingerprint its shards, so the engine's base is sent at every sync"
-        if plan.base_fps != self._synced_base:
-            return "a frozen base weight under an adapter changed on this rank: the engine's base is sent again"
-        last = self._synced
-        fps = plan.fingerprints or []
-        if last is not None and any(fp is not None and fp != old for fp, old in zip(fps, last.fingerprints)):
-            return "a frozen weight changed on this rank: the engine's base is sent again"
-        return None
 
     def _arm(self, stream: ParamStream, mine: list[_Replica], plan: _SyncPlan, version: str | None) -> SyncSource:
         """Tell each live server's engine what this sync asks of its workers; returns what is sent."""
@@ -864,7 +836,7 @@ class VLLMServerSink:
                 version,
                 selection=selection,
                 full_because=full_because,
-                base_fp=self._base_sent,
+                base_fp=self._base.sent,
             )
         else:
             source = SyncSource(
@@ -963,11 +935,7 @@ class VLLMServerSink:
         changes = plan.changes
         self._synced = changes.sources if committed and changes is not None else None
         source, self._last_source = self._last_source, None
-        if plan.merge_plan is None or not committed or source is None:
-            self._base_sent = self._synced_base = None
-        elif source.selection is None:  # a full sync: the servers now hold the base it sent
-            self._base_sent = dict(getattr(source, "base_fp", {}))
-            self._synced_base = plan.base_fps
+        self._base.remember(committed and plan.merge_plan is not None, source, plan.base_fps)
         for r in mine:
             if r.failure is not None:
                 r.forget("the server was excluded from the last sync")
@@ -1381,8 +1349,9 @@ class VLLMServerSink:
 
     def forget(self) -> None:
         """Trust nothing about what the servers hold: the next merged sync sends every output (after writing a
-        server's weights some other way its lease cannot see, say)."""
+        server's weights some other way its lease cannot see, say), the engine-side merge's base with them."""
         self._synced = None
+        self._base.forget()
         for r in self.replicas:
             r.forget("forget() was called")
 
@@ -1429,7 +1398,7 @@ class VLLMServerSink:
                 adapter_preflight(stream.metadata(), self._checkpoint(replica, models), ADAPTER_PREFIX)
             return {}
         if self.merge == "engine":
-            self._merge_plan(stream)  # what the engine cannot merge exactly is refused here, before any byte
+            self._base.plan(stream)  # what the engine cannot merge exactly is refused here, before any byte
         if self.checkpoint is False:
             return stream.tied_aliases()  # offered; the worker loads each only if its model holds it
         return preflight(stream.metadata(), stream.tied_aliases(), self._checkpoint(replica, models))

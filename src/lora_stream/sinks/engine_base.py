@@ -1,0 +1,70 @@
+"""Trainer side of the merge in the engine, shared by every sink that offers it: which base the engines hold from
+this sink, and when it must travel again (:mod:`lora_stream.engine_merge`).
+
+A sink with ``merge="engine"`` keeps one :class:`EngineBaseRecord`. In its pre-flight it builds the stream's
+recipes (:meth:`plan`, refusing what the engine cannot merge) and this rank's fingerprints of the bases under
+adapters (:meth:`EngineMergePlan.base_fingerprints`); :meth:`reason` says why this rank needs the base sent again
+(the sink passes it to :func:`~lora_stream.changes.agree_on_changes` as ``force_full``, so every rank decides
+alike); after the sync, :meth:`remember` records what a committed full sync sent, or forgets everything after a
+failure. The sink sends an :class:`~lora_stream.sinks.source.EngineMergeSource` built with :attr:`sent`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from ..changes import SyncedSources
+from ..engine_merge import EngineMergePlan
+from ..stream import ParamStream
+
+__all__ = ["EngineBaseRecord"]
+
+
+class EngineBaseRecord:
+    """What this rank knows of the base its engines hold from this sink's engine-side merges."""
+
+    def __init__(self) -> None:
+        self._plans: weakref.WeakKeyDictionary[ParamStream, EngineMergePlan] = weakref.WeakKeyDictionary()
+        #: The whole-tensor fingerprint of every base tensor the last committed full sync sent (``None``: none).
+        self.sent: dict[str, int] | None = None
+        #: This rank's shard fingerprints of the adapted steps' bases at that sync.
+        self.synced: dict[str, int] | None = None
+
+    def plan(self, stream: ParamStream) -> EngineMergePlan:
+        """``stream``'s recipes (built once per stream and plan; refuses what the engine cannot merge exactly)."""
+        found = self._plans.get(stream)
+        if found is None or found.digest != stream.plan_digest:
+            found = EngineMergePlan(stream)
+            self._plans[stream] = found
+        return found
+
+    def reason(
+        self,
+        base_fps: dict[str, int] | None,
+        fingerprints: Sequence[int | None] | None,
+        last: SyncedSources | None,
+    ) -> str | None:
+        """Why this rank needs the base sent again with every output (``None``: the engines hold it)."""
+        if self.sent is None:
+            return "the engines hold no base from this sink's engine-side merges yet"
+        if base_fps is None:
+            return "this gatherer cannot fingerprint its shards, so the engine's base is sent at every sync"
+        if base_fps != self.synced:
+            return "a frozen base weight under an adapter changed on this rank: the engine's base is sent again"
+        fps = fingerprints or []
+        if last is not None and any(fp is not None and fp != old for fp, old in zip(fps, last.fingerprints)):
+            return "a frozen weight changed on this rank: the engine's base is sent again"
+        return None
+
+    def remember(self, committed: bool, source: Any, base_fps: dict[str, int] | None) -> None:
+        """After a sync: a committed full one leaves its base in the engines; a failure leaves nothing known."""
+        if not committed or source is None:
+            self.forget()
+        elif source.selection is None:
+            self.sent = dict(source.base_fp)
+            self.synced = base_fps
+
+    def forget(self) -> None:
+        self.sent = self.synced = None
