@@ -11,7 +11,8 @@ One run, in order (the test drives the servers through marker files in MARKER_DI
      serves v2, the record and a warning name B.
   5. ``restart2`` / ``restarted2`` (B is back, serving its checkpoint): v3 readmits B, and both serve v3.
   6. a step: v4 sends only what changed to both servers (B's record is its own since v3), and both serve v4.
-Every outcome is printed as one RESULT {json} line.
+Every outcome is printed as one RESULT {json} line. With LORA_STREAM_TEST_MERGE=engine the merged syncs run as
+``merge="engine"``: the servers merge, the base travels with every full sync (the readmission's included).
 """
 
 from __future__ import annotations
@@ -58,6 +59,14 @@ class HoldOnRank1(ParamStream):
                 wait_for(f"killed{self.kill}")
             yield batch
 
+    def iter_inputs(self, request):  # type: ignore[no-untyped-def,override]
+        """The same under merge="engine" (a partial sync has one input batch per decoder layer: the second)."""
+        for i, batch in enumerate(super().iter_inputs(request)):
+            if i == 1 and dist.get_rank() == 1:
+                signal(f"kill{self.kill}")
+                wait_for(f"killed{self.kill}")
+            yield batch
+
 
 def restarted(n: int) -> None:
     """Rank 0 asks the test to restart server B; every rank waits until it serves again."""
@@ -99,7 +108,8 @@ def main() -> None:
         engine.step()
 
     # 1. the adapter, into both (first: the servers' base is still the trainer's base).
-    sink = VLLMServerSink([url_a, url_b], rank=rank, timeout=60, lora_name="policy")
+    merge = os.environ.get("LORA_STREAM_TEST_MERGE", "trainer")
+    sink = VLLMServerSink([url_a, url_b], rank=rank, timeout=60, lora_name="policy", merge=merge)
     record = sink.sync(AdapterStream(engine), version="a1")
     merged = reference()
     for url in (url_a, url_b):
@@ -144,7 +154,9 @@ def main() -> None:
     restarted(1)
 
     # 4. the same failure tolerated: B is excluded, A commits.
-    fleet = VLLMServerSink([url_a, url_b], rank=rank, timeout=30, lora_name="policy", on_replica_failure="exclude")
+    fleet = VLLMServerSink(
+        [url_a, url_b], rank=rank, timeout=30, lora_name="policy", on_replica_failure="exclude", merge=merge
+    )
     HoldOnRank1.kill = 2
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

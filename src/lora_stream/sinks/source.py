@@ -103,7 +103,7 @@ class SyncSource:
         """One pass over the stream, aliases included. Closing this generator (or an exception thrown into it) ends
         the stream pass, which tells the other trainer ranks at once."""
         self.tensors = self.bytes = self.groups_sent = self.peak_group_bytes = 0
-        batches = self.stream.iter_groups() if self.selection is None else self.stream.iter_groups(self.selection)
+        batches = self._open_pass()
         self.pass_ = batches if isinstance(batches, StreamPass) else None
         reason: str | None = None
         self._stop_reason = None
@@ -125,6 +125,10 @@ class SyncSource:
                     # End it now (a no-op once complete): a wrapper that raised may leave it alive in a traceback,
                     # and the other ranks learn of the stop only when it ends.
                     self.pass_.close()
+
+    def _open_pass(self) -> Any:
+        """The stream pass this sync sends (a subclass's stream may wrap it in a generator of its own)."""
+        return self.stream.iter_groups() if self.selection is None else self.stream.iter_groups(self.selection)
 
     def _expanded(self, batches: Any) -> Generator[tuple[list[str], list[torch.Tensor]], None, None]:
         passed = 0  # the fault points "group:<j>" passed so far, j < passed
@@ -262,31 +266,17 @@ class EngineMergeSource(SyncSource):
     def groups(self) -> list[list[str]]:
         return [list(g) for g in self._input_groups]
 
-    def iter_groups(self) -> Generator[tuple[list[str], list[torch.Tensor]], None, None]:
-        self.tensors = self.bytes = self.groups_sent = self.peak_group_bytes = 0
+    def _open_pass(self) -> Any:
         self.base_fp = {}
-        batches = self.stream.iter_inputs(self.request)
-        self.pass_ = batches
-        self._stop_reason = None
-        with closing(batches):
-            try:
-                yield from self._expanded(batches)
-            except GeneratorExit:
-                raise
-            except BaseException as exc:
-                if self.pass_.record.stop_reason is None:
-                    self.pass_.record.stop_reason = describe_error(exc)
-                raise
-            finally:
-                if self._stop_reason is not None and self.pass_.record.stop_reason is None:
-                    self.pass_.record.stop_reason = self._stop_reason
-                self.pass_.close()
+        return self.stream.iter_inputs(self.request)
 
     def _expanded(self, batches: Any) -> Generator[tuple[list[str], list[torch.Tensor]], None, None]:
         from ..fingerprint import fingerprint
 
         passed = 0
         for k, (names, tensors) in enumerate(batches):
+            if self.pass_ is None:  # see SyncSource._expanded: hold the stream's pass while it runs
+                self.pass_ = self.stream.last_pass
             at = self._plan_index[k] if k < len(self._plan_index) else k
             for j in range(passed, at + 1):
                 fault_point(f"group:{j}")
