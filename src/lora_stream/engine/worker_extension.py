@@ -25,6 +25,7 @@ class LoraStreamWorkerExtension:
     _lora_stream_previous: dict[str, StagedAdapter | None] | None = None
     #: The undecided update's engine-side merges (``lora_stream_begin_merge``), committed with it.
     _lora_stream_merge: Any = None
+    _lora_stream_optional: tuple[str, ...] = ()
 
     def lora_stream_begin(
         self,
@@ -61,6 +62,7 @@ class LoraStreamWorkerExtension:
             bracket, merge, keep_previous=keep_previous, partial=partial, base=base, optional=optional or ()
         )
         self._lora_stream_bracket = bracket
+        self._lora_stream_optional = tuple(optional or ())
 
     def lora_stream_held(self) -> str | None:
         """The token of the committed sync whose weights this worker's model serves (``None``: unknown)."""
@@ -92,7 +94,7 @@ class LoraStreamWorkerExtension:
         if self._lora_stream_merge is not None and bracket.open:
             rest = self._lora_stream_merge.rest()
             if rest:
-                bracket.load(rest)
+                bracket.load(rest, self._lora_stream_optional)
         return bracket.finish().to_wire()
 
     def lora_stream_abort(self) -> None:
