@@ -37,7 +37,9 @@ def _llama_with_bias(tie: bool) -> torch.nn.Module:
     return LlamaForCausalLM(cfg)
 
 
-def _engine_outputs(stream: ParamStream, plan: EngineMergePlan, steps: list[int] | None = None) -> dict[str, Any]:
+def _engine_outputs(
+    stream: ParamStream, plan: EngineMergePlan, steps: list[int] | None = None, convert: Any = None
+) -> dict[str, Any]:
     """What an engine holding nothing computes from one full input pass (the recipes through JSON, as sent)."""
     steps = list(range(len(plan.recipes))) if steps is None else steps
     sends = {i: [plan.inputs[k] for k in plan.reads[i]] for i in steps}
@@ -48,7 +50,7 @@ def _engine_outputs(stream: ParamStream, plan: EngineMergePlan, steps: list[int]
     recipes = json.loads(json.dumps([plan.recipes[i] for i in steps]))
     out: dict[str, torch.Tensor] = {}
     for r in recipes:
-        out.update(compute_step(r, received))
+        out.update(compute_step(r, received, convert=convert))
     return out
 
 
@@ -159,22 +161,38 @@ def test_a_partial_update_onto_another_base_is_refused_before_anything_is_comput
     assert all(torch.equal(t, expected[n]) for n, t in restore())
 
 
-def test_a_quantized_base_and_a_checkpoint_conversion_are_refused_with_the_reason() -> None:
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_fused_experts_with_lora_are_merged_and_converted_in_the_engine_bit_for_bit(arch: str) -> None:
+    """transformers 5 holds the experts fused; the checkpoint holds one tensor per expert. The engine merges in the
+    fused layout and converts with transformers' own conversion, built from the served config alone."""
+    from architectures import BY_ID, EXPERTS, build
+    from peft import LoraConfig, get_peft_model
 
-    torch.manual_seed(0)
-    cfg = Qwen2MoeConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        num_experts=4,
-        num_experts_per_tok=2,
-    )
-    stream = ParamStream(lora(Qwen2MoeForCausalLM(cfg), target_modules=["q_proj"]))
-    with pytest.raises(UnsupportedModelError, match="transformers' conversion"):
+    from lora_stream.engine_merge import checkpoint_converter
+
+    model = build(BY_ID[arch])
+    cfg = LoraConfig(r=4, target_modules=["q_proj", "o_proj"], target_parameters=EXPERTS, init_lora_weights=False)
+    pm = get_peft_model(model, cfg)
+    perturb_adapters(pm)
+    stream = ParamStream(pm, group_by="layer", merge_block_bytes=4096)
+    plan = EngineMergePlan(stream)
+    assert any(r["convert"] is not None for r in plan.recipes)
+    expected = {n: t.clone() for names, ts in stream.iter_groups() for n, t in zip(names, ts)}
+    convert = checkpoint_converter(type(model.config).from_dict(model.config.to_dict()))  # the config alone
+    got = _engine_outputs(stream, plan, convert=convert)
+    assert set(got) >= set(expected)
+    for name, t in expected.items():
+        assert torch.equal(got[name], t), name
+    # Without the conversion the engine refuses rather than serve the fused layout under per-expert names.
+    with pytest.raises(ValueError, match="conversion"):
+        _engine_outputs(stream, plan)
+
+
+def test_a_quantized_base_is_refused_with_the_reason() -> None:
+    """A QLoRA base (here: the plan's base marked quantized; tests/test_qlora.py streams real bitsandbytes ones)."""
+    pm = lora(tiny_llama(), target_modules=["q_proj"])
+    stream = ParamStream(pm)
+    target = next(t for s in stream._steps for t in s.inputs if t.merge is not None)
+    target.merge.base.quantized = True  # type: ignore[union-attr]
+    with pytest.raises(UnsupportedModelError, match="quantized"):
         EngineMergePlan(stream)

@@ -134,6 +134,12 @@ def test_moe_push_with_lora_on_the_experts_serves_the_merged_model(tmp_path: Pat
         assert_all_ok(results)
         assert all(results_of(r.output)[-1]["outcome"] == "ok" for r in results), describe(results)
         assert s.version() == "v2"
+        # The same server, merge="engine": the experts merged and converted per expert in the server's workers.
+        results = launch("vllm_server_push", "push-moe-engine", s.url, path, timeout=300)
+        assert_all_ok(results)
+        last = [results_of(r.output)[-1] for r in results]
+        assert all(e["outcome"] == "ok" and e["full_because"] is None for e in last), describe(results)
+        assert last[0]["equal"] is True, describe(results)
     finally:
         s.stop()
 

@@ -14,10 +14,13 @@ Both halves import this module (it imports neither vLLM nor a sink):
   frozen base goes once, in a full sync, with a fingerprint per tensor (:func:`lora_stream.fingerprint.fingerprint`
   of the whole tensor) that the engine checks on arrival and that every later sync names again: a partial update
   whose base the engine does not hold with exactly those fingerprints is refused before a byte is loaded.
+* **Conversions.** A step that transformers' checkpoint conversion rewrites (the fused MoE experts of transformers
+  5, one tensor per expert on disk) is merged in the trainer's memory layout and converted in the engine by the
+  same transformers function, on a meta-device model of the served config (:func:`checkpoint_converter`); the
+  recipe carries the conversion's input and output names, which the engine's conversion must reproduce.
 * **Refusals**, at construction (:class:`~lora_stream.UnsupportedModelError`): a quantized (QLoRA) base -- the
-  engine's copy would be the served checkpoint's, not the trainer's dequantized base -- and a step that
-  transformers' checkpoint conversion rewrites (fused MoE experts of transformers 5): the conversion needs the
-  trainer's model object. Everything else :class:`~lora_stream.ParamStream` merges, the engine merges.
+  engine's copy would be the served checkpoint's, not the trainer's dequantized base. Everything else
+  :class:`~lora_stream.ParamStream` merges, the engine merges.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 
 from .base_weights import DenseWeight
 from .buffers import Scratch
+from .checkpoint_format import FormatStep
 from .core import Step, Target
 from .errors import UnsupportedModelError
 from .merge import (
@@ -118,12 +122,20 @@ class EngineMergePlan:
         return key
 
     def _recipe(self, step: Step, g: Any, aliases_of: Mapping[str, list[str]]) -> Recipe:
+        convert = None
         if step.convert is not None:
-            raise UnsupportedModelError(
-                f"the checkpoint names {[o.name for o in step.outputs][:4]} come from transformers' conversion of "
-                f"{[t.source for t in step.inputs]} (fused MoE experts); the engine cannot repeat that conversion "
-                "without the trainer's model object. Merge on the trainer (merge='trainer') for this model"
-            )
+            fs = getattr(step.convert, "args", (None,))[0]
+            if not isinstance(fs, FormatStep) or not fs.convert:
+                raise UnsupportedModelError(
+                    f"the checkpoint names {[o.name for o in step.outputs][:4]} come from a conversion of "
+                    f"{[t.source for t in step.inputs]} that the engine cannot repeat; merge on the trainer "
+                    "(merge='trainer') for this model"
+                )
+            # transformers' own conversion, repeated in the engine from the served model's config.
+            convert = {
+                "inputs": list(fs.inputs),
+                "outputs": [[o.name, _dtype_name(o.dtype), list(o.shape)] for o in fs.outputs],
+            }
         reads = self.reads[-1]
 
         def key(ref: Any, source: str) -> str:
@@ -135,7 +147,7 @@ class EngineMergePlan:
         targets = [self._target(t, key, g, reads) for t in step.inputs]
         outputs = [[o.name, _dtype_name(o.dtype), list(o.shape)] for o in step.outputs]
         aliases = {o.name: aliases_of[o.name] for o in step.outputs if o.name in aliases_of}
-        return {"targets": targets, "outputs": outputs, "aliases": aliases}
+        return {"targets": targets, "outputs": outputs, "aliases": aliases, "convert": convert}
 
     def _target(self, t: Target, key: Callable[[Any, str], str], g: Any, reads: list[str]) -> dict[str, Any]:
         out: dict[str, Any] = {"dtype": _dtype_name(t.dtype), "shape": list(t.shape), "source": t.source}
@@ -319,11 +331,43 @@ def _merge_of(t: dict[str, Any]) -> Merge | None:
     raise ValueError(f"unknown merge kind {kind!r} in a recipe (different lora_stream versions?)")
 
 
+#: Applies a recipe's checkpoint conversion (``recipe["convert"]``) to its targets' tensors, in order.
+Converter = Callable[[Mapping[str, Any], list[torch.Tensor]], list[torch.Tensor]]
+
+
+def checkpoint_converter(config: Any) -> Converter:
+    """transformers' reversible conversion of the model class ``config`` describes (the served model's
+    ``hf_config``), as :class:`~lora_stream.checkpoint_format.CheckpointFormat` applies it on the trainer: built on
+    the meta device (nothing is allocated), once."""
+    from .checkpoint_format import CheckpointFormat
+    from .core import Output
+
+    fmt: list[CheckpointFormat] = []
+
+    def convert(spec: Mapping[str, Any], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        if not fmt:
+            from transformers import AutoModelForCausalLM
+
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+            fmt.append(CheckpointFormat(model))
+        if not fmt[0].converts:
+            raise ValueError("the served model's class has no checkpoint conversions, but the trainer's step has one")
+        outputs = [Output(n, _dtype(d), tuple(shape)) for n, d, shape in spec["outputs"]]
+        return fmt[0].apply(FormatStep(list(spec["inputs"]), outputs, True), tensors)
+
+    return convert
+
+
 def compute_step(
-    recipe: Recipe, lookup: Mapping[str, torch.Tensor], scratch: Scratch | None = None
+    recipe: Recipe,
+    lookup: Mapping[str, torch.Tensor],
+    scratch: Scratch | None = None,
+    convert: Converter | None = None,
 ) -> list[tuple[str, torch.Tensor]]:
     """The outputs of one step, aliases included, computed from ``lookup`` (key -> whole tensor) by the trainer's
-    own merge code. Each output is checked against the recipe's dtype and shape."""
+    own merge code, then (``recipe["convert"]``) by transformers' conversion through ``convert``
+    (:func:`checkpoint_converter`). Each output is checked against the recipe's dtype and shape."""
     scratch = scratch if scratch is not None else Scratch(None)
 
     def full(k: Any) -> torch.Tensor:
@@ -348,6 +392,13 @@ def compute_step(
                 f"{tuple(t['shape'])} {dtype}"
             )
         tensors.append(out)
+    if recipe.get("convert") is not None:
+        if convert is None:
+            raise ValueError(f"{recipe_source(recipe)}: the step needs transformers' conversion, and none was given")
+        tensors = convert(recipe["convert"], tensors)
+        for (name, d, shape), out in zip(recipe["outputs"], tensors, strict=True):
+            if list(out.shape) != list(shape) or out.dtype != _dtype(d):
+                raise ValueError(f"{name!r} came out of the conversion as {tuple(out.shape)} {out.dtype}")
     pairs: list[tuple[str, torch.Tensor]] = []
     for (name, _, _), out in zip(recipe["outputs"], tensors, strict=True):
         pairs.append((name, out))

@@ -30,7 +30,7 @@ import time
 import deepspeed
 import torch
 import torch.distributed as dist
-from helpers import assert_vllm_serves, finish, lora, report, server_generate, zero3_whole_into
+from helpers import assert_vllm_serves, finish, lora, perturb_adapters, report, server_generate, zero3_whole_into
 
 from lora_stream import LoraStreamError, ParamStream, StreamAbortedError, VLLMServerSink
 
@@ -67,9 +67,17 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     saved = ["lm_head"] if scenario == "tied-mts" else None
+    # merge="engine" into the MoE server: LoRA on the fused experts too (peft's target_parameters).
+    experts = {"target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
     pm = lora(
-        AutoModelForCausalLM.from_pretrained(ckpt), target_modules="all-linear", lora_alpha=16, modules_to_save=saved
+        AutoModelForCausalLM.from_pretrained(ckpt),
+        target_modules="all-linear",
+        lora_alpha=16,
+        modules_to_save=saved,
+        **(experts if scenario == "push-moe-engine" else {}),
     )
+    if scenario == "push-moe-engine":
+        perturb_adapters(pm)
     template = copy.deepcopy(pm)
     opt = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=0.5)
     engine, *_ = deepspeed.initialize(model=pm, optimizer=opt, config=DS)
@@ -80,6 +88,9 @@ def main() -> None:
         finish()
     if scenario == "traffic":
         traffic(rank, url, engine, sink)
+        finish()
+    if scenario == "push-moe-engine":
+        moe_engine_merge(rank, url, engine, api_key)
         finish()
     if scenario in ("push", "push-moe"):
         record = sink.sync(ParamStream(engine, group_by="layer"), version="v1")
@@ -140,6 +151,21 @@ def main() -> None:
         finish(0)
     report(rank=rank, outcome="ok")
     finish(5)
+
+
+def moe_engine_merge(rank: int, url: str, engine, api_key: str | None) -> None:  # type: ignore[no-untyped-def]
+    """merge="engine" into the MoE server: the fused experts are merged and converted to one tensor per expert in
+    the server's workers; after a step, only the inputs travel, and the server serves == what a trainer-side merged
+    sync of the same weights serves."""
+    sink = VLLMServerSink(url, rank=rank, api_key=api_key, timeout=30, merge="engine")
+    trainer_side = VLLMServerSink(url, rank=rank, api_key=api_key, timeout=30, skip_unchanged=False)
+    sink.sync(ParamStream(engine, group_by="layer"), version="e1")
+    _step(engine)
+    partial = sink.sync(ParamStream(engine, group_by="layer"), version="e2")
+    served = server_generate(url, api_key) if rank == 0 else None
+    trainer_side.sync(ParamStream(engine, group_by="layer"), version="e2-trainer")
+    equal = server_generate(url, api_key) == served if rank == 0 else None
+    report(rank=rank, outcome="ok", equal=equal, full_because=partial.full_because, sent_bytes=partial.bytes)
 
 
 def _step(engine) -> None:  # type: ignore[no-untyped-def]

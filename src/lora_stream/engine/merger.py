@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ..buffers import Scratch
-from ..engine_merge import Recipe, compute_step, recipe_keys
+from ..engine_merge import Converter, Recipe, checkpoint_converter, compute_step, recipe_keys
 from ..fingerprint import fingerprint
 from .reload import LOAD_ERROR_TAG, ReloadBracket, VLLMLoadError
 
@@ -150,6 +150,7 @@ class MergeUpdate:
 
     def __init__(self, merger: EngineMerger, info: Mapping[str, Any], partial: bool) -> None:
         self.merger = merger
+        self.convert = merger.convert
         self.partial = partial
         self.recipes: list[Recipe] = list(info.get("recipes") or [])
         self.frozen: set[str] = set(info.get("frozen") or [])
@@ -213,7 +214,7 @@ class MergeUpdate:
                     self.merge_s += time.perf_counter() - t
                     return out
                 lookup[key] = found
-            out += compute_step(recipe, lookup, self._scratch)
+            out += compute_step(recipe, lookup, self._scratch, self.convert)
             self._next += 1
         self.merge_s += time.perf_counter() - t
         return out
@@ -236,6 +237,8 @@ class EngineMerger:
         self.recipe_of: dict[str, Recipe] = {}
         #: The file the committed base is mapped from (``None``: none yet).
         self.base_file: str | None = None
+        #: transformers' checkpoint conversion of the served model (set by :func:`open_merge`).
+        self.convert: Converter | None = None
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> EngineMerger:
@@ -311,14 +314,14 @@ class EngineMerger:
             r = self.recipe_of[n]
             if not any(r is x for x in recipes):
                 recipes.append(r)
-        base, inputs = dict(self.base), dict(self.inputs)
+        base, inputs, convert = dict(self.base), dict(self.inputs), self.convert
 
         def produce() -> list[tuple[str, torch.Tensor]]:
             scratch = Scratch(None)
             out: list[tuple[str, torch.Tensor]] = []
             for recipe in recipes:
                 lookup = {k: inputs[k] if k in inputs else base[k] for k in recipe_keys(recipe)}
-                out += [(n, t) for n, t in compute_step(recipe, lookup, scratch) if n in wanted]
+                out += [(n, t) for n, t in compute_step(recipe, lookup, scratch, convert) if n in wanted]
             return out
 
         return produce
@@ -337,6 +340,9 @@ def open_merge(
     (nothing opened); a partial update onto this worker's committed merges rolls back by recomputing instead of a
     copy. Every worker transport (the server's receiver, the child-process worker extension) opens it here."""
     merger = EngineMerger.of(bracket.model)
+    if merger.convert is None:
+        config = getattr(bracket.model_config, "hf_config", None)
+        merger.convert = checkpoint_converter(config) if config is not None else None
     update = merger.begin(info, partial=partial)
     expect = update.output_names if partial else None
     restore = merger.restorer(expect) if expect is not None and keep_previous else None

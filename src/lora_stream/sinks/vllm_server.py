@@ -552,7 +552,8 @@ class VLLMServerSink:
             the first sync into a server (and again whenever a frozen weight changes, a server restarts, or a sync
             fails), fingerprinted per tensor; a partial update onto any other base is refused before a byte is
             loaded; a failed partial update is rolled back by recomputing, with no copy of the model. A quantized
-            (QLoRA) base and transformers' fused-expert conversions are refused in the pre-flight. Needs
+            (QLoRA) base is refused in the pre-flight; fused MoE experts are converted to the checkpoint's layout by
+            transformers' own conversion in the workers. Needs
             ``skip_unchanged=True``.
 
     **Timeouts and the deadline.** Every rank waits for the others at each agreement :meth:`wait_s` at most (the
