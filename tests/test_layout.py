@@ -27,6 +27,10 @@ ENGINE_MAY_IMPORT = (
     "lora_stream.transfer.protocol",
     "lora_stream.transfer.group",
     "lora_stream.transfer.packing",
+    # The merge math both halves run (the merge in the engine runs the trainer's own Merge code on its base).
+    "lora_stream.engine_merge",
+    "lora_stream.buffers",
+    "lora_stream.fingerprint",
 )
 #: vLLM's public API, the only part of vLLM the trainer's side imports.
 TRAINER_MAY_IMPORT_OF_VLLM = (
