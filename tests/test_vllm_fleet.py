@@ -75,7 +75,9 @@ def test_one_sink_keeps_two_servers_in_sync_and_a_server_dying_mid_transfer_is_h
         assert len(merged) == 2
         if merge == "trainer":  # the engine-side merge's first sync sends the base and the factors instead
             assert all(m["model_bytes"] <= m["sent_bytes"] < 1.05 * m["model_bytes"] for m in merged)
-        assert all(e["replicas"] == [a.url, b.url] for e in events["adapter"]), events["adapter"]
+        adapter = events.get("adapter", [])
+        assert all(e["replicas"] == [a.url, b.url] for e in adapter), adapter
+        assert merge == "engine" or len(adapter) == 2
         # Default policy: every rank raised, and A serves exactly what it served.
         for e in events["abort"]:
             assert e["equal"] is True and e["version"] == "v1", e
