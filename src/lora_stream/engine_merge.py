@@ -25,7 +25,7 @@ Both halves import this module (it imports neither vLLM nor a sink):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -410,7 +410,3 @@ def compute_step(
 def recipe_source(recipe: Recipe) -> str:
     """The trainer paths a recipe reads, for messages."""
     return ", ".join(str(t.get("source")) for t in recipe["targets"])
-
-
-def input_meta(plan: EngineMergePlan, keys: Sequence[str]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    return [(k, plan.inputs[k].dtype, plan.inputs[k].shape) for k in keys]

@@ -467,14 +467,16 @@ class ParamStream:
                 out.append(Group(units, params, g.gather_bytes(params) if params else 0))
         return out
 
-    def _select_inputs(self, request: InputRequest) -> tuple[list[Group], list[list[Any]]]:
-        """The groups an input pass gathers, each with only the parameters it sends, and what each sends."""
+    def _select_inputs(self, request: InputRequest) -> tuple[list[Group], list[list[Any]], list[int]]:
+        """The groups an input pass gathers, each with only the parameters it sends; what each sends; and each one's
+        index among the plan's groups."""
         out: list[Group] = []
         sends: list[list[Any]] = []
+        origin: list[int] = []
         index = 0
         seen: set[str] = set()
         g = self.gatherer
-        for grp in self._groups:
+        for j, grp in enumerate(self._groups):
             specs: list[Any] = []
             for _ in grp.steps:
                 if index in request.steps:
@@ -488,7 +490,8 @@ class ParamStream:
                 params = [p for p in grp.params if id(p) in refs]
                 out.append(Group(grp.units, params, g.gather_bytes(params) if params else 0))
                 sends.append(specs)
-        return out, sends
+                origin.append(j)
+        return out, sends, origin
 
     def held_names(self) -> None:
         """Every rank produces every tensor (vLLM's ``WeightSource.held_names``: ``None`` means all)."""
@@ -667,7 +670,7 @@ class ParamStream:
         sends: list[list[Any]] = []
         if inputs is not None:
             selection = Selection(inputs.steps)
-            groups, sends = self._select_inputs(inputs)
+            groups, sends, _ = self._select_inputs(inputs)
         else:
             groups = self._groups if selection is None else self._select(selection)
         if selection is not None:

@@ -231,19 +231,12 @@ class EngineMergeSource(SyncSource):
         full = selection is None
         sends = {i: [plan.inputs[k] for k in (plan.reads[i] if full else plan.trainable(i))] for i in steps}
         self.request = InputRequest(frozenset(steps), sends)
-        _, specs = stream._select_inputs(self.request)
+        _, specs, origin = stream._select_inputs(self.request)
         self._input_groups = [[s.key for s in group] for group in specs]
         self._input_meta = [ParamMeta(s.key, s.dtype, s.shape) for group in specs for s in group]
         self._frozen = {k for k, spec in plan.inputs.items() if not spec.trainable}
         # The fault points "group:<k>" of the whole plan, as for merged syncs: each input batch's group there.
-        owner: dict[int, int] = {}
-        index = 0
-        for j, grp in enumerate(stream._groups):
-            for _ in grp.steps:
-                owner[index] = j
-                index += 1
-        first = [min(i for i in steps if any(s.key in names for s in sends[i])) for names in self._input_groups]
-        self._plan_index = [owner[i] for i in first]
+        self._plan_index = origin
         self._plan_groups = len(stream._groups)
         recipes = [plan.recipes[i] for i in steps]
         read = {k for i in steps for k in plan.reads[i] if k in self._frozen}
@@ -254,7 +247,6 @@ class EngineMergeSource(SyncSource):
         }
         #: Fingerprints of the base tensors this (full) sync sent, whole; filled as they pass.
         self.base_fp: dict[str, int] = {}
-        self.outputs = sum(len(plan.recipes[i]["outputs"]) for i in steps)
 
     @property
     def aliases(self) -> list[str]:
