@@ -353,14 +353,18 @@ def merged_copy(peft_model: nn.Module) -> nn.Module:
     return copy.deepcopy(peft_model).float().merge_and_unload()
 
 
-def save_tokenizer(path: str, vocab: int = 1000) -> None:
-    """A word-level tokenizer over tokens t0..t{vocab-1}, so vLLM's server can run (prompts are token ids)."""
+def save_tokenizer(path: str, vocab: int = 1000, pad_token: str | None = None) -> None:
+    """A word-level tokenizer over tokens t0..t{vocab-1}, so vLLM's server can run (prompts are token ids).
+    ``pad_token``: one of those tokens as the padding token (verl adds one past the vocabulary where there is none)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2").save_pretrained(path)
+    special = {"pad_token": pad_token} if pad_token is not None else {}
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2", **special
+    ).save_pretrained(path)
 
 
 def greedy_completion(

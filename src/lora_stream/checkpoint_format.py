@@ -18,6 +18,7 @@ rather than guess; ``layout="memory"`` still streams it in memory layout.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -147,9 +148,16 @@ class CheckpointFormat:
         reverse = [c.reverse_transform() for c in conversions[::-1]]
         renamings = [c for c in reverse if isinstance(c, WeightRenaming)]
         converters = [c for c in reverse if isinstance(c, WeightConverter)]
+        # transformers >= 5.16 reverts in one call (converter first, then every renaming); earlier 5.x releases
+        # (5.10, which verl pins) in two, bucketing a conversion by its name between the two phases.
+        one_call = "reverse" in inspect.signature(rename_source_key).parameters
         out: dict[str, tuple[str, str]] = {}
         for name in sorted(names, key=dot_natural_key):
-            renamed, pattern = rename_source_key(name, renamings, converters, reverse=True)
+            if one_call:
+                renamed, pattern = rename_source_key(name, renamings, converters, reverse=True)
+            else:
+                converted, pattern = rename_source_key(name, [], converters)
+                renamed = converted if pattern is not None else rename_source_key(converted, renamings, [])[0]
             out[name] = ("convert", renamed) if pattern is not None else ("rename", renamed)
         return out
 

@@ -1,0 +1,290 @@
+"""verl in one config line: its FSDP engine's weight export, LoRA merged out of place, one decoder layer at a time.
+
+.. code-block:: yaml
+
+    actor_rollout_ref:
+      model:
+        external_lib: lora_stream.integrations.verl   # the one line
+        lora_rank: 16
+        lora:
+          merge: true      # verl's own switch: a merged sync (false: verl's adapter-only sync)
+
+verl imports ``model.external_lib`` in every process that builds a model config (``HFModelConfig.__post_init__``).
+Importing this module registers :class:`LoraStreamFSDPEngine` in verl's ``EngineRegistry`` for
+``model_type="language_model"`` and the ``fsdp`` / ``fsdp2`` backends, under the ``(device, vendor)`` key that
+verl's lookup tries *before* the device-wide key its own FSDP engine holds. So every language-model engine verl
+builds in that process (the actor, the reference model) is this one; critics and other backends are untouched.
+
+What changes is one method, ``get_per_tensor_param()``: the generator verl's weight sync consumes (its
+``CheckpointEngine.send_weights``, and the colocated "naive" path's ``rollout.update_weights``). Training, the
+optimizer, checkpoints, offload and the reference model are verl's own code, unchanged.
+
+* ``lora.merge: true`` (merged sync). verl merges the adapter into the FSDP shards in place
+  (``merged_lora_context(backup_adapters=True)``: a CPU copy of the rank's whole base shard, peft's in-place
+  ``merge()``, a restore from the copy) and then ``full_tensor()``-s every parameter of the model. Here the merged
+  weights are :class:`~lora_stream.ParamStream`'s: gathered one decoder layer at a time, merged out of place in
+  float32 and rounded once to the actor's compute dtype (``mixed_precision.param_dtype``, bf16 by default: what
+  verl's own merged export sends), under the checkpoint's names (verl's, as ``convert_weight_keys`` gives them; a
+  tied weight under both names, as verl's ``state_dict()`` export has it). The training weights are never written.
+* ``lora.merge: false`` (verl's default: adapter-only sync). With ``base_sync_done=True`` the adapter comes from
+  :class:`~lora_stream.AdapterStream`: peft's adapter-checkpoint names, as verl's ``collect_lora_params`` gives
+  them, gathered one group of LoRA modules at a time, with each layer's scaling folded into ``lora_B`` and a peft
+  config whose scaling is 1 (``r == lora_alpha``; ``rank_pattern`` / ``alpha_pattern`` for other ranks), so the
+  served adapter computes the trainer's forward whatever verl's rollout does with ``lora_alpha``. The base-only
+  export (``base_sync_done=False``, once, when the rollout starts from dummy weights) is verl's own.
+* No adapter: the plain weights, one layer at a time, in the actor's compute dtype.
+
+Every rank iterates the generator in lockstep (verl's senders do: producing a weight is collective). If one rank's
+consumer fails, or a rank stops iterating, every rank raises (:class:`~lora_stream.StreamAbortedError` naming the
+rank) within one group, instead of hanging in the next all-gather.
+
+Refused when the engine is built (:class:`UnsupportedVerlError`, or the stream's own
+:class:`~lora_stream.UnsupportedAdapterError` / :class:`~lora_stream.UnsupportedModelError` from planning):
+a verl release outside :data:`TESTED_VERL`; QAT (verl quantizes its export; this engine would have to as well);
+a backend other than ``fsdp2`` (verl's FSDP1 engine is not tested here); and every peft configuration or model the
+stream itself refuses. Engines built ``forward_only`` (the reference model) never export and are not checked.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from importlib.metadata import version as _installed_version
+from typing import Any
+
+import torch
+from verl.workers.engine import EngineRegistry
+from verl.workers.engine.fsdp import FSDPEngineWithLMHead
+
+from ..adapter import AdapterStream
+from ..errors import LoraStreamError
+from ..stream import ParamStream
+
+logger = logging.getLogger("lora_stream")
+
+__all__ = ["TESTED_VERL", "LoraStreamFSDPEngine", "UnsupportedVerlError", "registry_key"]
+
+#: The verl releases whose FSDP engine this one was written against and tested with: ``[low, high)``. verl calls its
+#: engine interface "subject to change before release"; another release is refused rather than guessed at.
+TESTED_VERL = ("0.9.1", "0.10.0")
+
+#: The verl backends (``engine.strategy``) whose language-model engine this one replaces: FSDP1's too, so that a
+#: run configured for it is refused when its engine is built instead of silently keeping verl's own export.
+BACKENDS = ("fsdp", "fsdp2")
+#: The backends it exports. verl's FSDP1 engine cannot be built on a CPU (FSDP1's ``sync_module_states`` needs a
+#: GPU), so it is untested here, and refused.
+EXPORTED_BACKENDS = ("fsdp2",)
+
+
+class UnsupportedVerlError(LoraStreamError):
+    """verl, or this engine's configuration, is one that :class:`LoraStreamFSDPEngine` cannot export exactly;
+    raised when the engine is built (or when this module is imported, for a verl release), before any weight
+    moves."""
+
+
+def _release(text: str) -> tuple[int, ...]:
+    parts: list[int] = []
+    for piece in text.split("+")[0].split("."):
+        digits = "".join(c for c in piece if c.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def _check_verl_release() -> None:
+    installed = _installed_version("verl")
+    low, high = TESTED_VERL
+    if not _release(low) <= _release(installed) < _release(high):
+        raise UnsupportedVerlError(
+            f"lora_stream.integrations.verl was tested with verl >= {low}, < {high}; this is verl {installed}. "
+            "Its FSDP engine's export may have changed: remove model.external_lib to use verl's own sync"
+        )
+
+
+def registry_key() -> tuple[str, str]:
+    """The ``(device, vendor)`` key verl's ``EngineRegistry.get_engine_cls`` tries first in this process: the
+    platform's device and vendor, or ``VERL_ENGINE_DEVICE`` / ``VERL_ENGINE_VENDOR`` where set (verl reads those
+    too). :class:`LoraStreamFSDPEngine` is registered under it."""
+    from verl.utils.device import get_device_name, get_vendor
+
+    return (os.getenv("VERL_ENGINE_DEVICE") or get_device_name(), os.getenv("VERL_ENGINE_VENDOR") or get_vendor())
+
+
+class LoraStreamFSDPEngine(FSDPEngineWithLMHead):  # type: ignore[misc]  # verl is untyped
+    """verl's ``FSDPEngineWithLMHead`` with its weight export (``get_per_tensor_param``) replaced by lora_stream's
+    streams; see the module documentation. Built by verl's ``EngineRegistry`` once this module is imported
+    (``model.external_lib``); never constructed by hand.
+
+    Class attributes a subclass may change (register the subclass under :func:`registry_key` itself):
+    """
+
+    #: Seconds a rank waits for its peers at a group boundary before raising (a slow or dead rank).
+    sync_timeout: float = 300.0
+    #: How the merged stream is grouped (:class:`~lora_stream.GroupBy`): one decoder layer per gather.
+    group_by: str = "layer"
+
+    _stream: ParamStream | None = None
+    _adapter_stream: AdapterStream | None = None
+
+    # -- building ----------------------------------------------------------------------------------------------
+    def initialize(self) -> None:
+        """verl's ``initialize`` (model, FSDP, optimizer, checkpoint manager), then this engine's refusals and the
+        plan of its stream, so that what cannot be exported exactly fails here, not at the first sync."""
+        exports = not self.engine_config.forward_only
+        if exports:
+            self._refuse_configuration()
+        super().initialize()
+        if exports:
+            self._plan()
+
+    def _refuse_configuration(self) -> None:
+        where = f"rank {self.rank}"
+        if self.engine_config.strategy not in EXPORTED_BACKENDS:
+            raise UnsupportedVerlError(
+                f"{where}: lora_stream's verl engine exports {', '.join(EXPORTED_BACKENDS)} models; this engine's strategy is "
+                f"{self.engine_config.strategy!r} (verl's FSDP1 engine is not tested with it)"
+            )
+        if self._qat_enabled:
+            raise UnsupportedVerlError(
+                f"{where}: QAT is enabled (engine.qat.enable): verl quantizes its own export, lora_stream's would "
+                "send unquantized weights. Remove model.external_lib for QAT runs"
+            )
+
+    def _plan(self) -> None:
+        """Plan the stream this engine's lora mode exports (raises the stream's refusals on every rank)."""
+        if self._adapter_mode():
+            self._adapter_stream = AdapterStream(self.module, timeout=self.sync_timeout, group_by=self.group_by)
+        else:
+            self._stream = ParamStream(
+                self.module,
+                dtype=self._export_dtype(),
+                group_by=self.group_by,  # type: ignore[arg-type]
+                timeout=self.sync_timeout,
+            )
+
+    def _adapter_mode(self) -> bool:
+        """Whether verl's configuration asks for the adapter-only sync: a peft model and ``lora.merge`` off."""
+        peft_model = getattr(self.module, "_fsdp_wrapped_module", self.module)
+        return hasattr(peft_model, "peft_config") and not self.model_config.lora.get("merge", False)
+
+    def _export_dtype(self) -> torch.dtype:
+        """The actor's forward dtype (what verl's ``_build_fsdp_module`` set from ``mixed_precision.param_dtype``):
+        the dtype verl's own merged export sends."""
+        dtype: torch.dtype = self._autocast_dtype
+        return dtype
+
+    # -- exporting ---------------------------------------------------------------------------------------------
+    def get_per_tensor_param(
+        self, layered_summon: bool = False, base_sync_done: bool = False, **kwargs: Any
+    ) -> tuple[Iterator[tuple[str, torch.Tensor]], dict[str, Any] | None]:
+        """What verl's weight sync sends: ``(generator of (name, tensor), peft config or None)``, as verl's own
+        method returns it (``BaseEngine.get_per_tensor_param``).
+
+        Every rank must iterate the generator to its end, in lockstep: each step gathers from every rank. A
+        yielded tensor is a fresh tensor (merged or cast) or a copy out of the gather buffer; it stays valid after
+        the generator moves on, until the next optimizer step (for a tensor yielded without a copy). The first
+        ``next()`` runs the stream's checks (the plan still matches the model, every rank agrees); a rank that
+        fails or stops makes every rank raise within one group.
+
+        ``layered_summon`` is accepted and has no effect: every export here is layered.
+        """
+        if self.engine_config.forward_only:
+            raise UnsupportedVerlError(f"rank {self.rank}: a forward-only engine (the reference model) has no export")
+        if self._adapter_mode():
+            if not base_sync_done:
+                # The base, once, for a rollout started from dummy weights: verl's own export (not a merge).
+                result: tuple[Iterator[tuple[str, torch.Tensor]], dict[str, Any] | None] = super().get_per_tensor_param(
+                    layered_summon=False, base_sync_done=False, **kwargs
+                )
+                return result
+            stream = self._current_adapter_stream()
+            return self._export(stream, aliases={}), self._adapter_peft_config(stream)
+        merged = self._current_stream()
+        return self._export(merged, aliases=merged.tied_aliases()), None
+
+    def _current_stream(self) -> ParamStream:
+        """The merged stream, planned again when the model changed since (another adapter, adapters disabled, a
+        module replaced): a reused plan must not yield a stale merge. Every rank decides alike (the change is the
+        model's, the same on every rank); were they to differ, the pass's status exchange raises on all of them."""
+        if self._stream is None or self._stream.plan_changes():
+            self._stream = None
+            self._adapter_stream = None
+            self._plan()
+        assert self._stream is not None
+        return self._stream
+
+    def _current_adapter_stream(self) -> AdapterStream:
+        if self._adapter_stream is None or not self._adapter_mode() or self._adapter_stream.plan_changes():
+            if self._adapter_stream is not None:
+                self._adapter_stream.close()
+            self._stream = None
+            self._adapter_stream = None
+            self._plan()
+        assert self._adapter_stream is not None
+        return self._adapter_stream
+
+    def _adapter_peft_config(self, stream: AdapterStream) -> dict[str, Any]:
+        """The model's peft config as verl returns it (``LoraConfig.to_dict()``: ``peft_type`` and ``task_type`` as
+        enum members), with the ranks and scaling of the tensors :class:`~lora_stream.AdapterStream` yields
+        (scaling 1, folded into ``lora_B``)."""
+        peft_model = getattr(self.module, "_fsdp_wrapped_module", self.module)
+        config: dict[str, Any] = peft_model.peft_config[stream.adapter_name].to_dict()
+        served = stream.adapter_config()
+        for key in ("r", "lora_alpha", "rank_pattern", "alpha_pattern", "use_rslora"):
+            config[key] = served[key]
+        return config
+
+    def _export(
+        self, stream: ParamStream, aliases: dict[str, str]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """One pass over ``stream`` as verl's generator: each tied alias right after the tensor it shares."""
+        followers: dict[str, list[str]] = {}
+        for alias, source in aliases.items():
+            followers.setdefault(source, []).append(alias)
+        with self._staged(), iter(stream) as tensors:
+            for name, tensor in tensors:
+                yield name, tensor
+                for alias in followers.get(name, ()):
+                    yield alias, tensor
+
+    @contextmanager
+    def _staged(self) -> Iterator[None]:
+        """The shards on the device for the export, and back after, where verl offloads them between steps (what
+        its own export does: ``load_fsdp_model_to_gpu`` / ``offload_fsdp_model_to_cpu``). FSDP2's
+        ``CPUOffloadPolicy`` owns placement itself; the stream's gatherer moves each shard as it gathers it."""
+        from verl.utils.fsdp_utils import load_fsdp_model_to_gpu, offload_fsdp_model_to_cpu
+
+        stage = self._is_offload_param and not self._uses_fsdp2_cpu_offload_policy
+        if stage:
+            load_fsdp_model_to_gpu(self.module)
+        try:
+            yield
+        finally:
+            if stage:
+                offload_fsdp_model_to_cpu(self.module)
+
+
+def _register() -> None:
+    _check_verl_release()
+    key = registry_key()
+    engines = EngineRegistry._engines.get("language_model", {})
+    for backend in BACKENDS:
+        held = engines.get(backend, {}).get(key)
+        if held is LoraStreamFSDPEngine:
+            return  # this module's class, already registered (a re-import)
+        if held is not None:
+            raise UnsupportedVerlError(
+                f"verl's EngineRegistry already holds {held.__name__} for language_model/{backend} on {key}: "
+                "lora_stream's engine would not be the one verl builds"
+            )
+    device, vendor = key
+    EngineRegistry.register(model_type="language_model", backend=list(BACKENDS), device=device, vendor=vendor)(
+        LoraStreamFSDPEngine
+    )
+    logger.info("lora_stream: verl's language-model FSDP engine on %s/%s is lora_stream's", device, vendor)
+
+
+_register()
