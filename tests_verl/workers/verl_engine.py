@@ -28,10 +28,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # tests
 os.environ.setdefault("VERL_PLATFORM", "cpu")
 os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")
 
-import cpu_platform  # noqa: E402, F401  (registers verl's CPU platform before verl picks one)
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from helpers import finish, report, report_aborted, save_tokenizer  # noqa: E402
+import cpu_platform  # noqa: F401  (registers verl's CPU platform before verl picks one)
+import torch
+import torch.distributed as dist
+from helpers import finish, report, report_aborted, save_tokenizer
 
 SYNCS = 20
 LORA_RANK = 8
@@ -81,11 +81,10 @@ def save_model(path: str, kind: str) -> str:
 
 def build_engine(model_dir: str, *extra: str) -> object:
     """verl's trainer config + the user's lines, converted and built exactly as verl's ``TrainingWorker`` does."""
+    import verl
     from omegaconf import OmegaConf
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.engine import EngineRegistry
-
-    import verl
 
     base = OmegaConf.load(pathlib.Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml")
     lines = [f"actor_rollout_ref.model.path={model_dir}", *USER_LINES, *extra]
@@ -314,7 +313,7 @@ def scenario_adapter(root: str) -> None:
         assert {k: v for k, v in config.items() if k not in ("lora_alpha",)} == {
             k: v for k, v in verl_config.items() if k not in ("lora_alpha",)
         }
-    base_gen, base_config = engine.get_per_tensor_param(base_sync_done=False)
+    base_gen, _base_config = engine.get_per_tensor_param(base_sync_done=False)
     base = drain(base_gen)
     assert base and not any("lora_" in n for n in base), sorted(base)[:4]
     report(rank=dist.get_rank(), event="adapter-exact", tensors=len(got), base_tensors=len(base))

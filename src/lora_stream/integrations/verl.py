@@ -60,6 +60,7 @@ from verl.workers.engine.fsdp import FSDPEngineWithLMHead
 
 from ..adapter import AdapterStream
 from ..errors import LoraStreamError
+from ..grouping import GroupBy
 from ..stream import ParamStream
 
 logger = logging.getLogger("lora_stream")
@@ -124,7 +125,7 @@ class LoraStreamFSDPEngine(FSDPEngineWithLMHead):  # type: ignore[misc]  # verl 
     #: Seconds a rank waits for its peers at a group boundary before raising (a slow or dead rank).
     sync_timeout: float = 300.0
     #: How the merged stream is grouped (:class:`~lora_stream.GroupBy`): one decoder layer per gather.
-    group_by: str = "layer"
+    group_by: GroupBy = "layer"
 
     _stream: ParamStream | None = None
     _adapter_stream: AdapterStream | None = None
@@ -144,8 +145,8 @@ class LoraStreamFSDPEngine(FSDPEngineWithLMHead):  # type: ignore[misc]  # verl 
         where = f"rank {self.rank}"
         if self.engine_config.strategy not in EXPORTED_BACKENDS:
             raise UnsupportedVerlError(
-                f"{where}: lora_stream's verl engine exports {', '.join(EXPORTED_BACKENDS)} models; this engine's strategy is "
-                f"{self.engine_config.strategy!r} (verl's FSDP1 engine is not tested with it)"
+                f"{where}: lora_stream's verl engine exports {', '.join(EXPORTED_BACKENDS)} models; this engine's "
+                f"strategy is {self.engine_config.strategy!r} (verl's FSDP1 engine is not tested with it)"
             )
         if self._qat_enabled:
             raise UnsupportedVerlError(
@@ -161,7 +162,7 @@ class LoraStreamFSDPEngine(FSDPEngineWithLMHead):  # type: ignore[misc]  # verl 
             self._stream = ParamStream(
                 self.module,
                 dtype=self._export_dtype(),
-                group_by=self.group_by,  # type: ignore[arg-type]
+                group_by=self.group_by,
                 timeout=self.sync_timeout,
             )
 
@@ -230,16 +231,14 @@ class LoraStreamFSDPEngine(FSDPEngineWithLMHead):  # type: ignore[misc]  # verl 
         """The model's peft config as verl returns it (``LoraConfig.to_dict()``: ``peft_type`` and ``task_type`` as
         enum members), with the ranks and scaling of the tensors :class:`~lora_stream.AdapterStream` yields
         (scaling 1, folded into ``lora_B``)."""
-        peft_model = getattr(self.module, "_fsdp_wrapped_module", self.module)
+        peft_model: Any = getattr(self.module, "_fsdp_wrapped_module", self.module)
         config: dict[str, Any] = peft_model.peft_config[stream.adapter_name].to_dict()
         served = stream.adapter_config()
         for key in ("r", "lora_alpha", "rank_pattern", "alpha_pattern", "use_rslora"):
             config[key] = served[key]
         return config
 
-    def _export(
-        self, stream: ParamStream, aliases: dict[str, str]
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+    def _export(self, stream: ParamStream, aliases: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
         """One pass over ``stream`` as verl's generator: each tied alias right after the tensor it shares."""
         followers: dict[str, list[str]] = {}
         for alias, source in aliases.items():

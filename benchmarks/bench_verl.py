@@ -1,0 +1,100 @@
+"""verl benchmark: lora_stream's export against verl's own in-place merged export, on verl's real FSDP engine.
+
+    python3 -m nox -s verl -- bench        # in verl's environment (.nox/verl); extra arguments follow "bench"
+
+2 CPU ranks over gloo, verl 0.9.1's FSDP2 engine built through its trainer config with
+``model.external_lib=lora_stream.integrations.verl`` and ``lora.merge=True``; a Llama (12 layers, hidden 1024,
+vocab 32000 by default), LoRA r=16 on all linear layers, every adapter tensor perturbed. Both exports run on the
+same engine and weights, interleaved, with fp32 and with bf16 training weights; each tensor is copied into a
+preallocated bf16 destination. Columns per rank: median sync time, RSS growth during the sync (median and peak,
+after ``malloc_trim``), what lora_stream gathered at once, and training-weight elements changed after every sync.
+Writes benchmarks/results/verl.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from common import MiB, add_model_args, free_port, rank_env  # noqa: E402
+
+
+def run(dtype: str, args, tmp: str) -> list[dict]:  # type: ignore[no-untyped-def]
+    import subprocess
+
+    out = str(Path(tmp) / f"verl-{dtype}")
+    port = free_port()
+    shape = [f"--{k}={getattr(args, k)}" for k in ("layers", "hidden", "intermediate", "vocab", "syncs")]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(HERE / "verl_worker.py"),
+                *shape,
+                f"--model-dtype={dtype}",
+                "--dir",
+                tmp,
+                "--out",
+                out,
+            ],
+            env={**rank_env(r, port), "VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    logs = [p.communicate(timeout=3600)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise SystemExit("\n".join(log[-3000:] for log in logs))
+    return [row for r in range(2) for row in json.loads(Path(f"{out}.rank{r}.json").read_text())]
+
+
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(ap, layers=12)
+    ap.add_argument("--syncs", type=int, default=5)
+    ap.add_argument("--out", default=str(HERE / "results" / "verl.json"))
+    args = ap.parse_args()
+    rows: list[dict] = []
+    for dtype in ("fp32", "bf16"):
+        with tempfile.TemporaryDirectory() as tmp:
+            print(f"running with {dtype} training weights ...", flush=True)
+            rows += run(dtype, args, tmp)
+    header = (
+        f"{'export':<14} {'weights':>7} {'rank':>4} {'median sync':>11} {'x verl':>7} {'RSS growth med':>14} "
+        f"{'peak':>9} {'x less':>7} {'gathered at once':>16} {'drift (elements)':>16}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        base = next(
+            b
+            for b in rows
+            if b["variant"] == "verl_in_place" and b["rank"] == r["rank"] and b["model_dtype"] == r["model_dtype"]
+        )
+        gathered = f"{r['peak_gathered_bytes'] / MiB:.1f}MiB" if r["peak_gathered_bytes"] else "-"
+        lines.append(
+            f"{r['variant']:<14} {r['model_dtype']:>7} {r['rank']:>4} {r['median_sync_s']:>10.2f}s "
+            f"{r['median_sync_s'] / base['median_sync_s']:>7.2f} {r['median_rss_growth_bytes'] / MiB:>11.0f}MiB "
+            f"{r['peak_rss_growth_bytes'] / MiB:>6.0f}MiB "
+            f"{base['median_rss_growth_bytes'] / max(r['median_rss_growth_bytes'], 1):>7.1f} {gathered:>16} "
+            f"{r['drifted_elements_after_all_syncs']:>16}"
+        )
+    print(
+        f"\nmodel: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}; "
+        f"{rows[0]['model_bytes'] / MiB:.0f} MiB (fp32 run), {args.syncs} syncs per export, 2 ranks, verl FSDP2\n"
+    )
+    print("\n".join(lines))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"rows": rows, "args": vars(args)}, indent=1))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
