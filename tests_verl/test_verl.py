@@ -46,6 +46,7 @@ def test_merged_sync_is_the_exact_policy_for_twenty_syncs_and_never_writes_the_t
             f"float32 merge (max {e['max_abs_diff_to_oracle']}), {e['shards_drifted']} shards drifted; "
             f"{e['seconds_per_sync']:.3f} s per sync"
         )
+    assert len(events(results, "replanned")) == 2, describe(results)
     refused = events(results, "refused")
     assert len(refused) == 4, describe(results)
 

@@ -9,8 +9,9 @@ Scenarios:
            ``merge_and_unload()`` of the same weights in float32 (cast to bf16, the actor's dtype), under the names
            of verl's own export; the training shards bitwise unchanged by each sync; the gathered peak bounded by
            the largest layer. Then verl's own in-place export (``merged_lora_context``) 20 times on the same
-           engine, for comparison: its values against the same oracle, and its drift. Refusals: FSDP1 and QAT,
-           before anything is built.
+           engine, for comparison: its values against the same oracle, and its drift. A sync inside verl's
+           ``disable_adapter()`` exports the base, the next one the merge. Refusals: FSDP1 and QAT, before anything
+           is built.
   adapter  ``lora.merge=False`` (verl's adapter-only sync): lora_A and lora_B (scaled) against verl's own
            ``collect_lora_params``, the peft config's scaling 1, and the base export (verl's own).
   raise    rank 1's consumer raises at the fifth tensor of a merged sync: rank 0 raises too, naming rank 1.
@@ -242,6 +243,8 @@ def scenario_merged(root: str) -> None:
             names = set(got)
         frozen_after = local_shards(engine)
         assert all(torch.equal(start_shards[n], frozen_after[n]) for n in frozen)
+        if label == "llama":
+            check_adapters_disabled_then_enabled(engine, model_dir)
         assert worst_peak <= layer_bytes < model_bytes / 3, (worst_peak, layer_bytes, model_bytes)
         report(
             rank=dist.get_rank(),
@@ -283,6 +286,29 @@ def scenario_merged(root: str) -> None:
             seconds_per_sync=verl_seconds,
         )
         del engine
+
+
+def check_adapters_disabled_then_enabled(engine: object, model_dir: str) -> None:
+    """The stream is planned once and reused; a sync inside verl's ``disable_adapter()`` (how verl computes the
+    reference policy of a LoRA actor) must export the base, and the next sync the merged model again."""
+    from torch.distributed.tensor import DTensor
+    from verl.utils.fsdp_utils import normalize_peft_param_name
+
+    whole = {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in engine.module.named_parameters()  # type: ignore[attr-defined]
+    }
+    base = normalize_peft_param_name(whole)
+    with engine.disable_adapter():  # type: ignore[attr-defined]
+        gen, _ = engine.get_per_tensor_param()  # type: ignore[attr-defined]
+        got = drain(gen)
+    assert set(got) == set(base), sorted(set(got) ^ set(base))[:6]
+    bad, worst = unequal(got, base)
+    assert bad == 0, f"rank {dist.get_rank()}: adapters disabled, {bad} tensors are not the base ({worst})"
+    gen, _ = engine.get_per_tensor_param()  # type: ignore[attr-defined]
+    bad, worst = unequal(drain(gen), oracle(engine, model_dir))
+    assert bad == 0, f"rank {dist.get_rank()}: adapters enabled again, {bad} tensors differ from the merge ({worst})"
+    report(rank=dist.get_rank(), event="replanned", tensors=len(got))
 
 
 def scenario_adapter(root: str) -> None:
