@@ -4,7 +4,7 @@ config files, ``model.external_lib`` and ``EngineRegistry``, as verl's ``Trainin
 Usage: verl_engine.py SCENARIO MODEL_DIR
 
 Scenarios:
-  merged   ``lora.merge=True``: a Llama (fp32 and bf16 training weights) and a tied-embedding Qwen2, LoRA r=8 on all
+  merged   ``lora.merge=True``: a Llama (fp32, bf16, offloaded) and a tied-embedding Qwen2, LoRA r=8 on all
            linear layers, every adapter tensor perturbed before each of 20 syncs. Every sync's stream ``==`` peft's
            ``merge_and_unload()`` of the same weights in float32 (cast to bf16, the actor's dtype), under the names
            of verl's own export; the training shards bitwise unchanged by each sync; the gathered peak bounded by
@@ -213,6 +213,8 @@ def scenario_merged(root: str) -> None:
         ("qwen2-tied", "qwen2-tied", []),
         # Training weights held in bf16 (verl's memory-saving option): the merge still runs in float32 here.
         ("llama-bf16", "llama", ["actor_rollout_ref.actor.fsdp_config.model_dtype=bf16"]),
+        # verl offloads the shards between steps: the export stages them as verl's own does.
+        ("llama-offload", "llama", ["actor_rollout_ref.actor.fsdp_config.param_offload=True"]),
     ):
         model_dir = save_model(root, kind)
         engine = build_engine(model_dir, "actor_rollout_ref.model.lora.merge=True", *extra)

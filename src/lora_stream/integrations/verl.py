@@ -38,11 +38,15 @@ Every rank iterates the generator in lockstep (verl's senders do: producing a we
 consumer fails, or a rank stops iterating, every rank raises (:class:`~lora_stream.StreamAbortedError` naming the
 rank) within one group, instead of hanging in the next all-gather.
 
+Refused when this module is imported (:class:`UnsupportedVerlError`): a verl release outside :data:`TESTED_VERL`.
 Refused when the engine is built (:class:`UnsupportedVerlError`, or the stream's own
-:class:`~lora_stream.UnsupportedAdapterError` / :class:`~lora_stream.UnsupportedModelError` from planning):
-a verl release outside :data:`TESTED_VERL`; QAT (verl quantizes its export; this engine would have to as well);
-a backend other than ``fsdp2`` (verl's FSDP1 engine is not tested here); and every peft configuration or model the
-stream itself refuses. Engines built ``forward_only`` (the reference model) never export and are not checked.
+:class:`~lora_stream.UnsupportedAdapterError` / :class:`~lora_stream.UnsupportedModelError` from planning): QAT
+(verl quantizes its export; this engine would have to as well); a backend other than ``fsdp2`` (verl's FSDP1 engine
+is not tested here); and every peft configuration or model the stream itself refuses. Engines built
+``forward_only`` (the reference model) are verl's own in everything, their export included.
+
+Options are class attributes (:attr:`LoraStreamFSDPEngine.sync_timeout`, :attr:`LoraStreamFSDPEngine.group_by`):
+set them in a module of your own that imports this one, and name that module as ``external_lib``.
 """
 
 from __future__ import annotations
@@ -119,7 +123,8 @@ class LoraStreamFSDPEngine(FSDPEngineWithLMHead):  # type: ignore[misc]  # verl 
     streams; see the module documentation. Built by verl's ``EngineRegistry`` once this module is imported
     (``model.external_lib``); never constructed by hand.
 
-    Class attributes a subclass may change (register the subclass under :func:`registry_key` itself):
+    Its options are the class attributes below: set them before verl builds its engines (in the module named as
+    ``external_lib``, after importing this one).
     """
 
     #: Seconds a rank waits for its peers at a group boundary before raising (a slow or dead rank).
@@ -132,8 +137,8 @@ class LoraStreamFSDPEngine(FSDPEngineWithLMHead):  # type: ignore[misc]  # verl 
 
     # -- building ----------------------------------------------------------------------------------------------
     def initialize(self) -> None:
-        """verl's ``initialize`` (model, FSDP, optimizer, checkpoint manager), then this engine's refusals and the
-        plan of its stream, so that what cannot be exported exactly fails here, not at the first sync."""
+        """This engine's refusals, verl's ``initialize`` (model, FSDP, optimizer, checkpoint manager), then the plan
+        of the stream it exports, so that what cannot be exported exactly fails here, not at the first sync."""
         exports = not self.engine_config.forward_only
         if exports:
             self._refuse_configuration()
@@ -192,8 +197,11 @@ class LoraStreamFSDPEngine(FSDPEngineWithLMHead):  # type: ignore[misc]  # verl 
 
         ``layered_summon`` is accepted and has no effect: every export here is layered.
         """
-        if self.engine_config.forward_only:
-            raise UnsupportedVerlError(f"rank {self.rank}: a forward-only engine (the reference model) has no export")
+        if self.engine_config.forward_only:  # not planned here: verl's own export, which verl never asks of it
+            own: tuple[Iterator[tuple[str, torch.Tensor]], dict[str, Any] | None] = super().get_per_tensor_param(
+                layered_summon=layered_summon, base_sync_done=base_sync_done, **kwargs
+            )
+            return own
         if self._adapter_mode():
             if not base_sync_done:
                 # The base, once, for a rollout started from dummy weights: verl's own export (not a merge).
