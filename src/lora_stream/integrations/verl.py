@@ -195,7 +195,8 @@ class LoraStreamFSDPEngine(FSDPEngineWithLMHead):  # type: ignore[misc]  # verl 
         ``next()`` runs the stream's checks (the plan still matches the model, every rank agrees); a rank that
         fails or stops makes every rank raise within one group.
 
-        ``layered_summon`` is accepted and has no effect: every export here is layered.
+        ``layered_summon`` has no effect on lora_stream's exports (every one is layered); the adapter mode's base
+        export (``base_sync_done=False``) is verl's own and reads it as verl does.
         """
         if self.engine_config.forward_only:  # not planned here: verl's own export, which verl never asks of it
             own: tuple[Iterator[tuple[str, torch.Tensor]], dict[str, Any] | None] = super().get_per_tensor_param(
@@ -204,9 +205,10 @@ class LoraStreamFSDPEngine(FSDPEngineWithLMHead):  # type: ignore[misc]  # verl 
             return own
         if self._adapter_mode():
             if not base_sync_done:
-                # The base, once, for a rollout started from dummy weights: verl's own export (not a merge).
+                # The base, once, for a rollout started from dummy weights: verl's own export (not a merge), with
+                # verl's own refusal of layered_summon there.
                 result: tuple[Iterator[tuple[str, torch.Tensor]], dict[str, Any] | None] = super().get_per_tensor_param(
-                    layered_summon=False, base_sync_done=False, **kwargs
+                    layered_summon=layered_summon, base_sync_done=False, **kwargs
                 )
                 return result
             stream = self._current_adapter_stream()
