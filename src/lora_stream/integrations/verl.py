@@ -211,31 +211,26 @@ class LoraStreamFSDPEngine(FSDPEngineWithLMHead):  # type: ignore[misc]  # verl 
                     layered_summon=layered_summon, base_sync_done=False, **kwargs
                 )
                 return result
-            stream = self._current_adapter_stream()
-            return self._export(stream, aliases={}), self._adapter_peft_config(stream)
-        merged = self._current_stream()
+            adapter = self._current()
+            assert isinstance(adapter, AdapterStream)
+            return self._export(adapter, aliases={}), self._adapter_peft_config(adapter)
+        merged = self._current()
         return self._export(merged, aliases=merged.tied_aliases()), None
 
-    def _current_stream(self) -> ParamStream:
-        """The merged stream, planned again when the model changed since (another adapter, adapters disabled, a
-        module replaced): a reused plan must not yield a stale merge. Every rank decides alike (the change is the
-        model's, the same on every rank); were they to differ, the pass's status exchange raises on all of them."""
-        if self._stream is None or self._stream.plan_changes():
-            self._stream = None
-            self._adapter_stream = None
-            self._plan()
-        assert self._stream is not None
-        return self._stream
-
-    def _current_adapter_stream(self) -> AdapterStream:
-        if self._adapter_stream is None or not self._adapter_mode() or self._adapter_stream.plan_changes():
+    def _current(self) -> ParamStream:
+        """The stream this engine's lora mode exports, planned again when the model changed since (another adapter,
+        adapters disabled, a module replaced): a reused plan must not yield a stale merge. Every rank decides alike
+        (the change is the model's, the same on every rank); were they to differ, the pass's status exchange raises
+        on all of them."""
+        stream = self._adapter_stream if self._adapter_mode() else self._stream
+        if stream is None or stream.plan_changes():
             if self._adapter_stream is not None:
-                self._adapter_stream.close()
-            self._stream = None
-            self._adapter_stream = None
+                self._adapter_stream.close()  # its gather buffers are kept between syncs
+            self._stream = self._adapter_stream = None
             self._plan()
-        assert self._adapter_stream is not None
-        return self._adapter_stream
+            stream = self._adapter_stream if self._adapter_mode() else self._stream
+        assert stream is not None
+        return stream
 
     def _adapter_peft_config(self, stream: AdapterStream) -> dict[str, Any]:
         """The model's peft config as verl returns it (``LoraConfig.to_dict()``: ``peft_type`` and ``task_type`` as
