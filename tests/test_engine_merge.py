@@ -196,3 +196,54 @@ def test_a_quantized_base_is_refused_with_the_reason() -> None:
     target.merge.base.quantized = True  # type: ignore[union-attr]
     with pytest.raises(UnsupportedModelError, match="quantized"):
         EngineMergePlan(stream)
+
+
+def test_the_engine_merges_with_the_trainers_thread_count_whatever_its_own() -> None:
+    """Some CPU kernels' reduction order depends on the intra-op thread count (convolutions, DoRA's norms, LoHa's
+    products): the recipe carries the trainer's count, and the engine computes each step with it, then restores
+    its own. Trainer at 1 thread, engine at 2: bit for bit."""
+    from peft import LoraConfig, get_peft_model
+
+    import lora_stream.engine_merge as em
+
+    before = torch.get_num_threads()
+    cfg = LoraConfig(r=4, target_modules=["emb", "lin", "c1", "c2", "c3"], init_lora_weights=False, use_dora=False)
+    pm = get_peft_model(zoo(), cfg)
+    perturb_adapters(pm)
+    dora = lora(tiny_llama(), target_modules="all-linear", use_dora=True)
+    perturb_adapters(dora)
+    seen: list[int] = []
+    compute = em._compute_step
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        seen.append(torch.get_num_threads())
+        return compute(*args, **kwargs)
+
+    try:
+        for model in (pm, dora):
+            torch.set_num_threads(1)
+            stream = ParamStream(model, group_by="layer", merge_block_bytes=4096)
+            plan = EngineMergePlan(stream)
+            expected = {n: t.clone() for names, ts in stream.iter_groups() for n, t in zip(names, ts)}
+            steps = list(range(len(plan.recipes)))
+            sends = {i: [plan.inputs[k] for k in plan.reads[i]] for i in steps}
+            received: dict[str, torch.Tensor] = {}
+            with stream.iter_inputs(InputRequest(frozenset(steps), sends)) as batches:
+                for keys, tensors in batches:
+                    received.update((k, t.clone()) for k, t in zip(keys, tensors))
+            # What the sink sends: each recipe with the trainer's count (sinks/source.py).
+            recipes = json.loads(json.dumps([{**r, "threads": torch.get_num_threads()} for r in plan.recipes]))
+            torch.set_num_threads(2)
+            em._compute_step = watched
+            got: dict[str, torch.Tensor] = {}
+            for r in recipes:
+                got.update(compute_step(r, received))
+            em._compute_step = compute
+            assert seen and set(seen) == {1}, seen
+            assert torch.get_num_threads() == 2  # the engine's own count, restored
+            for name, t in expected.items():
+                assert torch.equal(got[name], t), name
+            seen.clear()
+    finally:
+        em._compute_step = compute
+        torch.set_num_threads(before)

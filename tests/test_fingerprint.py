@@ -11,7 +11,7 @@ import torch
 from helpers import lora, perturb_adapters, tiny_llama
 
 from lora_stream import ParamStream, fingerprint
-from lora_stream.fingerprint import BLOCK_WORDS, _weighted_sum
+from lora_stream.fingerprint import BLOCK_WORDS, CHUNK_WORDS, _key, _NH, nh_reference
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
@@ -35,12 +35,132 @@ def test_dtype_shape_and_layout() -> None:
     assert fingerprint(torch.empty(0)) != fingerprint(torch.empty(0, 3))
 
 
-def test_the_cpu_dot_wraps_as_the_product_sum_other_devices_use() -> None:
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8]
+
+
+def _structured_edits(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Edits a linear (weighted-sum) fingerprint misses: every sign bit lands on bit 63 of some word at the right
+    parity, and two changes of 2**63 cancel; powers of two touch only exponent bits; swaps and permutations keep
+    every value."""
+    out: dict[str, torch.Tensor] = {}
+    rows, cols = w.shape
+    for parity in range(8):  # a column at every position of a 64-bit word, whatever the element size
+        e = w.clone()
+        e[:, parity].neg_()
+        out[f"column {parity} negated"] = e
+    for step in (2, 4, 8):
+        for offset in range(step):
+            e = w.clone()
+            e.view(-1)[offset::step].neg_()
+            out[f"every {step}th element from {offset} negated"] = e
+    for col in range(0, cols, 5):
+        for factor in (2.0, 0.5, 4.0, 2.0**-8) if w.is_floating_point() else (2, -1):
+            e = w.clone()
+            e[:, col] = (e[:, col] * factor).to(w.dtype)
+            out[f"column {col} times {factor}"] = e
+    out["the whole tensor doubled"] = (w * 2).to(w.dtype)
+    out["the whole tensor negated"] = -w
+    for a, b in ((0, 1), (1, 3), (2, rows - 1)):
+        e = w.clone()
+        e[[a, b]] = e[[b, a]]
+        out[f"rows {a} and {b} swapped"] = e
+        e = w.clone()
+        e[:, [a, b]] = e[:, [b, a]]
+        out[f"columns {a} and {b} swapped"] = e
+    gen = torch.Generator().manual_seed(w.numel())
+    out["rows permuted"] = w[torch.randperm(rows, generator=gen)]
+    out["columns permuted"] = w[:, torch.randperm(cols, generator=gen)]
+    out["transposed in place"] = w.t().contiguous().view(rows, cols) if rows == cols else w.flip(0)
+    return {k: e for k, e in out.items() if not torch.equal(e.view(torch.uint8), w.view(torch.uint8))}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_no_structured_edit_keeps_the_fingerprint(dtype: torch.dtype) -> None:
+    """Sign flips at every parity, powers of two, swapped rows and columns, permutations: in every dtype, none
+    leaves the fingerprint (the linear sum this replaced missed every sign flip pair)."""
+    gen = torch.Generator().manual_seed(7)
+    w = (torch.randn(32, 40, generator=gen) * 8).to(dtype)
+    base = fingerprint(w)
+    edits = _structured_edits(w)
+    assert len(edits) > 40
+    missed = [name for name, e in edits.items() if fingerprint(e) == base]
+    assert not missed, (dtype, missed)
+    # Two edits of one kind never cancel each other either (pairs of the sign-flip edits, composed).
+    names = [k for k in edits if "negated" in k and "column" in k]
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            both = edits[a].clone()
+            both.view(torch.uint8).bitwise_xor_(w.view(torch.uint8) ^ edits[b].view(torch.uint8))
+            if not torch.equal(both.view(torch.uint8), w.view(torch.uint8)):
+                assert fingerprint(both) != base, (dtype, a, b)
+
+
+def test_structured_edits_across_blocks_and_chunks() -> None:
+    """The same edits where the bytes span many NH blocks and several chunks: two sign flips in different blocks,
+    and the same flip in every block."""
+    w = torch.randn(CHUNK_WORDS * 4 + 123)  # float32, two to a word: many blocks, three chunks and a tail
+    base = fingerprint(w)
+    e = w.clone()
+    e[1].neg_()
+    e[1 + 2 * BLOCK_WORDS].neg_()  # the same position of another block
+    assert fingerprint(e) != base
+    e = w.clone()
+    e[1 :: 2 * BLOCK_WORDS].neg_()
+    assert fingerprint(e) != base
+    e = w.clone()
+    e[-1].neg_()  # the tail
+    assert fingerprint(e) != base
+
+
+def test_the_fast_form_is_nh_by_its_definition() -> None:
+    """What ``fingerprint`` computes per block equals NH written as its definition (modulo 2**64, two lanes)."""
     gen = torch.Generator().manual_seed(3)
-    for n in (1, 9, 4096, BLOCK_WORDS):
-        block = torch.randint(-(1 << 62), 1 << 62, (n,), generator=gen, dtype=torch.int64)
-        weights = torch.randint(-(1 << 62), 1 << 62, (n,), generator=gen, dtype=torch.int64) | 1
-        assert int(_weighted_sum(block, weights, True)) == int(_weighted_sum(block, weights, False))
+    key = _key(torch.device("cpu"))
+    for blocks, n in ((1, 1), (1, 77), (3, BLOCK_WORDS)):
+        words = torch.randint(-(1 << 63), (1 << 63) - 1, (blocks, n), generator=gen, dtype=torch.int64)
+        assert torch.equal(_NH(key, blocks * n)(words).view(blocks, 2), nh_reference(words, key)), (blocks, n)
+
+
+@pytest.mark.parametrize("half_bits", [4, 6])
+def test_the_bound_holds_for_fixed_pairs_of_inputs_on_a_reduced_word(half_bits: int) -> None:
+    """The bound is a claim about *any fixed pair* of distinct inputs, over the key: one lane of NH collides with
+    probability at most 2**-half_bits. At 32 bits that is too rare to count, so the same construction is checked on
+    words of 2 * half_bits bits, where it can be: for structured pairs (one word's sign bit, two sign bits that
+    cancel in a weighted sum, swapped words, a word doubled) and random ones, over many keys."""
+    words_per_block = 16
+    top = 1 << (2 * half_bits - 1)  # the "sign bit" of a reduced word
+    gen = torch.Generator().manual_seed(half_bits)
+    x = torch.randint(0, 1 << (2 * half_bits), (words_per_block,), generator=gen, dtype=torch.int64)
+    pairs = {}
+    y = x.clone()
+    y[3] ^= top
+    pairs["one sign bit"] = y
+    y = x.clone()
+    y[3] ^= top
+    y[5] ^= top
+    pairs["two sign bits"] = y
+    y = x.clone()
+    y[[2, 9]] = y[[9, 2]]
+    pairs["two words swapped"] = y if not torch.equal(y, x) else y.roll(1)
+    y = x.clone()
+    y[4] = (y[4] * 2) % (1 << 2 * half_bits)
+    pairs["one word doubled"] = y if not torch.equal(y, x) else y.roll(1)
+    pairs["random"] = torch.randint(0, 1 << (2 * half_bits), (words_per_block,), generator=gen, dtype=torch.int64)
+    keys = 20000
+    key = torch.randint(0, 1 << half_bits, (keys, 2, words_per_block), generator=gen, dtype=torch.int64)
+    bound = 2.0**-half_bits
+    for name, y in pairs.items():
+        assert not torch.equal(x, y), name
+        mask = (1 << half_bits) - 1
+        lo_x, hi_x = x & mask, (x >> half_bits) & mask
+        lo_y, hi_y = y & mask, (y >> half_bits) & mask
+        def nh(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+            a = (lo + key[:, 0]) & mask
+            b = (hi + key[:, 1]) & mask
+            return (a * b).sum(-1) & ((1 << 2 * half_bits) - 1)
+        rate = (nh(lo_x, hi_x) == nh(lo_y, hi_y)).double().mean().item()
+        # 20000 keys: a rate at the bound has a standard deviation of under 0.2 * bound at these sizes.
+        assert rate <= bound * 1.25, (name, rate, bound)
 
 
 def test_the_same_in_every_process() -> None:

@@ -465,6 +465,38 @@ def test_after_the_first_sync_only_what_changed_is_loaded_and_served_exactly(unt
     assert sink.sync(ParamStream(pm, group_by="layer")).full_because is None
 
 
+def test_structured_edits_of_frozen_weights_travel_and_serve_what_a_full_sync_serves(untied) -> None:  # type: ignore[no-untyped-def]
+    """Edits a linear fingerprint cannot see (sign bits in pairs): a frozen column negated, and a function-preserving
+    reparametrization (a v_proj row and the o_proj columns that read it negated, v_proj under LoRA). Each partial
+    sync sends the edited weight and serves exactly what a full sync of the same weights serves."""
+    from helpers import perturb_adapters
+    from transformers import LlamaForCausalLM
+
+    path, llm = untied
+    pm = lora(LlamaForCausalLM.from_pretrained(path), target_modules=["q_proj", "v_proj"], r=8, lora_alpha=32)
+    perturb_adapters(pm)
+    sink, full = VLLMColocatedSink(llm, skip_unchanged=True), VLLMColocatedSink(llm, skip_unchanged=False)
+    layers = pm.base_model.model.model.layers
+    sink.sync(ParamStream(pm, group_by="layer"))
+
+    def partial_equals_full(expected_tensors: int) -> None:
+        record = sink.sync(ParamStream(pm, group_by="layer"))
+        assert record.full_because is None and record.tensors == expected_tensors, record
+        served = vllm_generate(llm)
+        full.sync(ParamStream(pm, group_by="layer"))
+        assert vllm_generate(llm) == served
+        assert "no longer holds" in sink.sync(ParamStream(pm, group_by="layer")).full_because
+
+    with torch.no_grad():
+        layers[1].mlp.down_proj.weight[:, 1].neg_()
+    partial_equals_full(6 + 1)  # q, k, v of each layer, and down_proj
+    with torch.no_grad():
+        layers[0].self_attn.v_proj.base_layer.weight[1].neg_()
+        for column in (1, 33):  # the two query heads that share the KV head
+            layers[0].self_attn.o_proj.weight[:, column].neg_()
+    partial_equals_full(6 + 1)  # and o_proj
+
+
 def test_a_partial_sync_failing_at_any_point_leaves_the_engine_bit_identical_and_the_next_sync_is_full(untied) -> None:  # type: ignore[no-untyped-def]
     from lora_stream.transaction import set_fault_hook
 

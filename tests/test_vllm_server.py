@@ -397,8 +397,13 @@ def test_after_the_first_sync_only_what_changed_is_gathered_and_sent_and_served_
         if restart:
             v8 = syncs[rank, "v8"]
             assert v8["skipped"] == 0 and ("restarted" if rank == 0 else "another trainer rank") in v8["full_because"]
+        if targets == "qv":
+            reparametrized = syncs[rank, "v5-reparametrized"]
+            assert reparametrized["full_because"] is None and reparametrized["tensors"] == SENT[targets] + 1
     equal = {e["label"]: e["equal"] for e in events["equal"]}
     assert equal.get("v2") is True and equal.get("v4") is True, describe(results)
+    if targets == "qv":
+        assert equal.get("v5-reparametrized") is True, describe(results)
     if restart:
         assert equal.get("v8") is True
     fault = events["fault"][0]
@@ -428,7 +433,7 @@ def test_the_engine_side_merge_serves_exactly_what_a_trainer_side_merged_sync_se
         # A partial update keeps no copy of the model to roll back: adapter-sized, not the first sync's copy.
         assert syncs[0, "v2"]["kept"] <= 1.1 * syncs[0, "v2"]["adapter_bytes"] < syncs[0, "v1"]["kept"], syncs[0, "v2"]
     equal = {e["label"]: e for e in events["equal"]}
-    for label in ("v2", "v5") + (("edited",) if faults else ()):
+    for label in ("v2", "v5") + (("edited", "unfrozen", "unfrozen-2") if faults else ()):
         assert equal[label]["equal"] is True and equal[label]["changed"] is True, equal[label]
     if not faults:
         return
@@ -443,6 +448,8 @@ def test_the_engine_side_merge_serves_exactly_what_a_trainer_side_merged_sync_se
         assert syncs[rank, "after-1"]["full_because"] is not None
         assert syncs[rank, "after-refused"]["full_because"] is not None
         assert "base" in (syncs[rank, "edited"]["full_because"] or "") or rank == 0, syncs[rank, "edited"]
+        assert "requires_grad changed for 'model.norm.weight'" in (syncs[rank, "unfrozen"]["full_because"] or "")
+        assert syncs[rank, "unfrozen-2"]["full_because"] is None  # a trained input now: sent with the others
     refused = [e for e in events["refused"]]
     assert all("is not the trainer's" in e["message"] for e in refused), refused
     assert next(e for e in refused if e["rank"] == 0)["equal"] is True

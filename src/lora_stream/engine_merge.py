@@ -105,6 +105,16 @@ class EngineMergePlan:
             self.reads.append([])
             self.recipes.append(self._recipe(step, g, aliases_of))
 
+    def trainable_changed(self) -> list[str]:
+        """The sources whose ``requires_grad`` differs from when this plan was built (a base weight unfrozen, or an
+        adapter frozen, after the first sync): the recipes' split into trained inputs and base is then wrong, and
+        the plan must be built again. Reads one flag per parameter; no communication."""
+        return [
+            spec.source
+            for spec in self.inputs.values()
+            if spec.ref is not None and bool(getattr(spec.ref, "requires_grad", True)) != spec.trainable
+        ]
+
     # -- trainer side ----------------------------------------------------------------------------------------------
     def _key(self, ref: Any, source: str, g: Any, buffer: BufferRead | None = None) -> str:
         ident = id(ref) if buffer is None else id(buffer.module._buffers[buffer.attr])
@@ -238,7 +248,7 @@ class EngineMergePlan:
         """This rank's fingerprint of its own shard of every frozen input of a step that also reads a trainable
         one (the base under an adapter, which :meth:`ParamStream.fingerprints` does not read), by key; ``None``
         when the gatherer cannot say (FSDP1). No communication."""
-        from .fingerprint import fingerprint
+        from .fingerprint import fingerprint_of
 
         local_shard = getattr(stream.gatherer, "local_shard", None)
         out: dict[str, int] = {}
@@ -254,7 +264,7 @@ class EngineMergePlan:
                     shard = None if local_shard is None else local_shard(spec.ref)
                 if shard is None:
                     return None
-                out[k] = fingerprint(shard)
+                out[k] = fingerprint_of(shard)
         return out
 
 
@@ -367,7 +377,29 @@ def compute_step(
 ) -> list[tuple[str, torch.Tensor]]:
     """The outputs of one step, aliases included, computed from ``lookup`` (key -> whole tensor) by the trainer's
     own merge code, then (``recipe["convert"]``) by transformers' conversion through ``convert``
-    (:func:`checkpoint_converter`). Each output is checked against the recipe's dtype and shape."""
+    (:func:`checkpoint_converter`). Each output is checked against the recipe's dtype and shape.
+
+    ``recipe["threads"]`` (the trainer's ``torch.get_num_threads()`` when it sent the recipe): the step runs with
+    that many intra-op threads, and the caller's count is restored after. On CPU, some kernels' reduction order
+    depends on the thread count (convolutions, DoRA's norms, LoHa's and LoKr's products: 19 peft configurations
+    differed in the last bit with 2 engine threads against 1), and the merge must be the trainer's bit for bit."""
+    threads = recipe.get("threads")
+    if threads is not None and int(threads) != torch.get_num_threads():
+        before = torch.get_num_threads()
+        torch.set_num_threads(int(threads))
+        try:
+            return _compute_step(recipe, lookup, scratch, convert)
+        finally:
+            torch.set_num_threads(before)
+    return _compute_step(recipe, lookup, scratch, convert)
+
+
+def _compute_step(
+    recipe: Recipe,
+    lookup: Mapping[str, torch.Tensor],
+    scratch: Scratch | None,
+    convert: Converter | None,
+) -> list[tuple[str, torch.Tensor]]:
     scratch = scratch if scratch is not None else Scratch(None)
 
     def full(k: Any) -> torch.Tensor:

@@ -22,7 +22,7 @@ from .checkpoint_format import Layout
 from .coordination import Coordinator
 from .core import Step, Unit
 from .errors import LoraStreamError, StreamAbortedError
-from .fingerprint import fingerprint
+from .fingerprint import fingerprint_of
 from .gatherers import Gatherer, auto_gatherer
 from .gatherers.base import nbytes
 from .grouping import DEFAULT_BUDGET_BYTES, Group, GroupBy, partition
@@ -424,7 +424,7 @@ class ParamStream:
         def of_param(p: Any) -> int | None:
             if id(p) not in cache:  # frozen: steps with a trainable source are not read
                 shard = None if local_shard is None else local_shard(p)
-                cache[id(p)] = None if shard is None else fingerprint(shard)
+                cache[id(p)] = None if shard is None else fingerprint_of(shard)
             return cache[id(p)]
 
         out: list[int | None] = []

@@ -173,14 +173,28 @@ def main() -> None:
         message = str(exc)
     report(rank=rank, event="refused", message=message[:400], equal=served() == before if rank == 0 else None)
     sync("after-refused")
-    # A frozen base weight edited on rank 1's shard only: both ranks send the base again.
-    p = dict(engine.module.named_parameters())["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"]
+    # A frozen base weight under an adapter edited on rank 1's shard only, by a structured edit (every odd element
+    # negated: sign bits in pairs, which a linear fingerprint cancels): both ranks send the base again.
+    params = dict(engine.module.named_parameters())
+    p = params["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"]
     if rank == 1:
         with torch.no_grad():
-            p.ds_tensor.data.mul_(1.5)
+            p.ds_tensor.data[1::2].neg_()
     step()
     sync("edited")
     same_as_trainer_side("edited")
+    # A base weight unfrozen after the first sync (requires_grad_(True)), then written: the recipes are built again
+    # (it is a trained input now, sent at every sync) and the base travels once more.
+    norm = params["base_model.model.model.norm.weight"]
+    norm.requires_grad_(True)
+    with torch.no_grad():
+        norm.ds_tensor.data.mul_(1.25)
+    sync("unfrozen")
+    same_as_trainer_side("unfrozen")
+    with torch.no_grad():
+        norm.ds_tensor.data.mul_(1.25)
+    sync("unfrozen-2")
+    same_as_trainer_side("unfrozen-2")
     finish()
 
 

@@ -26,11 +26,15 @@ from lora_stream import ParamStream, StreamAbortedError, VLLMServerSink
 from lora_stream.transaction import set_fault_hook
 
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+#: ``attn`` runs with DeepSpeed's default ``stage3_param_persistence_threshold`` (every parameter of this tiny model
+#: is then kept whole on every rank, as norms and biases are in a real one: the gather reads ``.data``, not the
+#: partition); ``all`` with 0 (every parameter partitioned).
 DS = {
     "train_micro_batch_size_per_gpu": 1,
     "zero_allow_untested_optimizer": True,
     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
 }
+DS_DEFAULT_PERSISTENCE = {**DS, "zero_optimization": {"stage": 3}}
 TARGETS = {"all": "all-linear", "attn": ["q_proj", "k_proj", "v_proj", "o_proj"], "qv": ["q_proj", "v_proj"]}
 
 
@@ -41,7 +45,9 @@ def build(gatherer: str, targets: str, ckpt: str):  # type: ignore[no-untyped-de
     perturb_adapters(pm)  # random factors everywhere: peft's initial B = 0 would make a wrong merge look right
     if gatherer == "zero3":
         opt = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=0.5)
-        engine, *_ = deepspeed.initialize(model=pm, optimizer=opt, config=DS)
+        engine, *_ = deepspeed.initialize(
+            model=pm, optimizer=opt, config=DS_DEFAULT_PERSISTENCE if targets == "attn" else DS
+        )
 
         def step() -> None:
             ids = torch.tensor([[1, 17, 42, 99, 5, 7, 300]])
@@ -68,20 +74,52 @@ def build(gatherer: str, targets: str, ckpt: str):  # type: ignore[no-untyped-de
     return pm, pm, fsdp_step
 
 
+def _sign_flip(t: torch.Tensor) -> None:
+    """A structured edit: every odd element negated. Sign bits change in pairs in every 64-bit word's top bit (two
+    float32 elements to a word): a linear fingerprint cancels them and calls the weight unchanged."""
+    t.view(-1)[1::2].neg_()
+
+
 def edit_frozen_on_rank_1(model: torch.nn.Module, targets: str) -> str:
-    """Scale rank 1's own shard of one frozen weight in place (through ``.data``: no version counter moves)."""
+    """Edit one frozen weight in place by a sign flip (through ``.data``: no version counter moves): rank 1's own
+    shard where it is sharded, or the whole tensor on every rank where ZeRO-3 keeps it whole (a persistent
+    parameter: the gather reads ``.data``, which is not the partition the fingerprint used to read)."""
     name = "model.norm.weight" if targets == "all" else "model.layers.1.mlp.down_proj.weight"
     p = dict(model.named_parameters())[f"base_model.model.{name}"]
     assert not p.requires_grad
-    if dist.get_rank() == 1:
-        with torch.no_grad():
+    with torch.no_grad():
+        if getattr(p, "ds_persist", False):
+            _sign_flip(p.data)
+        elif dist.get_rank() == 1:
             if hasattr(p, "ds_tensor"):
-                p.ds_tensor.data.mul_(1.5)
+                _sign_flip(p.ds_tensor.data)
             elif hasattr(p, "to_local"):
-                p.to_local().mul_(1.5)
+                _sign_flip(p.to_local())
             else:
-                p.data.mul_(1.5)
+                _sign_flip(p.data)
     return name
+
+
+def reparametrize(model: torch.nn.Module) -> None:
+    """A function-preserving edit: negate row 1 of layer 0's v_proj (base, under LoRA on q and v) and the o_proj
+    columns that read it (one per query head sharing the KV head). The served model must be the trainer's: v_proj
+    travels (it has an adapter), and o_proj must travel with it though only sign bits of two columns changed."""
+    params = dict(model.named_parameters())
+    attn = "base_model.model.model.layers.0.self_attn"
+    v = params[f"{attn}.v_proj.base_layer.weight"]
+    o = params[f"{attn}.o_proj.weight"]
+    head_dim = 32
+    columns = [1 + h * head_dim for h in range(o.shape[1] // head_dim)]  # DTensor shapes are global
+    with torch.no_grad():
+        for p, edit in ((v, "row"), (o, "columns")):
+            local = p.to_local() if hasattr(p, "to_local") else p.data
+            offset = dist.get_rank() * -(-p.shape[0] // dist.get_world_size()) if hasattr(p, "to_local") else 0
+            if edit == "row":
+                if offset <= 1 < offset + local.shape[0]:
+                    local[1 - offset].neg_()
+            else:
+                for column in columns:
+                    local[:, column].neg_()
 
 
 def main() -> None:
@@ -128,6 +166,12 @@ def main() -> None:
     report(rank=rank, event="edited", name=edited)
     same_as_full("v4")
     sync("v5")
+    if targets == "qv":
+        step()
+        reparametrize(model)
+        sync("v5-reparametrized")  # v_proj (adapted) and o_proj (frozen, two columns' sign bits) both travel
+        same_as_full("v5-reparametrized")
+        sync("v5")
     step()
     before = server_generate(url) if rank == 0 else None
 

@@ -167,7 +167,8 @@ class Gatherer(Protocol):
     * ``path_counts`` / ``fallback_reason``: copied into :class:`~lora_stream.StreamStats` as ``gather_paths``;
       ``path_counts`` counts parameters (``{"direct": n, "fallback": m}``: parameters made whole by each path).
     * ``local_shard(param)``: this rank's own bytes of ``param`` (its shard, or the whole tensor where nothing is
-      sharded), read without communication: what a sync fingerprints to prove a frozen source unchanged
+      sharded; a tuple of tensors where a gather may read more than one buffer -- every buffer it may read),
+      read without communication: what a sync fingerprints to prove a frozen source unchanged
       (:mod:`lora_stream.changes`). ``None`` (or no such method): the gatherer cannot say, and every output reading
       ``param`` is sent at every sync.
     * ``gather_key(param)``: see :meth:`GathererBase.gather_key`; with it (and :class:`GathererBase`'s

@@ -388,13 +388,21 @@ class ZeroThreeGatherer(ShardedGathererBase):
             layout.full[id(p)] = out.narrow(0, 0, p.ds_numel).view(p.ds_shape)
         return layout
 
-    def local_shard(self, param: Any) -> torch.Tensor | None:
-        """This rank's partition (``ds_tensor``); ``None`` when DeepSpeed keeps it on NVMe (not resident)."""
+    def local_shard(self, param: Any) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
+        """Every buffer of ``param`` this rank's gather may read: its partition (``ds_tensor``), and, where the
+        parameter is whole here (a persistent parameter, below ``stage3_param_persistence_threshold``, which
+        DeepSpeed keeps whole on every rank; or one made available by someone else), its whole ``.data`` too,
+        which the gather then reads instead of the partitions. The two are separate buffers on 2+ ranks: a write
+        through ``.data`` changes only the second. ``None`` when DeepSpeed keeps the partition on NVMe."""
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
         part = getattr(param, "ds_tensor", None)
         if part is None:
             return super().local_shard(param)
         if "nvme" in str(getattr(part, "final_location", "") or "").lower():
             return None
+        if getattr(param, "ds_status", None) == ZeroParamStatus.AVAILABLE:
+            return (self._partition(param), param.data)
         return self._partition(param)
 
     @staticmethod

@@ -31,13 +31,24 @@ class EngineBaseRecord:
         self.sent: dict[str, int] | None = None
         #: This rank's shard fingerprints of the adapted steps' bases at that sync.
         self.synced: dict[str, int] | None = None
+        #: Why the base the engines hold no longer matches the plan (a ``requires_grad`` changed since it was sent).
+        self.stale_because: str | None = None
 
     def plan(self, stream: ParamStream) -> EngineMergePlan:
-        """``stream``'s recipes (built once per stream and plan; refuses what the engine cannot merge exactly)."""
+        """``stream``'s recipes (built once per stream and plan, and again when a source's ``requires_grad``
+        changed; refuses what the engine cannot merge exactly). A plan rebuilt for a ``requires_grad`` change makes
+        the next sync send the base again (:meth:`reason`): a weight frozen since the last full sync is in no
+        engine's base, and one unfrozen must stop being read from it."""
         found = self._plans.get(stream)
-        if found is None or found.digest != stream.plan_digest:
+        changed = found.trainable_changed() if found is not None and found.digest == stream.plan_digest else []
+        if found is None or found.digest != stream.plan_digest or changed:
             found = EngineMergePlan(stream)
             self._plans[stream] = found
+        if changed and self.sent is not None:
+            shown = ", ".join(repr(s) for s in changed[:3]) + (" ..." if len(changed) > 3 else "")
+            self.stale_because = (
+                f"requires_grad changed for {shown} since the engine's base was sent: the base is sent again"
+            )
         return found
 
     def reason(
@@ -49,6 +60,8 @@ class EngineBaseRecord:
         """Why this rank needs the base sent again with every output (``None``: the engines hold it)."""
         if self.sent is None:
             return "the engines hold no base from this sink's engine-side merges yet"
+        if self.stale_because is not None:
+            return self.stale_because
         if base_fps is None:
             return "this gatherer cannot fingerprint its shards, so the engine's base is sent at every sync"
         if base_fps != self.synced:
@@ -65,6 +78,7 @@ class EngineBaseRecord:
         elif source.selection is None:
             self.sent = dict(source.base_fp)
             self.synced = base_fps
+            self.stale_because = None
 
     def forget(self) -> None:
-        self.sent = self.synced = None
+        self.sent = self.synced = self.stale_because = None

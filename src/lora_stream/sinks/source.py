@@ -238,7 +238,10 @@ class EngineMergeSource(SyncSource):
         # The fault points "group:<k>" of the whole plan, as for merged syncs: each input batch's group there.
         self._plan_index = origin
         self._plan_groups = len(stream._groups)
-        recipes = [plan.recipes[i] for i in steps]
+        # The trainer's intra-op thread count: some CPU kernels' reduction order depends on it, and the engine
+        # computes each merge with the same count, so that its result is the trainer's bit for bit.
+        threads = torch.get_num_threads()
+        recipes = [{**plan.recipes[i], "threads": threads} for i in steps]
         read = {k for i in steps for k in plan.reads[i] if k in self._frozen}
         self.merge_info: dict[str, Any] = {
             "recipes": recipes,
