@@ -103,6 +103,70 @@ def run_case(case: str, args: argparse.Namespace, tmp: str) -> dict[str, object]
     return result
 
 
+def _linear_fingerprint(t: object) -> int:
+    """The fingerprint lora_stream used before NH, kept here as the baseline: a weighted sum of 64-bit words with
+    odd weights (linear: two sign flips at one parity cancel). Same blocks and one device sync, as it was."""
+    import torch
+
+    assert isinstance(t, torch.Tensor)
+    words = t.detach().contiguous().view(-1).view(torch.uint8)
+    main = words[: words.numel() // 8 * 8].view(torch.int64)
+    w = _LINEAR_WEIGHTS.setdefault(
+        "w", torch.randint(-(1 << 62), 1 << 62, (1 << 20,), generator=torch.Generator().manual_seed(1)) | 1
+    )
+    sums = [
+        torch.dot(main[i : i + (1 << 20)], w[: min(1 << 20, main.numel() - i)]) for i in range(0, main.numel(), 1 << 20)
+    ]
+    return int(torch.stack(sums).sum()) if sums else 0
+
+
+_LINEAR_WEIGHTS: dict[str, object] = {}
+
+
+def fingerprint_cost(args: argparse.Namespace) -> list[dict[str, object]]:
+    """NH (``lora_stream.fingerprint``) against the linear sum it replaced, on the same tensors in the same run,
+    interleaved, at 1 and 2 threads: GiB/s and the ratio."""
+    import time
+
+    import torch
+
+    from lora_stream.fingerprint import fingerprint
+
+    rows: list[dict[str, object]] = []
+    before = torch.get_num_threads()
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for dtype in (torch.float32, torch.bfloat16):
+            t = torch.randn(args.fingerprint_mib * MiB // dtype.itemsize).to(dtype)
+            times: dict[str, list[float]] = {"nh": [], "linear": []}
+            for _ in range(args.rounds + 1):  # the first round warms up, and is dropped
+                for name, fn in (("nh", fingerprint), ("linear", _linear_fingerprint)):
+                    s = time.perf_counter()
+                    fn(t)
+                    times[name].append(time.perf_counter() - s)
+            nh, lin = (statistics.median(times[k][1:]) for k in ("nh", "linear"))
+            gib = args.fingerprint_mib / 1024
+            rows.append(
+                {
+                    "threads": threads,
+                    "dtype": str(dtype),
+                    "mib": args.fingerprint_mib,
+                    "nh_gib_s": gib / nh,
+                    "linear_gib_s": gib / lin,
+                    "nh_over_linear": nh / lin,
+                }
+            )
+    torch.set_num_threads(before)
+    print("\nfingerprint cost: NH against the linear sum it replaced (same tensors, interleaved, medians)")
+    print(f"{'threads':>7} {'dtype':>15} {'MiB':>6} {'NH GiB/s':>9} {'linear GiB/s':>13} {'NH / linear':>12}")
+    for r in rows:
+        print(
+            f"{r['threads']:>7} {r['dtype']:>15} {r['mib']:>6} {r['nh_gib_s']:>9.2f} {r['linear_gib_s']:>13.2f} "
+            f"{r['nh_over_linear']:>12.1f}"
+        )
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=8)
@@ -115,7 +179,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cases", default="dense-all,dense-attn,moe-attn")
     ap.add_argument("--out", default=str(HERE / "results" / "skip.json"))
+    ap.add_argument("--fingerprint-mib", type=int, default=256, help="tensor size for the fingerprint's cost")
+    ap.add_argument("--fingerprint-only", action="store_true", help="measure the fingerprint's cost only")
     args = ap.parse_args()
+    cost = fingerprint_cost(args)
+    if args.fingerprint_only:
+        out = Path(args.out).with_name("fingerprint.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"args": vars(args), "fingerprint": cost}, indent=1))
+        return
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for case in args.cases.split(","):
@@ -139,7 +211,7 @@ def main() -> None:
             )
         print(f"{'':<11} fingerprints read {res['fingerprinted_local_mib']:.0f} MiB of frozen shards per rank")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    Path(args.out).write_text(json.dumps({"args": vars(args), "results": results, "fingerprint": cost}, indent=1))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from .checkpoint_format import Layout
 from .coordination import Coordinator
 from .core import Step, Unit
 from .errors import LoraStreamError, StreamAbortedError
-from .fingerprint import fingerprint_of
+from .fingerprint import fingerprint, fingerprint_of
 from .gatherers import Gatherer, auto_gatherer
 from .gatherers.base import nbytes
 from .grouping import DEFAULT_BUDGET_BYTES, Group, GroupBy, partition

@@ -185,15 +185,17 @@ def main() -> None:
     same_as_trainer_side("edited")
     # A base weight unfrozen after the first sync (requires_grad_(True)), then written: the recipes are built again
     # (it is a trained input now, sent at every sync) and the base travels once more.
+    sync("pre-unfreeze")  # the trainer-side sink wrote the servers: this one's full sync first
     norm = params["base_model.model.model.norm.weight"]
     norm.requires_grad_(True)
     with torch.no_grad():
         norm.ds_tensor.data.mul_(1.25)
     sync("unfrozen")
     same_as_trainer_side("unfrozen")
+    sync("unfrozen-1")
     with torch.no_grad():
         norm.ds_tensor.data.mul_(1.25)
-    sync("unfrozen-2")
+    sync("unfrozen-2")  # partial: the norm is a trained input now, sent with the adapter
     same_as_trainer_side("unfrozen-2")
     finish()
 

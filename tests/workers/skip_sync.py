@@ -155,6 +155,9 @@ def main() -> None:
         if rank == 0:
             report(rank=rank, event="equal", label=label, equal=server_generate(url) == partial)
 
+    # A step before the first sync, as in training: ZeRO-3 keeps a persistent parameter whole from its first forward
+    # on, and from then on fingerprints its whole .data too (what the gather then reads).
+    step()
     sync("v1")  # a fresh server: everything
     step()
     sync("v2")  # the adapter moved: only the outputs it changes (and their fused neighbours)

@@ -393,7 +393,9 @@ class ZeroThreeGatherer(ShardedGathererBase):
         parameter is whole here (a persistent parameter, below ``stage3_param_persistence_threshold``, which
         DeepSpeed keeps whole on every rank; or one made available by someone else), its whole ``.data`` too,
         which the gather then reads instead of the partitions. The two are separate buffers on 2+ ranks: a write
-        through ``.data`` changes only the second. ``None`` when DeepSpeed keeps the partition on NVMe."""
+        through ``.data`` changes only the second. A persistent parameter is whole only from the first forward on,
+        so the first sync after that sends its outputs once more. ``None`` when DeepSpeed keeps the partition on
+        NVMe."""
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
         part = getattr(param, "ds_tensor", None)
