@@ -247,3 +247,30 @@ def test_the_engine_merges_with_the_trainers_thread_count_whatever_its_own() -> 
     finally:
         em._compute_step = compute
         torch.set_num_threads(before)
+
+
+def test_a_requires_grad_change_rebuilds_the_recipes_of_a_reused_stream_and_sends_the_base_again() -> None:
+    """A base weight unfrozen after the base was sent (and frozen again): with the same stream, the recipes are
+    built again (the weight is a trained input now, or a base input again), and the sink's record names the change
+    as the reason to send the base again. The real route is in tests/test_vllm_server.py (merge="engine")."""
+    from types import SimpleNamespace
+
+    from lora_stream.sinks.engine_base import EngineBaseRecord
+
+    pm = lora(tiny_llama(), target_modules=["q_proj", "v_proj"])
+    stream = ParamStream(pm, group_by="layer")
+    record = EngineBaseRecord()
+    plan = record.plan(stream)
+    record.remember(True, SimpleNamespace(selection=None, base_fp={"i0": 1}), {})
+    assert record.plan(stream) is plan and record.stale_because is None
+    norm = pm.base_model.model.model.norm.weight
+    norm.requires_grad_(True)
+    again = record.plan(stream)
+    assert again is not plan and any(s.trainable for s in again.inputs.values() if s.source.endswith("model.norm.weight"))
+    assert "requires_grad changed for 'base_model.model.model.norm.weight'" in (record.reason({}, [], None) or "")
+    norm.requires_grad_(False)
+    assert record.plan(stream) is not again and record.stale_because is None  # as when the base was sent
+    norm.requires_grad_(True)
+    record.plan(stream)
+    record.remember(True, SimpleNamespace(selection=None, base_fp={"i0": 1}), {})  # a full sync sent it
+    assert record.stale_because is None

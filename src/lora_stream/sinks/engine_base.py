@@ -31,25 +31,31 @@ class EngineBaseRecord:
         self.sent: dict[str, int] | None = None
         #: This rank's shard fingerprints of the adapted steps' bases at that sync.
         self.synced: dict[str, int] | None = None
-        #: Why the base the engines hold no longer matches the plan (a ``requires_grad`` changed since it was sent).
-        self.stale_because: str | None = None
+        #: The sources that were trained inputs when the engines' base was sent, and those of the current plan.
+        self._trainable_sent: frozenset[str] | None = None
+        self._trainable_now: frozenset[str] = frozenset()
 
     def plan(self, stream: ParamStream) -> EngineMergePlan:
         """``stream``'s recipes (built once per stream and plan, and again when a source's ``requires_grad``
-        changed; refuses what the engine cannot merge exactly). A plan rebuilt for a ``requires_grad`` change makes
-        the next sync send the base again (:meth:`reason`): a weight frozen since the last full sync is in no
-        engine's base, and one unfrozen must stop being read from it."""
+        changed; refuses what the engine cannot merge exactly). When the sources that are trained inputs differ
+        from those at the full sync that sent the engines' base (a weight frozen or unfrozen since, with this
+        stream or a new one), the next sync sends the base again (:meth:`reason`): a weight frozen since is in no
+        engine's base, and the recipes' split into base and trained inputs is another."""
         found = self._plans.get(stream)
-        changed = found.trainable_changed() if found is not None and found.digest == stream.plan_digest else []
-        if found is None or found.digest != stream.plan_digest or changed:
+        if found is None or found.digest != stream.plan_digest or found.trainable_changed():
             found = EngineMergePlan(stream)
             self._plans[stream] = found
-        if changed and self.sent is not None:
-            shown = ", ".join(repr(s) for s in changed[:3]) + (" ..." if len(changed) > 3 else "")
-            self.stale_because = (
-                f"requires_grad changed for {shown} since the engine's base was sent: the base is sent again"
-            )
+        self._trainable_now = frozenset(s.source for s in found.inputs.values() if s.trainable)
         return found
+
+    @property
+    def stale_because(self) -> str | None:
+        """Why the base the engines hold does not fit the current plan (``None``: it does)."""
+        if self._trainable_sent is None or self._trainable_sent == self._trainable_now:
+            return None
+        changed = sorted(self._trainable_sent ^ self._trainable_now)
+        shown = ", ".join(repr(s) for s in changed[:3]) + (" ..." if len(changed) > 3 else "")
+        return f"requires_grad changed for {shown} since the engine's base was sent: the base is sent again"
 
     def reason(
         self,
@@ -78,7 +84,7 @@ class EngineBaseRecord:
         elif source.selection is None:
             self.sent = dict(source.base_fp)
             self.synced = base_fps
-            self.stale_because = None
+            self._trainable_sent = self._trainable_now
 
     def forget(self) -> None:
-        self.sent = self.synced = self.stale_because = None
+        self.sent = self.synced = self._trainable_sent = None
