@@ -41,3 +41,18 @@ def test_the_fleet_agreement_carries_every_server_whatever_the_length_of_their_a
     f0, f1 = (find_event(results_of(r.output), "fleet", describe(results)) for r in results)
     assert f0["excluded"] == f1["excluded"] and len(f0["excluded"]) == 16, describe(results)
     assert f0["ok"] and f1["ok"], describe(results)
+
+
+def test_a_stopped_store_host_cannot_hold_a_peer_past_its_deadline() -> None:
+    """Rank 0 hosts the group's store and is stopped (SIGSTOP), not dead: rank 1 raises within its timeout plus
+    the settlement's bound (before, it waited on the stopped store until rank 0 ran again: the store's own timeout
+    is 30 minutes); rank 0, continued, raises too, naming rank 1; the next exchange pairs."""
+    from lora_stream.lockstep import SETTLE_BOUND_S
+
+    results = launch("lockstep_faults", "stopped-host", timeout=120)
+    assert_all_ok(results)
+    r0, r1 = (find_event(results_of(r.output), "second", describe(results)) for r in results)
+    assert r1["outcome"] == "raised" and r1["seconds"] < 3.0 + SETTLE_BOUND_S + 3.0, describe(results)
+    assert r0["outcome"] == "raised" and "given up by rank 1" in r0["message"], describe(results)
+    for r in results:
+        assert find_event(results_of(r.output), "third", describe(results))["statuses"] == [0, 0]

@@ -46,6 +46,10 @@ OUTCOME_PREFIX = "lora_stream/lockstep"
 #: How long a rank that timed out waits more for its own ``all_reduce`` once a peer claimed that exchange completed
 #: (every contribution had arrived, so it completes at once unless this process is starved).
 COMPLETION_GRACE_S = 10.0
+#: How long a rank waits for the store to settle an exchange (the store's own timeout is 30 minutes): past it, no
+#: answer is taken as the rank's own claim (see :meth:`_Outcome._settle`), so a stopped store host cannot hold a
+#: peer past its deadline.
+SETTLE_BOUND_S = 5.0
 
 _sequence_lock = threading.Lock()
 #: Per process group object (held weakly: a destroyed group takes its numbering with it): ``[epoch, exchanges
@@ -271,15 +275,34 @@ class _Outcome:
         self.rank = rank
 
     def _settle(self, value: str) -> str | None:
+        """``compare_set`` of this exchange's key, within :data:`SETTLE_BOUND_S`; ``None``: no answer (no store,
+        the store is gone with its host, or its host is stopped).
+
+        The call runs on a daemon thread: a store whose host process is stopped (``SIGSTOP``, a GC pause) accepts
+        the request into its socket and answers only when the host runs again, and the store's own timeout is 30
+        minutes. The request stays queued meanwhile, so the host, once it runs again, finds it settled as this
+        rank claimed before it can claim anything itself (its own claim comes after its ``all_reduce``, which
+        needs this rank's contribution, long in flight)."""
         if self.store is None:
             return None
-        try:
-            return bytes(self.store.compare_set(self.key, "", value)).decode()  # type: ignore[attr-defined]
-        except Exception:  # the store is gone with its host (rank 0's process): nothing left to settle with
-            return None
+        store, key = self.store, self.key
+        out: list[str | None] = [None]
+
+        def call() -> None:
+            try:
+                out[0] = bytes(store.compare_set(key, "", value)).decode()  # type: ignore[attr-defined]
+            except Exception:  # the store is gone with its host (rank 0's process): nothing left to settle with
+                out[0] = None
+
+        thread = threading.Thread(target=call, name="lora_stream-settle", daemon=True)
+        thread.start()
+        thread.join(SETTLE_BOUND_S)
+        return out[0]
 
     def claim_done(self) -> int | None:
-        """This rank's ``all_reduce`` completed: the rank that gave the exchange up first, or ``None`` (done)."""
+        """This rank's ``all_reduce`` completed: the rank that gave the exchange up first, or ``None`` (done). No
+        answer within the bound counts as done: every rank had contributed, and this rank's claim, queued in the
+        store, settles it so for a stopped host that claims after it runs again."""
         settled = self._settle("done")
         if settled is not None and settled.startswith("gave-up:"):
             return int(settled.split(":", 1)[1])
@@ -292,7 +315,9 @@ class _Outcome:
         return None
 
     def claim_gave_up(self) -> bool:
-        """This rank stops waiting: whether a peer had already completed the exchange (then it stands)."""
+        """This rank stops waiting: whether a peer had already completed the exchange (then it stands). No answer
+        from the store within its bound is "given up": this rank raises, and its claim, queued in the store, is what
+        a stopped host finds when it runs again."""
         return self._settle(f"gave-up:{self.rank}") == "done"
 
 

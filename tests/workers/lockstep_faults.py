@@ -7,6 +7,10 @@ Usage: lockstep_faults.py SCENARIO
   slow-zero3  the same under DeepSpeed ZeRO-3.
   fleet       24 servers with long addresses, excluded on both ranks: the agreement carries them all, both ranks
               learn the same set, and one more agreement pairs after it.
+  stopped-host  rank 0, whose process hosts the group's store, stops itself (SIGSTOP) before an exchange; rank 1
+              times out, and raises within its timeout plus the settlement's bound while rank 0 is still stopped
+              (the store's own timeout is 30 minutes), then continues rank 0 (SIGCONT), which raises too ("given up
+              by rank 1"); the next exchange pairs.
 Each outcome is one RESULT {json} line.
 """
 
@@ -49,6 +53,33 @@ def scenario_late() -> None:
         )
     # Rank 0 is here while rank 1 still sleeps: wait long enough for it.
     statuses, _ = Lockstep(None, "late", datetime.timedelta(seconds=60)).statuses(Status.OK, "third")
+    report(rank=rank, event="third", outcome="ok", statuses=statuses)
+
+
+STOP_S = 15.0
+
+
+def scenario_stopped_host() -> None:
+    import os
+    import signal
+
+    rank = dist.get_rank()
+    pids: list[int] = [0, 0]
+    dist.all_gather_object(pids, os.getpid())
+    lock = lambda: Lockstep(None, "stopped-host", datetime.timedelta(seconds=TIMEOUT_S))  # noqa: E731
+    lock().statuses(Status.OK, "first")
+    start = time.monotonic()
+    if rank == 0:
+        os.kill(os.getpid(), signal.SIGSTOP)  # rank 1 continues it after STOP_S
+    try:
+        lock().statuses(Status.OK, "second")
+        report(rank=rank, event="second", outcome="ok", seconds=time.monotonic() - start)
+    except StreamAbortedError as exc:
+        report(rank=rank, event="second", outcome="raised", message=str(exc), seconds=time.monotonic() - start)
+    if rank == 1:
+        time.sleep(max(0.0, STOP_S - (time.monotonic() - start)))
+        os.kill(pids[0], signal.SIGCONT)
+    statuses, _ = Lockstep(None, "stopped-host", datetime.timedelta(seconds=60)).statuses(Status.OK, "third")
     report(rank=rank, event="third", outcome="ok", statuses=statuses)
 
 
@@ -130,6 +161,8 @@ def main() -> None:
         scenario_slow("zero3")
     elif scenario == "fleet":
         scenario_fleet()
+    elif scenario == "stopped-host":
+        scenario_stopped_host()
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
     sys.stdout.flush()
