@@ -12,9 +12,11 @@ After every round it checks the transaction's promises by their strongest observ
 - every response the client got during the whole soak is one a committed version gives.
 
 Faults: ``raise`` / ``slow`` / ``die`` on a random rank at a random transaction point, ``kill-server`` and
-``stop-server`` (SIGSTOP past the sink's timeout, then SIGCONT) on a random server mid-transfer. After a trainer
-death the driver checks that the servers healed by themselves within their lease, then launches the trainer again
-for the remaining rounds. Used by ``tests/test_vllm_soak.py`` (a bounded number of rounds) and
+``stop-server`` (SIGSTOP past the sink's timeout, then SIGCONT) on a random server mid-transfer; processes stopped
+rather than dead: ``stop-rank`` (a trainer rank SIGSTOPped past the lease at a random point, then continued) and
+``stall-server`` (a server SIGSTOPped longer than the lease, shorter than the sink's timeout, mid-transfer).
+After a trainer death the driver checks that the servers healed by themselves within their lease, then launches
+the trainer again for the remaining rounds. Used by ``tests/test_vllm_soak.py`` (a bounded number of rounds) and
 ``benchmarks/bench_soak.py`` (as many as you like).
 """
 
@@ -35,7 +37,10 @@ from helpers import greedy_completion
 from launch import RankResult, describe, launch
 from vllm_server import Server
 
-FAULTS = ("raise", "slow", "die", "kill-server", "stop-server")
+FAULTS = ("raise", "slow", "die", "kill-server", "stop-server", "stall-server", "stop-rank")
+#: Kinds whose round may commit or fail, as long as every rank and every server agree: a stopped rank or a stalled
+#: server that comes back within the agreements' wait, its lease intact, lets the sync go on.
+EITHER = frozenset({"stall-server", "stop-rank"})
 #: Transaction points of the server sink (``FAULT_POINTS``; the model has four groups; ``verify`` is not a server
 #: sink's point).
 POINTS = ("prepare", "group:0", "group:1", "group:3", "reload-check", "prefix-cache", "commit")
@@ -162,8 +167,17 @@ class Soak:
     """Drives one soak over ``servers`` (two running :class:`~vllm_server.Server`, serving ``checkpoint``)."""
 
     def __init__(
-        self, servers: list[Server], checkpoint: str, workdir: Path, *, seed: int = 0, timeouts: dict | None = None
-    ) -> None:  # type: ignore[type-arg]
+        self,
+        servers: list[Server],
+        checkpoint: str,
+        workdir: Path,
+        *,
+        seed: int = 0,
+        timeouts: dict | None = None,  # type: ignore[type-arg]
+        merge: str = "trainer",
+    ) -> None:
+        #: Where the merge runs (the sink's ``merge=``): ``"engine"`` soaks the servers' own merges and base.
+        self.merge = merge
         self.servers = servers
         self.urls = [s.url for s in servers]
         self.checkpoint = checkpoint
@@ -236,7 +250,9 @@ class Soak:
         markers = self.workdir / f"markers-{self.report.launches}"
         markers.mkdir(parents=True)
         plan_file = markers / "plan.json"
-        plan_file.write_text(json.dumps({"rounds": left, "timeouts": self.timeouts, "seed": self.seed}))
+        plan_file.write_text(
+            json.dumps({"rounds": left, "timeouts": self.timeouts, "seed": self.seed, "merge": self.merge})
+        )
         results: list[RankResult] = []
         job = threading.Thread(
             target=lambda: results.extend(
@@ -255,12 +271,28 @@ class Soak:
             while not all(p.exists() or self._dead(markers, r) for r, p in enumerate(done)):
                 if (markers / f"fault{k}").exists() and not (markers / f"faulted{k}").exists():
                     server = self.servers[fault["server"]]
+                    if fault["fault"] == "stop-rank":
+                        pid = json.loads((markers / f"fault{k}").read_text())["pid"]
+                        os.kill(pid, signal.SIGSTOP)
+                        hold = t["lease"] + t["stop_extra"]
+
+                        def cont_rank(pid: int = pid, hold: float = hold, done: Path = markers / f"faulted{k}") -> None:
+                            time.sleep(hold)
+                            done.write_text("done")  # before the rank runs again: it finds it at once
+                            os.kill(pid, signal.SIGCONT)
+
+                        stopped = threading.Thread(target=cont_rank, daemon=True)
+                        stopped.start()
+                        while not (markers / f"faulted{k}").exists():
+                            time.sleep(0.05)
+                        continue
                     if fault["fault"] == "kill-server":
                         server.kill()
                         killed = True
                     else:
                         os.killpg(server.proc.pid, signal.SIGSTOP)
-                        hold = t["sink"] + t["stop_extra"]
+                        # stop-server: past the sink's timeout; stall-server: past the lease, within the timeout.
+                        hold = t["sink"] + t["stop_extra"] if fault["fault"] == "stop-server" else t["lease"] + 1.5
 
                         def cont(pid: int = server.proc.pid, hold: float = hold) -> None:
                             time.sleep(hold)
@@ -326,7 +358,7 @@ class Soak:
             problems.append(f"the ranks disagreed: {[(o['rank'], o['committed']) for o in alive]}")
         did_commit = committed == {True}
         expected = kind == "none"
-        if did_commit != expected:
+        if did_commit != expected and kind not in EITHER:
             problems.append(
                 f"{'committed' if did_commit else 'raised'} where the fault {kind} should have "
                 + ("let it commit" if expected else "failed it")
@@ -337,12 +369,16 @@ class Soak:
                 bound += o["wait_s"] + t["slow_extra"]
             if kind == "stop-server":
                 bound += 1.0
+            if kind == "stop-rank" and o["rank"] == fault["rank"]:
+                bound += t["lease"] + t["stop_extra"]
+            if kind == "stall-server":
+                bound += t["lease"] + 1.5
             if o["seconds"] > bound:
                 problems.append(f"rank {o['rank']} took {o['seconds']:.1f} s, past its bound of {bound:.1f} s")
             if did_commit and not o.get("serves_trainer", False):
                 problems.append(f"rank {o['rank']}'s server does not serve the trainer's weights: {o.get('mismatch')}")
         # The servers: a vanished trainer's are healed by their lease; give it that long (plus its heartbeat).
-        within = t["lease"] * 1.5 + SLACK_S if died or kind == "stop-server" else SLACK_S
+        within = t["lease"] * 1.5 + SLACK_S if died or kind in ("stop-server", *EITHER) else SLACK_S
         client.pause()
         states = []
         for i in range(2):

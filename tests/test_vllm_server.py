@@ -404,6 +404,17 @@ def test_after_the_first_sync_only_what_changed_is_gathered_and_sent_and_served_
     assert equal.get("v2") is True and equal.get("v4") is True, describe(results)
     if targets == "qv":
         assert equal.get("v5-reparametrized") is True, describe(results)
+    if gatherer == "fsdp2" and targets == "all":
+        held = events["held"][0]
+        # Forged lease headers on a read-only route touch nothing; an operator's /resume waits for the holder.
+        assert held["models"] == 200 and held["paused"] is True, held
+        assert held["resume"][0] == 409 and "holds this server" in held["resume"][1], held
+        assert all(syncs[r, "v5-held"]["full_because"] is None for r in (0, 1))
+        forward = events["forward"][0]
+        assert forward["stopped"] and forward["stopped"][0] > 4, forward  # stopped past the 2 s lease
+        assert forward["committed"] is True and forward["served_version"] == "v5-forward", forward
+        assert "rolled forward" in forward["last_heal"], forward
+        assert equal.get("v5-forward") is True, describe(results)
     if restart:
         assert equal.get("v8") is True
     fault = events["fault"][0]

@@ -53,6 +53,23 @@ def test_every_round_of_a_soak_with_random_faults_ends_with_every_server_on_its_
     assert report.answers > 0 and report.uncommitted_answers == 0, text
 
 
+def test_the_soak_with_the_merge_in_the_engine_ends_every_round_on_the_last_committed_version(
+    checkpoint: str, servers: list[Server], tmp_path: Path
+) -> None:
+    """The same promises with ``merge="engine"``: the servers' workers merge on the base they keep, a partial
+    update rolls back by recomputing, and a heal after a commit rolls forward. A rank raising, dying, and stopped
+    past its lease; a plain round first and last."""
+    for s in servers:
+        if not s.healthy():  # the other soak left it down
+            s.restart()
+    kinds = ("raise", "die", "stop-rank")
+    report = Soak(servers, checkpoint, tmp_path, seed=SEED + 2, merge="engine").run(len(kinds) + 2, kinds=kinds)
+    text = json.dumps(report.as_json(), indent=1)
+    assert not report.problems, text
+    assert {r["fault"] for r in report.rounds} >= set(kinds) and report.rounds[-1]["committed"], text
+    assert report.answers > 0 and report.uncommitted_answers == 0, text
+
+
 def test_a_trainer_rank_dying_or_slower_than_the_wait_at_every_point_leaves_every_server_healed_and_in_sync(
     checkpoint: str, servers: list[Server], tmp_path: Path
 ) -> None:

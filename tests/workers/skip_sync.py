@@ -122,6 +122,77 @@ def reparametrize(model: torch.nn.Module) -> None:
                     local[:, column].neg_()
 
 
+def only_the_holder_writes(sync, url: str, rank: int) -> None:  # type: ignore[no-untyped-def]
+    """While a sync holds the server (paused, its update loaded, before the vote), from outside: a plain client's
+    ``GET /v1/models`` with made-up lease headers runs and touches nothing (before, it healed the live update); an
+    operator's ``/resume`` without the sync's headers is refused with 409 naming the holder (before, it served the
+    uncommitted update). The sync then commits."""
+    import requests
+
+    from lora_stream.engine.lease import LEASE_HEADER, SYNC_HEADER
+
+    seen: dict[str, object] = {}
+
+    def hook(point: str) -> None:
+        if rank == 0 and point == "prefix-cache":
+            forged = {SYNC_HEADER: "someone-else", LEASE_HEADER: "1"}
+            seen["models"] = requests.get(f"{url}/v1/models", headers=forged, timeout=30).status_code
+            resumed = requests.post(f"{url}/resume", timeout=30)
+            seen["resume"] = (resumed.status_code, resumed.text[:300])
+            seen["paused"] = requests.get(f"{url}/is_paused", timeout=30).json()["is_paused"]
+
+    set_fault_hook(hook)
+    try:
+        sync("v5-held")
+    finally:
+        set_fault_hook(None)
+    if rank == 0:
+        report(rank=rank, event="held", **seen)
+
+
+def a_commit_rolls_forward(trainer, url: str, rank: int, step, same_as_full) -> None:  # type: ignore[no-untyped-def]
+    """The feeding rank stopped (SIGSTOP, as a GC pause or a preemption would) after the server answered the commit
+    and before ``/finish_weight_update``, for longer than the lease: the server's lease finishes the committed update
+    with its version (it used to "roll back" nothing and finish without a version: new weights under the old
+    label), and the late finish is answered as committed: the sync commits, ``/weight_info`` says so, and the server
+    serves exactly what a full sync of the same weights serves."""
+    import os
+    import signal
+    import subprocess
+
+    from lora_stream.sinks.vllm_server import VLLMServerClient
+
+    step()
+    short = VLLMServerSink(url, rank=rank, timeout=30, skip_unchanged=False, lease=2)
+    finish = VLLMServerClient.finish_weight_update
+    stopped: list[float] = []
+
+    def stopping(self, weight_version=None):  # type: ignore[no-untyped-def]
+        if not stopped:
+            t = time.monotonic()
+            subprocess.Popen(["sh", "-c", f"sleep 6; kill -CONT {os.getpid()}"])
+            os.kill(os.getpid(), signal.SIGSTOP)
+            stopped.append(time.monotonic() - t)
+        return finish(self, weight_version)
+
+    VLLMServerClient.finish_weight_update = stopping  # type: ignore[method-assign]
+    try:
+        record = short.sync(ParamStream(trainer, group_by="layer"), version="v5-forward")
+        outcome = {"committed": True, "version": record.version}
+    except Exception as exc:
+        outcome = {"committed": False, "error": f"{type(exc).__name__}: {exc}"[:400]}
+    finally:
+        VLLMServerClient.finish_weight_update = finish  # type: ignore[method-assign]
+    if rank == 0:
+        import requests
+
+        info = requests.get(f"{url}/weight_info", timeout=30).json()["weight_version"]
+        lease = requests.get(f"{url}/lora_stream/lease", timeout=30).json()
+        heal = lease["last_heal"]
+        report(rank=rank, event="forward", stopped=stopped, served_version=info, last_heal=heal, **outcome)
+    same_as_full("v5-forward")
+
+
 def main() -> None:
     gatherer, targets, url, ckpt, markers = sys.argv[1:6]
     restart = "restart" in sys.argv[6:]
@@ -175,6 +246,9 @@ def main() -> None:
         sync("v5-reparametrized")  # v_proj (adapted) and o_proj (frozen, two columns' sign bits) both travel
         same_as_full("v5-reparametrized")
         sync("v5")
+    if gatherer == "fsdp2" and targets == "all":
+        only_the_holder_writes(sync, url, rank)
+        a_commit_rolls_forward(trainer, url, rank, step, same_as_full)
     step()
     before = server_generate(url) if rank == 0 else None
 

@@ -2,7 +2,8 @@
 round, with the round's fault injected, and reports each round's outcome to the driver.
 
 Usage: vllm_soak.py PLAN_JSON URL_A URL_B CHECKPOINT MARKER_DIR
-PLAN_JSON: {"rounds": [{"k", "fault", "rank", "point", "server"}...], "timeouts": {...}, "seed": int}, the rounds
+PLAN_JSON: {"rounds": [{"k", "fault", "rank", "point", "server"}...], "timeouts": {...}, "seed": int, "merge": where
+the merge runs}, the rounds
 this launch runs (after a trainer death the driver launches the rest again). Server A is fed by rank 0, B by rank 1.
 
 Faults (``fault``):
@@ -13,6 +14,10 @@ Faults (``fault``):
   kill-server   the rank feeding ``server`` signals ``fault<k>`` at group 2 and waits for ``faulted<k>`` (the driver
                 SIGKILLs the server meanwhile).
   stop-server   the same, the driver SIGSTOPs the server (and SIGCONTs it after the round).
+  stall-server  the same, the driver SIGSTOPs the server for longer than the lease but shorter than the sink's
+                timeout, then SIGCONTs it: every rank is alive and renewing meanwhile.
+  stop-rank     ``rank`` signals ``fault<k>`` (with its pid) at ``point`` and waits for ``faulted<k>``: the driver
+                SIGSTOPs it for longer than the lease, then SIGCONTs it (a GC pause or a preemption, not a death).
 After each round every rank writes ``round<k>.rank<r>`` (JSON: committed or not, error, seconds, and, after a commit,
 whether its server serves the trainer's merged weights) and waits for ``go<k>`` (or ``exit``).
 """
@@ -64,12 +69,16 @@ def hook_for(fault: dict, rank: int, slow_s: float):  # type: ignore[no-untyped-
     feeding = fault.get("server") == rank  # server i is fed by rank i
 
     def hook(p: str) -> None:
-        if kind in ("kill-server", "stop-server"):
+        if kind in ("kill-server", "stop-server", "stall-server"):
             if feeding and p == "group:2":
                 signal(f"fault{fault['k']}")
                 wait_for(f"faulted{fault['k']}")
             return
         if rank != fault.get("rank") or p != point:
+            return
+        if kind == "stop-rank":
+            signal(f"fault{fault['k']}", {"pid": os.getpid()})
+            wait_for(f"faulted{fault['k']}")  # stopped meanwhile, then continued
             return
         if kind == "raise":
             raise RuntimeError(f"injected failure at {p} on rank {rank}")
@@ -107,6 +116,7 @@ def main() -> None:
         timeout=t["sink"],
         prefix_cache_timeout=t["prefix_cache"],
         lease=t["lease"],
+        merge=plan.get("merge", "trainer"),
     )
     for fault in plan["rounds"]:
         k = fault["k"]

@@ -46,13 +46,26 @@ import asyncio
 import json
 import logging
 import math
+import re
 import time
 import uuid
 from typing import Any
 
 logger = logging.getLogger("lora_stream")
 
-__all__ = ["EXPIRED", "LEASED_PATHS", "LEASE_HEADER", "RESTORE_HEADER", "STATUS_PATH", "SYNC_HEADER", "UpdateLease"]
+__all__ = [
+    "BUSY",
+    "COMMIT_HEADER",
+    "EXPIRED",
+    "GUARDED_PATHS",
+    "LEASED_PATHS",
+    "LEASE_HEADER",
+    "NOTHING_KEPT",
+    "RESTORE_HEADER",
+    "STATUS_PATH",
+    "SYNC_HEADER",
+    "UpdateLease",
+]
 
 #: Request headers lora_stream's sink sends on every call of a sync.
 SYNC_HEADER = "x-lora-stream-sync"
@@ -60,7 +73,11 @@ LEASE_HEADER = "x-lora-stream-lease"
 #: On an adapter sync's ``/v1/load_lora_adapter``: JSON ``{"lora_name", "lora_path"}`` of what a heal puts back
 #: (``lora_path`` ``null``: unload the name).
 RESTORE_HEADER = "x-lora-stream-restore"
-#: The route that reports the lease's state (JSON); with the holder's headers it renews the lease (the heartbeat).
+#: On the ``/update_weights`` request that carries the trainer's commit: JSON ``{"version": ...}``. Once the workers
+#: answered it, the update is decided: a heal finishes it with that version instead of rolling it back.
+COMMIT_HEADER = "x-lora-stream-commit"
+#: The route that reports the lease's state (JSON); with the holder's headers it renews the lease (the heartbeat),
+#: and its ``yours`` field says whether the asking sync still holds the server.
 STATUS_PATH = "/lora_stream/lease"
 #: The routes whose requests take part in the lease (and may heal a server held by another sync).
 LEASED_PATHS = frozenset(
@@ -92,6 +109,34 @@ WRITE_PATHS = frozenset(
         "/sleep",  # level 2 discards the weights (waking maps their memory again, not their bytes)
     }
 )
+#: Routes that change the weights or generation. While a sync holds the server, a request to one of them from
+#: anyone else (another sync's id, or no lora_stream headers: an operator, a health script, another tool) is refused
+#: with ``409`` (:data:`BUSY`, naming the holder and when its lease ends) until the holder's lease ends; then the
+#: server heals first, and the request runs.
+GUARDED_PATHS = frozenset(
+    {
+        "/pause",
+        "/resume",
+        "/start_weight_update",
+        "/update_weights",
+        "/finish_weight_update",
+        "/init_weight_transfer_engine",
+        "/shutdown_weight_transfer_engine",
+        "/update_weight_version",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+        "/collective_rpc",
+        "/reload_weights",
+        "/load_weights",
+        "/sleep",
+        "/wake_up",
+    }
+)
+#: The late requests of a sync whose committed update a heal finished (rolled forward), answered as done.
+_FORWARDED_OK = frozenset({"/finish_weight_update", "/resume"})
+#: A gap this much longer than the watcher's tick means the server's own process did not run (stopped, paused,
+#: starved): the lease counts only the server's running time, so the gap is added to it.
+_STALL_S = 1.0
 #: The marker in a ``409`` answer to a request of a sync whose lease expired (the server rolled it back).
 EXPIRED = "lora_stream_lease_expired"
 #: The marker in a ``409`` answer while another sync's request is still running on the server.
@@ -99,6 +144,9 @@ BUSY = "lora_stream_lease_busy"
 _WATCH_S = 0.25
 _MAX_EXPIRED = 64
 _MAX_LEASE_S = 24 * 3600.0
+#: What lora_stream's worker engine says when a rollback restores nothing: the update kept no copy (rollback=False),
+#: or it was committed (then the lease rolls it forward instead; see :attr:`_Lease.committed`).
+NOTHING_KEPT = "lora_stream_nothing_to_restore"
 # What vLLM's worker answers when no update session is open (the workers already ended it).
 _NO_SESSION = ("must be called before", "without a matching")
 
@@ -115,9 +163,15 @@ class _Lease:
         self.session = False
         #: What a heal puts back of an adapter the sync swapped in: ``{"lora_name", "lora_path"}``, or ``None``.
         self.restore: dict[str, Any] | None = None
+        #: The holding sync's commit, once the workers acknowledged it: ``{"version": ...}`` (``None``: undecided).
+        #: From then on the update is final, and a heal rolls it forward.
+        self.committed: dict[str, Any] | None = None
         #: The holding sync's lease ran out: it is being healed (a step that failed is retried every tick).
         self.expiring = False
         self.expired: list[str] = []
+        #: Syncs whose committed update a heal finished, with their version: their late ``/finish_weight_update``
+        #: and ``/resume`` are answered as done.
+        self.forwarded: dict[str, str | None] = {}
         self.heals = 0
         self.last_heal: str | None = None
         #: This API process's identity: a restarted server reports another one.
@@ -130,15 +184,26 @@ class _Lease:
     def holding(self) -> bool:
         return self.sync is not None and (self.paused or self.session or self.restore is not None)
 
-    def status(self, disabled: str | None) -> dict[str, Any]:
+    def expires_in(self) -> float | None:
+        return round(self.expires - time.monotonic(), 3) if self.holding else None
+
+    def status(self, disabled: str | None, asking: str | None = None) -> dict[str, Any]:
+        yours = None
+        if asking is not None:
+            yours = {
+                "holding": self.holding and self.sync == asking and not self.expiring,
+                "expired": asking in self.expired,
+                "forwarded": asking in self.forwarded,
+            }
         return {
+            "yours": yours,
             "sync": self.sync,
             "holding": self.holding,
             "paused": self.paused,
             "session": self.session,
             "adapter_restore": self.restore is not None,
             "inflight": self.inflight,
-            "expires_in": round(self.expires - time.monotonic(), 3) if self.holding else None,
+            "expires_in": self.expires_in(),
             "heals": self.heals,
             "last_heal": self.last_heal,
             "disabled": disabled,
@@ -158,6 +223,7 @@ class UpdateLease:
         self._lock: asyncio.Lock | None = None
         self._watcher: asyncio.Task[None] | None = None
         self._state: Any = None
+        self._last_tick = time.monotonic()
         #: Why this lease heals nothing (several API processes), or ``None``.
         self.disabled: str | None = None
 
@@ -168,23 +234,27 @@ class UpdateLease:
         path = scope.get("path", "")
         self._bind(scope)
         sync, lease_s = _lease_headers(scope)
-        if path in WRITE_PATHS:
-            self.lease.weights_by = sync  # whoever it is: a partial sync then finds the weights written by another
+        lease = self.lease
         if path == STATUS_PATH:
-            if sync is not None and sync == self.lease.sync and self.disabled is None:  # the holder's heartbeat
+            if sync is not None and sync == lease.sync and self.disabled is None:  # the holder's heartbeat
                 await self._renew(sync)
-            await _respond(send, 200, self.lease.status(self.disabled))
+            await _respond(send, 200, lease.status(self.disabled, sync))
             return
-        if sync is None or path not in LEASED_PATHS or self.disabled is not None:
+        if self.disabled is not None or (path not in LEASED_PATHS and path not in GUARDED_PATHS):
+            if path in WRITE_PATHS:
+                lease.weights_by = sync  # whoever it is: a partial sync then finds the weights written by another
             await self.app(scope, receive, send)
             return
-        lock = self._lock_()
-        lease = self.lease
-        async with lock:
-            now = time.monotonic()
-            if lease.sync == sync and lease.holding and lease.inflight == 0 and now > lease.expires:
-                await self._heal(f"sync {sync}'s lease of {lease.lease_s:g} s expired")
-            if sync in lease.expired:
+        async with self._lock_():
+            self._account_stall()
+            if lease.holding and lease.inflight == 0 and time.monotonic() > lease.expires:
+                await self._heal(f"sync {lease.sync}'s lease of {lease.lease_s:g} s expired")
+            if sync is not None and sync in lease.forwarded and path in _FORWARDED_OK:
+                # Its commit was final: the heal finished the update with its version and resumed generation.
+                version = lease.forwarded[sync]
+                await _respond(send, 200, {"lora_stream": f"committed; the lease finished it as {version!r}"})
+                return
+            if sync is not None and sync in lease.expired:
                 await _respond(
                     send,
                     409,
@@ -195,26 +265,44 @@ class UpdateLease:
                     },
                 )
                 return
-            if lease.sync is not None and lease.sync != sync and lease.holding:
-                if lease.inflight:
+            if lease.holding and lease.sync != sync:
+                if path in GUARDED_PATHS:
+                    # Only the holding sync writes. Healing the holder's update on someone else's word would let
+                    # any client that can make up a sync id (or none) end a live sync, and a resume would serve an
+                    # update nobody committed; so it waits for the holder's lease, which heals the server if the
+                    # holder is gone.
+                    who = "a request without lora_stream's headers" if sync is None else f"sync {sync}"
                     await _respond(
                         send,
                         409,
-                        {"error": f"lora_stream: another sync ({lease.sync}) is updating this server", "marker": BUSY},
+                        {
+                            "error": f"lora_stream: sync {lease.sync} holds this server in a weight update; {who} "
+                            f"may not {path} until it ends or its lease expires (in {lease.expires_in()} s, if "
+                            "nothing renews it)",
+                            "marker": BUSY,
+                            "holder": lease.sync,
+                            "expires_in": lease.expires_in(),
+                        },
                     )
                     return
-                await self._heal(f"sync {lease.sync} was superseded by sync {sync}")
-                if lease.holding:  # a step of the heal failed: the old sync still holds the server
-                    await _respond(
-                        send,
-                        409,
-                        {"error": f"lora_stream: healing sync {lease.sync} failed: {lease.last_heal}", "marker": BUSY},
-                    )
-                    return
-            lease.sync, lease.lease_s = sync, lease_s
-            lease.inflight += 1
-            lease.expires = max(lease.expires, now + lease_s)
-            self._watch_()
+                sync = None  # someone else's read-only request: it runs, and touches nothing of the lease
+            if sync is None:
+                if path in WRITE_PATHS:
+                    lease.weights_by = None
+                passing = True
+            else:
+                passing = False
+                if path in WRITE_PATHS:
+                    lease.weights_by = sync
+                now = time.monotonic()
+                # A sync taking a free server starts its own lease: the previous holder's expiry is not its own.
+                lease.expires = now + lease_s if lease.sync != sync else max(lease.expires, now + lease_s)
+                lease.sync, lease.lease_s = sync, lease_s
+                lease.inflight += 1
+                self._watch_()
+        if passing:
+            await self.app(scope, receive, send)
+            return
         answer = {"status": 500, "answered": False}
 
         async def sending(message: Any) -> None:
@@ -223,12 +311,21 @@ class UpdateLease:
                 answer["answered"] = True
             await send(message)
 
+        commit = _json_header(scope, COMMIT_HEADER) if path == "/update_weights" else None
         try:
             await self.app(scope, receive, sending)
         finally:
-            self._completed(sync, path, int(answer["status"]), bool(answer["answered"]), _restore_header(scope))
+            self._completed(sync, path, int(answer["status"]), bool(answer["answered"]), _restore_header(scope), commit)
 
-    def _completed(self, sync: str, path: str, status: int, answered: bool, restore: dict[str, Any] | None) -> None:
+    def _completed(
+        self,
+        sync: str,
+        path: str,
+        status: int,
+        answered: bool,
+        restore: dict[str, Any] | None,
+        commit: dict[str, Any] | None = None,
+    ) -> None:
         lease = self.lease
         lease.inflight -= 1
         if lease.sync != sync:
@@ -240,11 +337,14 @@ class UpdateLease:
             elif path == "/resume":
                 lease.paused = False
             elif path == "/start_weight_update":
-                lease.session = True
+                lease.session, lease.committed = True, None
+            elif path == "/update_weights" and commit is not None:
+                lease.committed = commit  # the workers committed: every rank voted, the decision is final
             elif path == "/finish_weight_update":
                 # The update is decided: committed, or rolled back after the sync put its adapter back itself.
                 lease.session = False
                 lease.restore = None
+                lease.committed = None
             elif path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
                 # The sync swapped its adapter in (and said what to put back), or put the previous one back itself.
                 lease.restore = restore
@@ -277,11 +377,24 @@ class UpdateLease:
 
     def _watch_(self) -> None:
         if self._watcher is None or self._watcher.done():
+            self._last_tick = time.monotonic()
             self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    def _account_stall(self) -> None:
+        """Add to the lease any time this process did not run (a gap between the watcher's ticks well beyond a
+        tick: the API process was stopped, paused or starved). The lease counts the server's running time only,
+        so a server that stalled reads the requests that queued meanwhile -- its trainer's heartbeats -- before it
+        can find the lease expired; otherwise it would heal a live sync the moment it runs again."""
+        now = time.monotonic()
+        gap = now - self._last_tick
+        if gap > _WATCH_S + _STALL_S and self.lease.holding:
+            self.lease.expires += gap - _WATCH_S
+        self._last_tick = now
 
     async def _renew(self, sync: str) -> None:
         lease = self.lease
         async with self._lock_():
+            self._account_stall()
             if lease.sync != sync or not lease.holding:
                 return
             now = time.monotonic()
@@ -296,10 +409,12 @@ class UpdateLease:
         lease = self.lease
         while True:
             await asyncio.sleep(_WATCH_S)
+            self._account_stall()
             if lease.sync is None:
                 return
             if lease.holding and lease.inflight == 0 and time.monotonic() > lease.expires:
                 async with self._lock_():
+                    self._account_stall()
                     if lease.holding and lease.inflight == 0 and time.monotonic() > lease.expires:
                         await self._heal(f"sync {lease.sync}'s lease of {lease.lease_s:g} s expired")
 
@@ -307,6 +422,30 @@ class UpdateLease:
         # Shielded: a heal cut off half-way (the request that triggered it was cancelled) would leave the flags
         # saying what is no longer true.
         await asyncio.shield(self._heal_steps(why))
+
+    async def _roll_forward(self, engine: Any, steps: list[str]) -> None:
+        """Every rank voted to commit and the workers committed: the decision is final, so the heal finishes the
+        update with its version (rolling back would leave the new weights under the old version: the workers keep
+        no copy once committed); the sync's late ``/finish_weight_update`` and ``/resume`` are answered as done."""
+        lease = self.lease
+        version = (lease.committed or {}).get("version")
+        try:
+            await engine.finish_weight_update(version)
+            lease.session = False
+            steps.append(f"its committed update rolled forward, the session ended as version {version!r}")
+        except Exception as exc:
+            if any(m in str(exc) for m in _NO_SESSION):
+                lease.session = False
+                steps.append("its committed update already ended")
+            else:
+                steps.append(f"finish failed ({type(exc).__name__}: {str(exc)[:200]})")
+        if not lease.session:
+            lease.restore = None  # an adapter the committed sync swapped in stands too
+        if not lease.session and lease.sync is not None:
+            lease.forwarded[lease.sync] = version
+            while len(lease.forwarded) > _MAX_EXPIRED:
+                lease.forwarded.pop(next(iter(lease.forwarded)))
+            lease.committed = None
 
     async def _heal_steps(self, why: str) -> None:
         """Roll the holding sync's update back, end vLLM's session, put its adapter back, resume generation. Each
@@ -319,6 +458,8 @@ class UpdateLease:
         if lease.sync is not None and lease.sync not in lease.expired:
             lease.expired = [*lease.expired, lease.sync][-_MAX_EXPIRED:]
         lease.expiring = True
+        if engine is not None and lease.session and lease.committed is not None:
+            await self._roll_forward(engine, steps)
         if engine is not None and lease.session:
             from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
@@ -328,7 +469,12 @@ class UpdateLease:
                 rolled_back = True
                 steps.append("rolled back")
             except Exception as exc:
-                if any(m in str(exc) for m in _NO_SESSION):
+                committed = _committed_version(str(exc))
+                if committed is not None:
+                    # The workers committed, though this process did not see their answer: roll forward.
+                    lease.committed = committed
+                    await self._roll_forward(engine, steps)
+                elif any(m in str(exc) for m in _NO_SESSION):
                     lease.session = False  # the workers already ended it (a failed update rolls back itself)
                     steps.append("no update open")
                 else:
@@ -408,6 +554,30 @@ def _lease_headers(scope: Any) -> tuple[str | None, float]:
     if not math.isfinite(lease_s) or lease_s <= 0:
         return None, 0.0
     return sync[:128], min(max(1.0, lease_s), _MAX_LEASE_S)
+
+
+def _committed_version(error: str) -> dict[str, Any] | None:
+    """``{"version": ...}`` from the worker's refusal to roll back a committed update, or ``None``."""
+    if NOTHING_KEPT not in error:
+        return None
+    found = re.search(r'as version (null|"(?:[^"\\]|\\.)*")', error)
+    if found is None:
+        return None
+    try:
+        return {"version": json.loads(found.group(1))}
+    except ValueError:
+        return None
+
+
+def _json_header(scope: Any, name: str) -> dict[str, Any] | None:
+    raw = _header(scope, name)
+    if raw is None:
+        return None
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _restore_header(scope: Any) -> dict[str, Any] | None:

@@ -60,6 +60,8 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
         self._units: list[list[str]] | None = None
         #: The undecided update's engine-side merges (``merge="engine"``), committed with the update.
         self._merge: Any = None
+        #: This session's update was committed (``{"sync", "version"}``): final, never rolled back.
+        self._committed: dict[str, Any] | None = None
 
     def init_transfer_engine(self, init_info: TransferInitInfo) -> None:
         self.shutdown()  # a new trainer (after a failed one) starts a new group
@@ -80,8 +82,10 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
     def start_weight_update(self) -> None:
         # An update a trainer that vanished left open or undecided: the safe outcome is the previous weights. The
         # new bracket opens with the update, which says whether it loads weights at all (an adapter sync only
-        # stages tensors).
-        self._rollback()
+        # stages tensors). A committed one was final, and its copy is gone: nothing to roll back.
+        if self._committed is None:
+            self._rollback()
+        self._committed = None
 
     def finish_weight_update(self) -> None:
         # receive_weights already closed and checked the bracket; this closes one that an update never reached.
@@ -89,6 +93,7 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
         self._bracket.abort()
         self._bracket.commit()
         self._commit_merge()
+        self._committed = None
 
     def _commit_merge(self) -> None:
         update, self._merge = self._merge, None
@@ -112,7 +117,7 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
             self._verify(update_info.probe_ids or [])
             return
         if update_info.command is not None:
-            self._decide(update_info.command, update_info.sync)
+            self._decide(update_info.command, update_info.sync, update_info.version)
             return
         if self.group is None:
             raise RuntimeError("gloo weight transfer is not initialized: call /init_weight_transfer_engine first")
@@ -259,14 +264,26 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
             buffer = torch.empty(plan.chunk_bytes(c), dtype=torch.uint8, device=self.group.device)
             self.group.broadcast(buffer).wait()
 
-    def _decide(self, command: str, sync: str | None = None) -> None:
+    def _decide(self, command: str, sync: str | None = None, version: str | None = None) -> None:
         """The trainer ranks voted: keep the update this session loaded (the model then holds sync ``sync``'s
-        weights), or put every module back as it was."""
+        weights, as ``version``), or put every module back as it was. A rollback after a commit in the same session
+        is refused: every rank had voted to commit, the copy is gone, and the decision is final (a caller that took
+        the refusal for a rollback would relabel the new weights as the old version)."""
+        import json
+
+        from .lease import NOTHING_KEPT
+
         if command == "commit":
             self._bracket.abort()  # a no-op after a complete update
             self._bracket.commit(sync)
             self._commit_merge()
+            self._committed = {"sync": sync, "version": version}
         elif command == "rollback":
+            if self._committed is not None:
+                raise RuntimeError(
+                    f"{NOTHING_KEPT}: this update was committed by sync {self._committed['sync']} as version "
+                    f"{json.dumps(self._committed['version'])}: the decision is final, nothing is rolled back"
+                )
             self._rollback()
         else:
             raise ValueError(f"unknown weight-update command {command!r} (expected 'commit' or 'rollback')")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
 import logging
 import math
 import threading
@@ -156,6 +157,7 @@ class VLLMServerClient:
         *,
         budgeted: bool = True,
         headers: dict[str, str] | None = None,
+        _waited: bool = False,
     ) -> Any:
         import requests
 
@@ -196,6 +198,15 @@ class VLLMServerClient:
                 f"vLLM server at {self.url} on {method} /{path}: {self._redact(response.text[:300])}"
             )
         if response.status_code == 409 and BUSY in response.text:
+            wait_s = None if _waited else _busy_wait(response)
+            room = self.remaining(timeout) if budgeted else (timeout or self.timeout)
+            if wait_s is not None and wait_s < room:
+                # Another sync holds the server: only it may write until its lease ends, when the server heals
+                # itself if that sync is gone (a trainer restarted after dying mid-sync). Wait for it, once.
+                time.sleep(wait_s)
+                if budgeted:
+                    self.spend(wait_s)
+                return self._request(method, path, json, timeout, budgeted=budgeted, headers=headers, _waited=True)
             raise ServerError(f"vLLM server at {self.url} on {method} /{path}: {self._redact(response.text[:300])}")
         if response.status_code == 401:
             raise ServerError(f"vLLM server at {self.url} requires an API key (401 on /{path}); pass api_key=")
@@ -221,7 +232,16 @@ class VLLMServerClient:
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # An update that carries tensors answers only once every chunk arrived: it takes as long as the transfer,
         # which the data plane's own timeouts bound, so the budget between agreements does not apply to it.
-        self._request("POST", "update_weights", {"update_info": update_info}, budgeted="command" in update_info)
+        headers = None
+        if update_info.get("command") == "commit":
+            from ..engine.lease import COMMIT_HEADER
+
+            # The server's lease records the decision with its version: once the workers answered, a heal rolls
+            # the update forward instead of back (the trainer may be stopped before its /finish_weight_update).
+            headers = {COMMIT_HEADER: json.dumps({"version": update_info.get("version")})}
+        self._request(
+            "POST", "update_weights", {"update_info": update_info}, budgeted="command" in update_info, headers=headers
+        )
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._request(
@@ -261,16 +281,25 @@ class VLLMServerClient:
     def resume(self) -> None:
         self._request("POST", "resume")
 
-    def heartbeat(self, timeout: float) -> None:
-        """Renew this sync's lease (``GET /lora_stream/lease`` with the lease headers); outside any budget."""
+    def heartbeat(self, timeout: float) -> dict[str, Any] | None:
+        """Renew this sync's lease (``GET /lora_stream/lease`` with the lease headers); outside any budget. Returns
+        the server's answer about this sync (``{"holding", "expired", "forwarded"}``), or ``None`` when it gave
+        none (a server without lora_stream's lease, or one that failed to answer)."""
         import requests
 
         from ..engine.lease import LEASE_HEADER, STATUS_PATH, SYNC_HEADER
 
         if self.lease is None:
-            return
+            return None
         headers = {**self.headers, SYNC_HEADER: self.lease[0], LEASE_HEADER: f"{self.lease[1]:.3f}"}
-        requests.get(f"{self.base_url}{STATUS_PATH}", headers=headers, timeout=timeout)
+        response = requests.get(f"{self.base_url}{STATUS_PATH}", headers=headers, timeout=timeout)
+        if response.status_code != 200:
+            return None
+        try:
+            yours = response.json().get("yours")
+        except ValueError:
+            return None
+        return yours if isinstance(yours, dict) else None
 
     def lease_status(self) -> dict[str, Any] | None:
         """``GET /lora_stream/lease``: the server's lease state, or ``None`` when it runs without lora_stream's
@@ -909,7 +938,27 @@ class VLLMServerSink:
                     self._on(r, lambda r=r: self._reset_prefix_cache(r))
                 fault_point("prefix-cache")
                 fault_point("commit")
+                self._confirm_leases(mine)
         return verification
+
+    def _confirm_leases(self, mine: list[_Replica]) -> None:
+        """Before the vote to commit: every server this rank fed must still be held by this sync. A rank stopped
+        longer than the lease (a GC pause, a preemption), or a server stalled longer than it, finds here that the
+        server healed and rolled the update back; its vote then fails the sync on every rank, instead of the others
+        committing while that server stays on the old version. What remains is the window between this check and
+        the commit request."""
+        for r in self._live(mine):
+
+            def confirm(r: _Replica = r) -> None:
+                lost = r.state.lease_lost
+                if lost is None:
+                    yours = (r.client.lease_status() or {}).get("yours") or {}  # with this sync's headers: renews
+                    if yours.get("expired") and not yours.get("forwarded"):
+                        lost = "its lease expired and the server rolled the update back"
+                if lost is not None:
+                    raise LeaseExpiredError(f"vLLM server at {r.url}: before the vote to commit, {lost}")
+
+            self._on(r, confirm)
 
     def _commit_all(self, tx: Transaction, mine: list[_Replica], version: str | None, source: SyncSource) -> None:
         """4. vote; each feeding rank commits on its servers; a second vote carries the outcome of those calls."""
@@ -1215,7 +1264,7 @@ class VLLMServerSink:
     def _commit(self, replica: _Replica, version: str | None, adapter: dict[str, Any] | None) -> None:
         replica.state.version = version
         sync = replica.client.lease[0] if replica.client.lease is not None else None
-        replica.client.update_weights({"command": "commit", "sync": sync})
+        replica.client.update_weights({"command": "commit", "sync": sync, "version": version})
         replica.state.committed = True
         replica.client.finish_weight_update(version)
         replica.state.session = False
@@ -1511,6 +1560,8 @@ class _ServerUpdate:
         self.loaded = False  # every chunk reached the workers, which loaded and checked it
         self.committed = False
         self.version: str | None = None
+        #: Why this sync no longer holds the server (its heartbeat's answer), or ``None``.
+        self.lease_lost: str | None = None
 
 
 class _LeaseKeeper:
@@ -1535,15 +1586,30 @@ class _LeaseKeeper:
                 if r.client.unresponsive or r.failure is not None:
                     continue  # left to its lease, or excluded: it must heal, not be held
                 try:
-                    r.client.heartbeat(timeout=self.period)
+                    yours = r.client.heartbeat(timeout=self.period)
                 except Exception:  # the sync's own calls find out what is wrong with the server
-                    pass
+                    continue
+                if yours is not None and yours.get("expired") and not yours.get("forwarded"):
+                    # The server healed: this sync's update there is gone. Read before the vote to commit.
+                    r.state.lease_lost = "its lease expired and the server rolled the update back"
 
     def stop(self) -> None:
         self._stop.set()
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join(timeout=self.period + 1)
+
+
+def _busy_wait(response: Any) -> float | None:
+    """Seconds to wait for the sync that holds a server to end or lose its lease (a ``409`` busy answer), or
+    ``None``: it does not say (a request of that sync is running, or an older server)."""
+    try:
+        expires_in = response.json().get("expires_in")
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(expires_in, (int, float)) or not math.isfinite(expires_in):
+        return None
+    return max(0.0, float(expires_in)) + 1.0  # and a tick of the server's watcher, which heals it
 
 
 def _world_size() -> int:

@@ -88,6 +88,9 @@ class TransferUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
     base: str | None = None
     #: With ``command="commit"``: the committing sync's id, which the workers then hold.
     sync: str | None = None
+    #: With ``command="commit"``: the version it commits. A later ``rollback`` in the same session is refused,
+    #: naming it (the decision is final; a server's lease finishes the session with this version instead).
+    version: str | None = None
     #: The merge in the engine (:mod:`lora_stream.engine.merger`): the tensors are merge inputs, and this carries
     #: one recipe per step to load (``recipes``), which keys are the frozen base (``frozen``) and, for a partial
     #: update, the fingerprint the trainer recorded for each base key the recipes read (``base_fp``).
