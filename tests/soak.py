@@ -78,9 +78,10 @@ def make_plan(seed: int, rounds: int, kinds: tuple[str, ...] = FAULTS) -> list[d
             kind = order[k - 1]
         else:
             kind = rng.choice([*kinds, "none"])
-        plan.append(
-            {"k": k, "fault": kind, "rank": rng.randrange(2), "point": rng.choice(POINTS), "server": rng.randrange(2)}
-        )
+        point = rng.choice(POINTS)
+        if kind == "stop-rank" and k - 1 < len(order):
+            point = "commit"  # its first round: past the lease with its server loaded, just before the vote
+        plan.append({"k": k, "fault": kind, "rank": rng.randrange(2), "point": point, "server": rng.randrange(2)})
     return plan
 
 

@@ -5,13 +5,19 @@ A sync that sends only the outputs that changed (:mod:`lora_stream.changes`) is 
 the engine, and both are established here, never assumed:
 
 1. **The engine holds the weights the trainer compared against.** Every commit leaves a token (the committing
-   sync's id) on the model; every reload bracket that opens clears it, so a rolled-back, failed or foreign
-   lora_stream update leaves none. So does any other call of the model's ``load_weights`` (vLLM's own
-   ``reload_weights`` or weight-transfer update, TRL's own sync, a user's ``collective_rpc``: :func:`hold` wraps
-   it on the model), and a sleep that discards the weights (``LLM.sleep(level=2)``: the colocated sink wraps the
+   sync's id) on the model and records a digest of every module's state (:mod:`lora_stream.engine.state_digest`).
+   What proves the state is the digest, not the token: before a partial update loads a byte, the engine digests
+   every module the update will not touch and compares with the record (``ReloadBracket.begin``), and the sinks'
+   pre-flight asks :func:`held_state`, which checks every module, so that a difference makes that very sync a full
+   one and names the module. Writers cannot all be watched -- vLLM's ``reload_weights(is_checkpoint_format=False)``
+   writes with ``param.copy_``, a runner's ``CUDAGraphWrapper`` hides ``load_weights``, a user's ``apply_model``
+   writes anywhere -- so the token is only a fast path: every reload bracket that opens clears it (a rolled-back,
+   failed or foreign lora_stream update leaves none), so does any call of the model's ``load_weights`` where
+   :func:`hold` could install its watch (through any wrapper; where it cannot, it says so in the log and the digest
+   alone protects), and a sleep that discards the weights (``LLM.sleep(level=2)``: the colocated sink wraps the
    engine's ``sleep``; a server's lease counts ``/sleep`` as a write). A partial update names the token it was
    computed against and is refused before a byte is loaded when the model holds another (a restarted server holds
-   none).
+   none) or when a module it leaves differs from the record.
 2. **Every vLLM module gets all of its weights or none of them.** vLLM fuses checkpoint tensors into one module
    (``q_proj``, ``k_proj`` and ``v_proj`` into ``qkv_proj``; every expert of a layer into one ``FusedMoE``); a module
    that got only some of them is rebuilt with the rest missing. The :class:`LoadMap` asks vLLM instead of
@@ -23,57 +29,166 @@ the engine, and both are established here, never assumed:
 
 A loader that copies a tensor before handing it on (no view of what was sent) cannot be traced: the map is then
 incomplete and the engine takes full syncs only.
+
+Every table here is keyed by the ``nn.Module`` itself, under any wrapper (:func:`~lora_stream.engine.state_digest.
+unwrap_model`): a model runner may hand out its model wrapped in vLLM's ``CUDAGraphWrapper``.
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from ..units import merge_units
+from .state_digest import first_difference, forget, unwrap_model
 
-__all__ = ["LoadMap", "held_by", "hold", "release", "run_before"]
+__all__ = ["Held", "LoadMap", "held_by", "held_state", "hold", "release", "run_before", "watched"]
+
+logger = logging.getLogger("lora_stream")
 
 _HELD: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
 _MAPS: weakref.WeakKeyDictionary[torch.nn.Module, LoadMap] = weakref.WeakKeyDictionary()
+#: Models whose ``load_weights`` watch is proven installed (reached through the object the engine hands out).
+_WATCHED: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
+
+#: Why a model whose token is gone holds no committed sync, when nothing more precise is known.
+NOT_HELD = "another sink or update wrote it, or a sleep discarded it"
+#: Why the watch dropped a model's token (a ``load_weights`` outside any lora_stream update), until the next commit.
+_DROPPED: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+_FOREIGN_LOAD = (
+    "its load_weights was called outside a lora_stream sync (vLLM's reload_weights or weight update, TRL's own "
+    "sync, a user's collective_rpc)"
+)
 
 
-def held_by(model: torch.nn.Module) -> str | None:
+def held_by(model: Any) -> str | None:
     """The token of the committed sync whose weights ``model`` serves, or ``None`` (unknown: never written by a
-    committed lora_stream sync since it was loaded, or written since by an update that did not commit)."""
-    return _HELD.get(model)
+    committed lora_stream sync since it was loaded, or written since by an update that did not commit, or by a
+    writer the watch saw). The token alone proves nothing about writers the watch cannot see: what the sinks ask
+    before a partial sync is :func:`held_state`."""
+    return _HELD.get(unwrap_model(model))
 
 
-def hold(model: torch.nn.Module, token: str | None) -> None:
-    """A sync committed on ``model`` (``token``), or an update opened on it (``None``)."""
+class Held(NamedTuple):
+    """What :func:`held_state` found: the committed sync whose weights the model provably serves (``token``), or
+    ``None`` and why not (``why``)."""
+
+    token: str | None
+    why: str | None
+
+
+def held_state(model: Any) -> Held:
+    """The committed sync ``model`` serves, *proven*: its token, and every module's state equal to what that commit
+    left (:func:`~lora_stream.engine.state_digest.first_difference`, which reads every byte digested: one pass over
+    the engine's weights). Asked by the sinks' pre-flight (the colocated sink in its process, the worker extension
+    over ``collective_rpc``) so that a difference makes *this* sync a full one, with ``why`` naming the module.
+
+    A difference also drops the token (the model no longer holds that sync): ``ReloadBracket.begin`` then refuses a
+    partial update even if a caller skipped this check. Without a token nothing is read."""
+    key = unwrap_model(model)
+    token = _HELD.get(key)
     if token is None:
-        _HELD.pop(model, None)
+        return Held(None, _DROPPED.get(key, NOT_HELD))
+    why = first_difference(key)
+    if why is not None:
+        _HELD.pop(key, None)
+        return Held(None, why)
+    return Held(token, None)
+
+
+def hold(model: Any, token: str | None) -> None:
+    """A sync committed on ``model`` (``token``), or an update opened on it (``None``). The caller
+    (:class:`~lora_stream.engine.reload.ReloadBracket`) records the modules' digest at the same time; a token
+    without a record proves nothing (a partial update is then refused)."""
+    key = unwrap_model(model)
+    _DROPPED.pop(key, None)
+    if token is None:
+        _HELD.pop(key, None)
         return
     _watch_loads(model)
-    _HELD[model] = token
+    _HELD[key] = token
 
 
-def _watch_loads(model: torch.nn.Module) -> None:
-    """Make every call of ``model.load_weights`` forget what the model holds first. A reload bracket has already
-    forgotten it when it loads (and sets it again at commit); any other caller is a writer this module cannot
-    account for, whose write must make the next sync a full one."""
-    run_before(model, "load_weights", lambda watched, *_args, **_kwargs: _HELD.pop(watched, None))
+def watched(model: Any) -> bool:
+    """Whether a foreign ``load_weights`` on ``model`` drops its token at once (the watch is proven installed, see
+    :func:`run_before`). Where it is not, the digest check at the next partial sync is what catches the write."""
+    return _WATCHED.get(unwrap_model(model), False)
 
 
-def run_before(obj: Any, method: str, hook: Callable[..., object]) -> None:
-    """Make every call of ``obj.<method>(...)`` call ``hook(obj, ...)`` first, with the same arguments; once per
-    object and method. An instance attribute someone set before is wrapped, not replaced. The wrapper lives on
-    ``obj`` and holds it weakly: a strong reference would be a cycle, which keeps a vLLM engine alive past its
+def _watch_loads(model: Any) -> None:
+    """Make every call of the model's ``load_weights`` forget what the model holds first -- a fast path only. A
+    reload bracket has already forgotten it when it loads (and sets it again at commit); any other caller is a
+    writer this module cannot account for, whose write must make the next sync a full one. Installed on the module
+    under any wrapper (so calls through the wrapper and calls on the module are both seen), and checked again at
+    every commit (someone may have replaced the method since); where it cannot be proven installed, says so once in
+    the log: the digest check still catches the write, at the next sync's pre-flight."""
+    key = unwrap_model(model)
+    key_ref = weakref.ref(key)  # the hook must not hold the model (see run_before)
+    installed = run_before(model, "load_weights", lambda _owner, *_args, **_kwargs: _drop_token(key_ref))
+    if not installed and _WATCHED.get(key) is not False:
+        logger.warning(
+            "lora_stream: cannot watch %s.load_weights on this engine (no such method on the model or what it "
+            "wraps, or a lookup that does not reach the watch); a foreign write is caught by the state check "
+            "before the next partial sync instead",
+            type(model).__name__,
+        )
+    _WATCHED[key] = installed
+
+
+def _drop_token(ref: weakref.ref[Any]) -> None:
+    """The watch saw a ``load_weights``: a token still held means no lora_stream update is open (every bracket drops
+    the token when it opens), so the caller is a foreign writer; say so at the next pre-flight."""
+    model = ref()
+    if model is not None and _HELD.pop(model, None) is not None:
+        _DROPPED[model] = _FOREIGN_LOAD
+
+
+def _owner_of(obj: Any, method: str) -> Any | None:
+    """The object whose ``method`` a call of ``obj.<method>`` runs: ``obj`` when it (or its class) defines it;
+    otherwise, through wrappers that forward attributes (vLLM's ``CUDAGraphWrapper``: ``unwrap()`` or
+    ``runnable``), the first wrapped object that does. ``None`` when there is none."""
+    seen = 0
+    while obj is not None and seen < 8:
+        seen += 1
+        d = getattr(obj, "__dict__", None)
+        if (isinstance(d, dict) and method in d) or hasattr(type(obj), method):
+            return obj
+        unwrap = getattr(type(obj), "unwrap", None)
+        inner = unwrap(obj) if callable(unwrap) else (d.get("runnable") if isinstance(d, dict) else None)
+        if inner is obj:
+            return None
+        obj = inner
+    return None
+
+
+def run_before(obj: Any, method: str, hook: Callable[..., object]) -> bool:
+    """Make every call of ``obj.<method>(...)`` call ``hook(owner, ...)`` first, with the same arguments; once per
+    object and method. ``owner`` is ``obj``, or the object under ``obj``'s wrappers that defines ``method``
+    (:func:`_owner_of`): the wrapper is installed there, so that calls through the wrapper and calls on the wrapped
+    object are both seen. An instance attribute someone set before is wrapped, not replaced. The wrapper lives on
+    ``owner`` and holds it weakly: a strong reference would be a cycle, which keeps a vLLM engine alive past its
     owner's ``del`` (and its late teardown breaks the parallel state of the next engine built in the process), so
-    ``hook`` must not hold ``obj`` either."""
-    own = obj.__dict__.get(method)
+    ``hook`` must not hold ``owner`` either.
+
+    Returns whether the hook is *proven* installed: ``obj.<method>``, looked up as a caller would, is the wrapper.
+    ``False`` (nothing installed, or a lookup that bypasses it) is never silent to the caller: it must fall back
+    on something that does not depend on seeing the call."""
     marker = f"lora_stream_runs_before_{method}"
-    if (own is None and not hasattr(type(obj), method)) or getattr(own, marker, False):
-        return
+    owner = _owner_of(obj, method)
+    if owner is None:
+        return False
+    own = owner.__dict__.get(method)
+    if not getattr(own, marker, False):
+        _install(owner, method, hook, own, marker)
+    return bool(getattr(getattr(obj, method, None), marker, False))
+
+
+def _install(obj: Any, method: str, hook: Callable[..., object], own: Any, marker: str) -> None:
     ref = weakref.ref(obj)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -88,10 +203,11 @@ def run_before(obj: Any, method: str, hook: Callable[..., object]) -> None:
     object.__setattr__(obj, method, wrapper)
 
 
-def release(model: torch.nn.Module) -> None:
+def release(model: Any) -> None:
     """Forget what ``model`` holds: the next sync into it is a full one."""
     hold(model, None)
-    _MAPS.pop(model, None)
+    forget(model)
+    _MAPS.pop(unwrap_model(model), None)
 
 
 class LoadMap:
@@ -106,10 +222,11 @@ class LoadMap:
         self.full_seen = False
 
     @classmethod
-    def of(cls, model: torch.nn.Module) -> LoadMap:
-        found = _MAPS.get(model)
+    def of(cls, model: Any) -> LoadMap:
+        key = unwrap_model(model)
+        found = _MAPS.get(key)
         if found is None:
-            found = _MAPS[model] = cls()
+            found = _MAPS[key] = cls()
         return found
 
     @property

@@ -29,6 +29,7 @@ import torch
 from ..errors import LoraStreamError
 from ..units import merge_units
 from .holding import BatchIndex, LoadMap, hold, loaded_tensor
+from .state_digest import first_difference, record
 
 __all__ = ["EngineSnapshot", "LoadReport", "ReloadBracket", "VLLMLoadError"]
 
@@ -398,6 +399,9 @@ class ReloadBracket:
         self._untouched: set[str] = set()
         self._partial = False
         self._batch: BatchIndex | None = None
+        #: The modules the update opened by the latest ``begin`` may have changed, whose state a commit records
+        #: (``None``: every module, a full update); ``False`` when no update is pending a commit.
+        self._to_record: set[str] | bool | None = False
 
     @property
     def open(self) -> bool:
@@ -416,7 +420,10 @@ class ReloadBracket:
     def commit(self, token: str | None = None) -> None:
         """The update stands: release what ``begin(keep_previous=True)`` kept, and mark the model as holding the
         weights of the sync ``token`` (what a later partial update must name, :mod:`lora_stream.engine.holding`).
-        Idempotent."""
+        With a token, also record the digest of what the model holds now
+        (:func:`~lora_stream.engine.state_digest.record`: every module after a full update; after a partial one,
+        every module it was not barred from touching -- the others were proven unchanged when it began), which the
+        next partial update is checked against. Idempotent (a repeated commit records nothing again)."""
         if self._open:
             raise RuntimeError("commit() with the reload bracket still open: call finish() first")
         self._restore = None
@@ -424,13 +431,26 @@ class ReloadBracket:
         if previous is not None:
             previous.drop()
         if token is not None:
+            self._record(token)
             hold(self.model, token)
+
+    def _record(self, token: str) -> None:
+        """Record the digest for a commit of ``token`` (see :meth:`commit`)."""
+        from .holding import held_by
+
+        pending, self._to_record = self._to_record, False
+        if pending is False:
+            if held_by(self.model) == token:
+                return  # a repeated commit: the record was taken by the first one
+            pending = None  # a commit with no update of this bracket before it: prove nothing less than all
+        record(self.model, pending if isinstance(pending, set) else None)
 
     def rollback(self) -> bool:
         """Undo the update: close the bracket if it is open, then put back, bit for bit, what every module held at
         ``begin(keep_previous=True)``. Returns whether anything was restored (``False`` when nothing was kept).
         Idempotent."""
         self.abort()
+        self._to_record = False  # the update does not stand: nothing of it is recorded
         previous, self._previous = self._previous, None
         restore, self._restore = self._restore, None
         if previous is not None:
@@ -444,21 +464,26 @@ class ReloadBracket:
 
     def _reload(self, names: list[str], token: str, produce: Any, optional: Collection[str]) -> None:
         """Roll back by loading again what the model held: a partial update onto sync ``token`` with the tensors
-        ``produce()`` recomputes for ``names``, checked like any update. Every module the failed update touched is
-        reloaded whole from the same values it was loaded from before, so it serves exactly what it served."""
+        ``produce()`` recomputes for ``names``, checked like any update (its ``begin`` proves the modules it leaves
+        untouched against the record). Every module the failed update touched is reloaded whole from the same
+        values it was loaded from before, so it serves exactly what it served; their digest is recorded again, so
+        that the next partial update can be proven against sync ``token``."""
         hold(self.model, token)
         self.begin(expect=names, base=token, optional=optional)
         try:
             self.load(produce(), optional)
         except BaseException:
             self.abort()
+            self._to_record = False
             hold(self.model, None)
             raise
         report = self.finish()
         error = report.error(" (recomputing the previous weights)")
         if error is not None:
+            self._to_record = False
             hold(self.model, None)
             raise error
+        self._record(token)
         hold(self.model, token)
 
     def begin(
@@ -507,6 +532,15 @@ class ReloadBracket:
                 )
             known = set().union(*self.load_map.receivers.values()) if self.load_map.receivers else set()
             untouched = known - touched
+            # The check of state, not of writers: every module this update leaves (those the map knows and every
+            # module it does not, attention and rotary caches included) must hold what the commit of ``base`` left.
+            why = first_difference(self.model, skip=touched)
+            if why is not None:
+                hold(self.model, None)
+                raise VLLMLoadError(
+                    f"{LOAD_ERROR_TAG} a partial update onto sync {base!r} cannot be proven exact: {why}; nothing "
+                    "was loaded, and the next sync sends every tensor"
+                )
         self._relaid = _experts_relaid_after_load(self.model)
         unknown = [(n, e) for n, _, e in self._relaid if _class_key(e) not in RELAYOUT_REPEATED]
         if unknown:
@@ -537,6 +571,9 @@ class ReloadBracket:
         self._previous = EngineSnapshot.take(self.model, skip) if keep_previous else None
         hold(self.model, None)  # from here on, until a commit, the model holds no committed sync's weights
         self._untouched, self._partial = untouched, expect is not None
+        # What a commit of this update records: after a partial update, every module but those it was barred from
+        # touching (they were proven just above); after a full one, everything.
+        self._to_record = {n for n in modules if n not in untouched} if expect is not None else None
         initialize_layerwise_reload(self.model)
         self._open = True
         self._trace(modules)

@@ -70,6 +70,13 @@ class LoraStreamWorkerExtension:
 
         return held_by(self.model_runner.model)
 
+    def lora_stream_held_state(self) -> tuple[str | None, str | None]:
+        """The committed sync this worker's model provably serves, and why not (:func:`holding.held_state`: the
+        token, and every module's state checked against what that commit left)."""
+        from .holding import held_state
+
+        return tuple(held_state(self.model_runner.model))  # type: ignore[return-value]
+
     def lora_stream_release(self) -> None:
         """The weights are about to be discarded (a level-2 sleep): this worker's model holds no committed sync."""
         from .holding import hold

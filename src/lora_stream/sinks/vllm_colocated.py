@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from ..changes import Changes, EngineState, SyncedSources, agree_on_changes, takes_selection
-from ..engine.holding import held_by
+from ..engine.holding import NOT_HELD, held_state
 from ..engine.reload import LoadReport, ReloadBracket
 from ..stream import ParamStream
 from ..transaction import Transaction, fault_point
@@ -192,7 +192,11 @@ class VLLMColocatedSink:
                 merging[:] = [plan, plan.base_fingerprints(stream)]
             fingerprints = stream.fingerprints() if self.skip_unchanged and takes_selection(stream) else None
             stages["fingerprint_s"] = time.perf_counter() - t
-            return aliases, fingerprints, self._engine_state()
+            # The engine proves its state only for a sync that may be partial (the proof reads every weight).
+            t = time.perf_counter()
+            engine = self._engine_state() if fingerprints is not None else EngineState(self._why_full)
+            stages["state_check_s"] = time.perf_counter() - t
+            return aliases, fingerprints, engine
 
         aliases, fingerprints, engine = tx.prepare(prepare)
         changes = None
@@ -268,11 +272,14 @@ class VLLMColocatedSink:
         source: SyncSource,
         base_fps: dict[str, int] | None,
     ) -> None:
+        # A sink that never sends a partial sync leaves no token: the engine then records no digest of its state
+        # (one read of every weight per commit) for a proof nobody will ask for.
+        held = token if self.skip_unchanged else None
         if self._bracket is not None:
             self._kept_bytes = self._bracket.kept_bytes
-            self._bracket.commit(token)
+            self._bracket.commit(held)
         else:
-            self._kept_bytes = sum(int(n) for n in self._rpc("lora_stream_commit", token))
+            self._kept_bytes = sum(int(n) for n in self._rpc("lora_stream_commit", held))
         self._token = token
         self._synced = changes.sources if changes is not None else None
         if self.merge == "engine":
@@ -304,12 +311,15 @@ class VLLMColocatedSink:
         """Whether the engine still holds this sink's last commit (its token, on every worker), and its units."""
         if self._token is None:
             return EngineState(self._why_full)
-        held = [held_by(self._bracket.model)] if self._bracket is not None else list(self._rpc("lora_stream_held"))
-        if any(h != self._token for h in held):
-            return EngineState(
-                "the engine no longer holds this sink's last commit (another sink or update wrote it, or a sleep "
-                "discarded it)"
-            )
+        # Proven, not assumed: the token of this sink's last commit, and every module's state as that commit left
+        # it (engine.holding.held_state: a foreign write the load_weights watch cannot see is found here).
+        if self._bracket is not None:
+            held = [tuple(held_state(self._bracket.model))]
+        else:
+            held = [tuple(h) for h in self._rpc("lora_stream_held_state")]
+        for token, why in held:
+            if token != self._token:
+                return EngineState(f"the engine no longer holds this sink's last commit ({why or NOT_HELD})")
         units = None if self._units is None else tuple(tuple(u) for u in self._units)
         return EngineState(None, units)
 
