@@ -311,6 +311,7 @@ class UpdateLease:
                 answer["answered"] = True
             await send(message)
 
+        assert sync is not None  # a request that takes part in the lease
         commit = _json_header(scope, COMMIT_HEADER) if path == "/update_weights" else None
         try:
             await self.app(scope, receive, sending)

@@ -259,7 +259,7 @@ class GathererBase:
         dtype: torch.dtype = param.dtype
         return dtype
 
-    def local_shard(self, param: ParamRef) -> torch.Tensor | None:
+    def local_shard(self, param: ParamRef) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
         """The whole parameter: nothing is sharded (``local_shard`` in :class:`Gatherer`)."""
         return detached(param) if isinstance(param, torch.Tensor) else None
 

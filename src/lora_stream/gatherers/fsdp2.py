@@ -145,7 +145,7 @@ class Fsdp2Gatherer(ShardedGathererBase):
     def param(self, module: nn.Module, name: str) -> Any:
         return self._sharded(module, name, super().param(module, name))
 
-    def local_shard(self, param: Any) -> torch.Tensor | None:
+    def local_shard(self, param: Any) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
         """This rank's shard of a DTensor parameter (``to_local()``); a plain parameter whole."""
         if is_dtensor(param):
             local: torch.Tensor = param.detach().to_local()
