@@ -582,14 +582,8 @@ def _json_header(scope: Any, name: str) -> dict[str, Any] | None:
 
 
 def _restore_header(scope: Any) -> dict[str, Any] | None:
-    raw = _header(scope, RESTORE_HEADER)
-    if raw is None:
-        return None
-    try:
-        data = json.loads(raw)
-    except ValueError:
-        return None
-    return data if isinstance(data, dict) and "lora_name" in data else None
+    data = _json_header(scope, RESTORE_HEADER)
+    return data if data is not None and "lora_name" in data else None
 
 
 async def _respond(send: Any, status: int, body: dict[str, Any]) -> None:
