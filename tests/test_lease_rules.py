@@ -82,8 +82,9 @@ def _call(lease: UpdateLease, path: str, sync: str | None = None, seconds: float
 def test_only_the_holding_sync_writes() -> None:
     lease, engine, ran = _server()
     assert _call(lease, "/pause", "A")[0] == 200 and lease.lease.holding
-    # An operator's /resume (no headers), another sync's /pause or /resume: refused, naming the holder.
-    for path, sync in (("/resume", None), ("/pause", "B"), ("/resume", "B"), ("/collective_rpc", None)):
+    # An operator's /resume or /pause (no headers), another sync's /resume or /update_weights: refused, naming the
+    # holder.
+    for path, sync in (("/resume", None), ("/pause", None), ("/resume", "B"), ("/update_weights", "B")):
         status, body = _call(lease, path, sync)
         assert status == 409 and body["marker"] == BUSY and body["holder"] == "A", (path, sync, body)
         assert 0 < body["expires_in"] <= 2.0
@@ -93,6 +94,10 @@ def test_only_the_holding_sync_writes() -> None:
     assert ran == ["/pause", "/v1/models"]
     # The holder goes on.
     assert _call(lease, "/resume", "A")[0] == 200 and not lease.lease.holding
+    # Another sync starting an update supersedes a holder (a trainer restarted after dying mid-sync): healed first.
+    assert _call(lease, "/pause", "A")[0] == 200 and lease.lease.holding
+    assert _call(lease, "/pause", "B")[0] == 200 and lease.lease.sync == "B"
+    assert ("resume", None) in engine.calls and "superseded" in (lease.lease.last_heal or "")
 
 
 def test_a_decided_commit_rolls_forward_and_its_late_finish_is_answered_as_done() -> None:

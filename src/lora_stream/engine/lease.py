@@ -110,9 +110,9 @@ WRITE_PATHS = frozenset(
     }
 )
 #: Routes that change the weights or generation. While a sync holds the server, a request to one of them from
-#: anyone else (another sync's id, or no lora_stream headers: an operator, a health script, another tool) is refused
-#: with ``409`` (:data:`BUSY`, naming the holder and when its lease ends) until the holder's lease ends; then the
-#: server heals first, and the request runs.
+#: anyone else (no lora_stream headers: an operator, a health script, another tool; or another sync's id on a route
+#: that does not start an update, :data:`START_PATHS`) is refused with ``409`` (:data:`BUSY`, naming the holder and
+#: when its lease ends) until the holder's lease ends; then the server heals first, and the request runs.
 GUARDED_PATHS = frozenset(
     {
         "/pause",
@@ -132,6 +132,9 @@ GUARDED_PATHS = frozenset(
         "/wake_up",
     }
 )
+#: The routes that start an update: another sync's request to one of them supersedes the holder (healing it first),
+#: as a trainer restarted after a death must; on every other guarded route it is refused.
+START_PATHS = frozenset({"/pause", "/start_weight_update", "/init_weight_transfer_engine"})
 #: The late requests of a sync whose committed update a heal finished (rolled forward), answered as done.
 _FORWARDED_OK = frozenset({"/finish_weight_update", "/resume"})
 #: A gap this much longer than the watcher's tick means the server's own process did not run (stopped, paused,
@@ -265,12 +268,23 @@ class UpdateLease:
                     },
                 )
                 return
+            if lease.holding and lease.sync != sync and sync is not None and path in START_PATHS:
+                # Another sync starts an update (a trainer restarted after dying mid-sync): the holder is healed
+                # first, unless one of its requests is running.
+                if lease.inflight:
+                    await _respond(
+                        send,
+                        409,
+                        {"error": f"lora_stream: another sync ({lease.sync}) is updating this server", "marker": BUSY},
+                    )
+                    return
+                await self._heal(f"sync {lease.sync} was superseded by sync {sync}")
             if lease.holding and lease.sync != sync:
                 if path in GUARDED_PATHS:
-                    # Only the holding sync writes. Healing the holder's update on someone else's word would let
-                    # any client that can make up a sync id (or none) end a live sync, and a resume would serve an
-                    # update nobody committed; so it waits for the holder's lease, which heals the server if the
-                    # holder is gone.
+                    # Only the holding sync writes. Healing the holder's update on the word of a request that does
+                    # not start an update would let any client end a live sync, and a resume would serve an update
+                    # nobody committed; so it waits for the holder's lease, which heals the server if the holder is
+                    # gone.
                     who = "a request without lora_stream's headers" if sync is None else f"sync {sync}"
                     await _respond(
                         send,
