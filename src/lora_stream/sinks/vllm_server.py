@@ -952,9 +952,7 @@ class VLLMServerSink:
             def confirm(r: _Replica = r) -> None:
                 lost = r.state.lease_lost
                 if lost is None:
-                    yours = (r.client.lease_status() or {}).get("yours") or {}  # with this sync's headers: renews
-                    if yours.get("expired") and not yours.get("forwarded"):
-                        lost = "its lease expired and the server rolled the update back"
+                    lost = _lease_lost((r.client.lease_status() or {}).get("yours"))  # with this sync's headers
                 if lost is not None:
                     raise LeaseExpiredError(f"vLLM server at {r.url}: before the vote to commit, {lost}")
 
@@ -1589,15 +1587,22 @@ class _LeaseKeeper:
                     yours = r.client.heartbeat(timeout=self.period)
                 except Exception:  # the sync's own calls find out what is wrong with the server
                     continue
-                if yours is not None and yours.get("expired") and not yours.get("forwarded"):
-                    # The server healed: this sync's update there is gone. Read before the vote to commit.
-                    r.state.lease_lost = "its lease expired and the server rolled the update back"
+                # The server healed: this sync's update there is gone. Read before the vote to commit.
+                r.state.lease_lost = r.state.lease_lost or _lease_lost(yours)
 
     def stop(self) -> None:
         self._stop.set()
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join(timeout=self.period + 1)
+
+
+def _lease_lost(yours: dict[str, Any] | None) -> str | None:
+    """Why the server's answer about this sync (``yours`` in ``GET /lora_stream/lease``) says the sync lost it, or
+    ``None``: a heal rolled its update back (one that rolled a committed update forward is not a loss)."""
+    if yours and yours.get("expired") and not yours.get("forwarded"):
+        return "its lease expired and the server rolled the update back"
+    return None
 
 
 def _busy_wait(response: Any) -> float | None:
