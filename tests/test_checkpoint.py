@@ -26,7 +26,7 @@ from helpers import VLLM_ENV, assert_matches, assert_vllm_serves, lora, oracle, 
 from launch import TESTS
 
 from lora_stream import CheckpointError, ParamStream, SafetensorsSink, StreamAbortedError, save_merged
-from lora_stream.sinks.checkpoint import NO_RENAME_EXCHANGE_ENV
+from lora_stream.sinks.durable_files import NO_RENAME_EXCHANGE_ENV
 
 #: The shard size of the kill tests: several shards, so a checkpoint has an index and many files.
 SHARD = 20_000
@@ -556,7 +556,7 @@ def test_an_unwritable_parent_is_refused_before_anything_is_gathered(monkeypatch
 def test_every_dtype_safetensors_stores_gets_safetensors_own_header(tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
-    from lora_stream.sinks.checkpoint import plan_shards
+    from lora_stream.sinks.safetensors_shards import plan_shards
     from lora_stream.stream import ParamMeta
 
     candidates = [getattr(torch, n, None) for n in dir(torch) if not n.startswith("_")]

@@ -42,7 +42,7 @@ def test_tied_aliases_travel_in_their_primary_group_and_are_counted() -> None:
 def test_the_server_sinks_current_source_forwards_aliases_and_the_adapter() -> None:
     """The trainer-side transfer engine reads ``aliases`` (sent as optional names) and ``adapter`` from the source it
     was built with, the sink's proxy of the current sync: both must come through."""
-    from lora_stream.sinks.vllm_server import _CurrentSource
+    from lora_stream.sinks.server_replica import CurrentSource as _CurrentSource
 
     model = lora(tiny_llama(tie=True), target_modules=["q_proj"])
     stream = ParamStream(model)

@@ -15,6 +15,7 @@ __all__ = [
     "StalePlanError",
     "StreamAbortedError",
     "TransferError",
+    "CheckpointError",
 ]
 
 
@@ -74,6 +75,10 @@ class TransferError(LoraStreamError):
 
     #: The server stopped taking chunks, or answering the update, within the timeout (it is left to its lease).
     stalled: bool = False
+
+
+class CheckpointError(LoraStreamError):
+    """The checkpoint could not be written (target exists, disk full, ...); no partial checkpoint was left behind."""
 
 
 class ReplicaError(LoraStreamError):

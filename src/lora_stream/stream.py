@@ -791,18 +791,18 @@ def _target_fingerprints(t: Target, of_param: Callable[[Any], int | None]) -> li
     gatherer shards buffers); ``None`` if one cannot be fingerprinted, or the base is quantized (its quantization
     state lives outside its bytes)."""
     merge = t.merge
-    if isinstance(merge, BufferRead):
-        buf = merge.module._buffers.get(merge.attr)
-        return None if buf is None else [fingerprint(buf)]
     if getattr(getattr(merge, "base", None), "quantized", False):
         return None
-    out = []
-    for p in _params_read(t):
-        fp = of_param(p)
-        if fp is None:
-            return None
-        out.append(fp)
-    return out
+    if not isinstance(merge, BufferRead):
+        out = []
+        for p in _params_read(t):
+            fp = of_param(p)
+            if fp is None:
+                return None
+            out.append(fp)
+        return out
+    buf = merge.module._buffers.get(merge.attr)
+    return None if buf is None else [fingerprint(buf)]
 
 
 def _combine(parts: list[int]) -> int:

@@ -22,7 +22,7 @@ import torch
 from helpers import lora, report, tiny_llama
 
 from lora_stream import ParamStream, SafetensorsSink
-from lora_stream.sinks.checkpoint import NO_RENAME_EXCHANGE_ENV
+from lora_stream.sinks.durable_files import NO_RENAME_EXCHANGE_ENV
 
 SHARD = 20_000
 

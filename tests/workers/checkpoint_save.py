@@ -36,7 +36,7 @@ from helpers import (
 )
 
 from lora_stream import LoraStreamError, ParamStream, SafetensorsSink, StreamAbortedError
-from lora_stream.sinks.checkpoint import NO_RENAME_EXCHANGE_ENV
+from lora_stream.sinks.durable_files import NO_RENAME_EXCHANGE_ENV
 from lora_stream.transaction import set_fault_hook
 
 BUDGET = 40_000

@@ -4,7 +4,9 @@ Under ZeRO-3 or FSDP the usual ways to get a merged LoRA model on disk -- gather
 ``save_pretrained`` -- need the whole model in one process. :class:`SafetensorsSink` needs one group: every rank
 iterates the stream (its gathers are collectives) and rank 0 writes each tensor straight into its shard file. The
 shard plan, the index and every safetensors header are computed from ``metadata()`` before the first byte, so a
-header is written first and the tensors follow as they arrive; no shard is ever held in memory.
+header is written first and the tensors follow as they arrive; no shard is ever held in memory. The plan and the
+headers are :mod:`~lora_stream.sinks.safetensors_shards`'s; the renames and fsyncs below are
+:mod:`~lora_stream.sinks.durable_files`'s.
 
 Publishing (rank 0), the contract:
 
@@ -32,22 +34,14 @@ Publishing (rank 0), the contract:
 from __future__ import annotations
 
 import copy
-import ctypes
-import errno
-import functools
 import json
 import logging
-import math
 import os
 import re
-import shutil
-import stat
-import struct
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -55,136 +49,32 @@ import torch
 from torch import nn
 
 from ..coordination import this_rank
-from ..errors import LoraStreamError
+from ..errors import CheckpointError
 from ..stream import ParamMeta, ParamStream
 from ..transaction import Transaction, fault_point
+from .durable_files import NO_RENAME_EXCHANGE_ENV as NO_RENAME_EXCHANGE_ENV
+from .durable_files import (
+    RENAME_EXCHANGE,
+    RENAME_NOREPLACE,
+    fsync_dir,
+    fsync_tree,
+    remove_path,
+    rename_noreplace,
+    renameat2,
+    renameat2_enabled,
+    tree_size,
+)
 from .record import SyncRecord
+from .safetensors_shards import ShardPlan, is_whole, parse_size, plan_shards
 from .source import SyncSource
 
 __all__ = ["CheckpointError", "SafetensorsSink", "ShardPlan", "plan_shards", "save_merged"]
 
-#: safetensors' dtype names (its format's ``dtype`` strings, as ``safetensors.torch.save_file`` writes them).
-_ST_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.complex64: "C64",
-}
-# Newer in torch than the floor this package supports, so looked up by name.
-for _attr, _code in (
-    ("float8_e4m3fn", "F8_E4M3"),
-    ("float8_e5m2", "F8_E5M2"),
-    ("float8_e4m3fnuz", "F8_E4M3FNUZ"),
-    ("float8_e5m2fnuz", "F8_E5M2FNUZ"),
-    ("float8_e8m0fnu", "F8_E8M0"),
-    ("float4_e2m1fn_x2", "F4"),
-    ("uint16", "U16"),
-    ("uint32", "U32"),
-    ("uint64", "U64"),
-):
-    if isinstance(getattr(torch, _attr, None), torch.dtype):
-        _ST_DTYPES[getattr(torch, _attr)] = _code
-#: Dtypes that pack two values per element: safetensors' header counts values, so the last dimension doubles.
-_PACKED_X2 = {d for d in _ST_DTYPES if _ST_DTYPES[d] == "F4"}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
-
 logger = logging.getLogger("lora_stream")
 
-#: Set (to anything but ``""`` or ``"0"``) to publish without ``renameat2``, as where it is unavailable: the old copy
-#: is moved aside, then the new one into place. A test and debug knob, read at every save.
-NO_RENAME_EXCHANGE_ENV = "LORA_STREAM_NO_RENAME_EXCHANGE"
-_AT_FDCWD = -100
-_RENAME_NOREPLACE = 1
-_RENAME_EXCHANGE = 2
 #: The suffix of a leftover beside target ``name``: ``.{name}.tmp-<id>`` (being written, or, after an exchange, the
 #: old copy being removed) or ``.{name}.old-<id>`` (the old copy, moved aside by the fallback).
 _LEFTOVER = re.compile(r"(tmp|old)-[0-9a-f]{12}")
-
-
-class CheckpointError(LoraStreamError):
-    """The checkpoint could not be written (target exists, disk full, ...); no partial checkpoint was left behind."""
-
-
-def parse_size(size: int | str) -> int:
-    """``5_000_000_000``, ``"5GB"`` (10**9) or ``"5GiB"`` (2**30), as ``save_pretrained`` reads ``max_shard_size``."""
-    if isinstance(size, int):
-        if size <= 0:
-            raise ValueError(f"max_shard_size must be positive, got {size}")
-        return size
-    m = _SIZE.match(size)
-    if not m:
-        raise ValueError(f"max_shard_size {size!r} is not a size like 5GB, 500MiB or 1000000")
-    return max(1, int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()]))
-
-
-def _nbytes(m: ParamMeta) -> int:
-    return math.prod(m.shape) * torch.empty((), dtype=m.dtype).element_size()
-
-
-@dataclass(frozen=True)
-class ShardPlan:
-    """Which tensors go to which file, and every file's header, decided before the first byte is written."""
-
-    files: list[str]
-    members: list[list[int]]
-    headers: list[bytes]
-    total_size: int
-
-
-def plan_shards(
-    metadata: list[ParamMeta], max_shard_bytes: int, file_metadata: dict[str, str]
-) -> tuple[ShardPlan, dict[str, str]]:
-    """Cut ``metadata`` (in stream order) into shards of at most ``max_shard_bytes`` (a larger tensor gets a shard of
-    its own, as ``save_pretrained`` does) and build each shard's safetensors header. Returns the plan and the
-    index's weight map (``{}`` when there is one file, ``model.safetensors``)."""
-    members: list[list[int]] = [[]]
-    size = 0
-    for i, m in enumerate(metadata):
-        n = _nbytes(m)
-        if members[-1] and size + n > max_shard_bytes:
-            members.append([])
-            size = 0
-        members[-1].append(i)
-        size += n
-    if not members[-1]:
-        members.pop()
-    count = len(members)
-    files = (
-        ["model.safetensors"] if count <= 1 else [f"model-{k + 1:05d}-of-{count:05d}.safetensors" for k in range(count)]
-    )
-    headers: list[bytes] = []
-    for idx in members or [[]]:
-        header: dict[str, Any] = {"__metadata__": dict(file_metadata)}
-        offset = 0
-        for i in idx:
-            m = metadata[i]
-            if m.dtype not in _ST_DTYPES:
-                raise CheckpointError(f"tensor {m.name!r} has dtype {m.dtype}, which safetensors cannot store")
-            n = _nbytes(m)
-            shape = list(m.shape)
-            if m.dtype in _PACKED_X2 and shape:
-                shape[-1] *= 2
-            header[m.name] = {
-                "dtype": _ST_DTYPES[m.dtype],
-                "shape": shape,
-                "data_offsets": [offset, offset + n],
-            }
-            offset += n
-        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-        headers.append(struct.pack("<Q", len(raw)) + raw)
-    weight_map = {metadata[i].name: files[k] for k, idx in enumerate(members) for i in idx} if count > 1 else {}
-    total = sum(_nbytes(m) for m in metadata)
-    return ShardPlan(files, members or [[]], headers, total), weight_map
 
 
 def _find_config(model: nn.Module) -> Any:
@@ -322,7 +212,7 @@ class SafetensorsSink:
             tx.prepare(prepare)
         except BaseException:
             if prepared:
-                _remove(prepared[2])
+                remove_path(prepared[2])
             raise
         # Written and fsynced, not yet published: a peer may still fail (under DDP its pass does not talk to rank
         # 0's, so only the vote below tells rank 0), and the old checkpoint must then stay under the target name.
@@ -359,7 +249,7 @@ class SafetensorsSink:
         """After a failed sync: remove rank 0's temporary directory (nothing on the other ranks, nor once it was
         renamed into place). Best effort: what stays behind is a leftover the next save removes."""
         if prepared:
-            _remove(prepared[2])
+            remove_path(prepared[2])
 
     def _check_parent(self) -> None:
         parent = self.directory.parent
@@ -406,19 +296,19 @@ class SafetensorsSink:
         restored: Path | None = None
         notes: list[str] = []
         if not os.path.lexists(target):
-            whole = [p for p in found if p.name.startswith(f".{target.name}.old-") and _is_whole(p)]
+            whole = [p for p in found if p.name.startswith(f".{target.name}.old-") and is_whole(p)]
             if whole:
                 restored = max(whole, key=lambda p: p.lstat().st_ctime_ns)
-                size = _size(restored)
-                _rename_noreplace(restored, target)
-                _fsync_dir(target.parent)
+                size = tree_size(restored)
+                rename_noreplace(restored, target)
+                fsync_dir(target.parent)
                 notes.append(f"moved {restored.name} ({size:,} bytes) back to {target.name}: it had been moved aside")
         rest = [p for p in found if p != restored]
         if rest:
-            sizes = [_size(p) for p in rest]
+            sizes = [tree_size(p) for p in rest]
             failed = []
             for p in rest:
-                why = _remove(p)
+                why = remove_path(p)
                 if why:
                     failed.append(f"{p.name}: {why}")
             notes.append(
@@ -530,7 +420,7 @@ class SafetensorsSink:
                 gen.save_pretrained(str(tmp))
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(str(tmp))
-        _fsync_tree(tmp, synced)
+        fsync_tree(tmp, synced)
 
     def _step(self, name: str) -> None:
         if self.on_publish is not None:
@@ -540,12 +430,12 @@ class SafetensorsSink:
         """Put the synced ``tmp`` under the target name: one exchange (or a no-replace rename), else the fallback's
         two renames; fsync the parent; then remove the old copy. The caller removes ``tmp`` if this raises."""
         target = self.directory
-        exchange = _renameat2_enabled()
+        exchange = renameat2_enabled()
         old: Path | None = None  # where the old copy is once the new one is in place
         if os.path.lexists(target):
             if not self.overwrite:
                 raise CheckpointError(f"{target} appeared while saving; not replacing it")
-            if exchange and _renameat2(tmp, target, _RENAME_EXCHANGE):
+            if exchange and renameat2(tmp, target, RENAME_EXCHANGE):
                 old = tmp  # the old copy now has the temporary name; the new one is whole under the target name
                 self._step("renamed")
             else:
@@ -561,152 +451,25 @@ class SafetensorsSink:
                     raise
         else:
             try:
-                if not (exchange and _renameat2(tmp, target, _RENAME_NOREPLACE)):
+                if not (exchange and renameat2(tmp, target, RENAME_NOREPLACE)):
                     os.rename(tmp, target)
             except FileExistsError as exc:
                 raise CheckpointError(f"{target} appeared while saving; not replacing it") from exc
             self._step("renamed")
         try:
-            _fsync_dir(target.parent)
+            fsync_dir(target.parent)
             self._step("published")
         finally:  # the new checkpoint is in place: the old copy goes, even if the fsync failed
             if old is not None:
-                _remove(old)  # best effort: what stays behind is a leftover the next save removes
+                remove_path(old)  # best effort: what stays behind is a leftover the next save removes
 
 
-# -- the filesystem, rank 0 --------------------------------------------------------------------------------------------
 def _unwritable(target: Path, why: str) -> str:
     return (
         f"cannot write the checkpoint {target}: {why} ({target.parent}). It is written into a temporary directory "
         "beside the target and renamed into place, so the parent directory must be writable: fix its permissions "
         "or mount, or save to a directory elsewhere"
     )
-
-
-@functools.lru_cache(maxsize=1)
-def _libc_renameat2() -> Any:
-    """libc's ``renameat2`` (glibc 2.28+, musl 1.2.4+), or ``None`` where there is none."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def _renameat2_enabled() -> bool:
-    return os.environ.get(NO_RENAME_EXCHANGE_ENV, "") in ("", "0") and _libc_renameat2() is not None
-
-
-def _renameat2(src: Path, dst: Path, flags: int) -> bool:
-    """``renameat2(src, dst, flags)``; False (nothing done) where the kernel or the filesystem does not support it."""
-    fn = _libc_renameat2()
-    if fn is None:
-        return False
-    if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
-        return False
-    raise OSError(err, os.strerror(err), str(src), None, str(dst))
-
-
-def _rename_noreplace(src: Path, dst: Path) -> None:
-    if not (_renameat2_enabled() and _renameat2(src, dst, _RENAME_NOREPLACE)):
-        if os.path.lexists(dst):
-            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
-        os.rename(src, dst)
-
-
-def _fsync_path(path: Path, *, directory: bool) -> None:
-    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        # Some filesystems (and platforms) cannot fsync a directory; its entries are then as durable as they get.
-        if not directory or exc.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP):
-            raise
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    _fsync_path(path, directory=True)
-
-
-def _fsync_tree(root: Path, done: Iterable[Path] = ()) -> None:
-    """fsync every regular file under ``root`` (but those in ``done``), then every directory, ``root`` last."""
-    skip = set(done)
-    for here, _dirs, files in os.walk(root, topdown=False):
-        for f in files:
-            path = Path(here) / f
-            if path not in skip and stat.S_ISREG(path.lstat().st_mode):
-                _fsync_path(path, directory=False)
-        _fsync_dir(Path(here))
-
-
-def _size(path: Path) -> int:
-    """Bytes held by the files under ``path`` (or the file itself); 0 for what cannot be read."""
-    try:
-        if not stat.S_ISDIR(path.lstat().st_mode):
-            return path.lstat().st_size
-        total = 0
-        for here, _dirs, files in os.walk(path):
-            for f in files:
-                try:
-                    total += os.lstat(os.path.join(here, f)).st_size
-                except OSError:
-                    pass
-        return total
-    except OSError:
-        return 0
-
-
-def _remove(path: Path) -> str:
-    """Remove a file, link or directory tree; returns ``""`` or why it (partly) failed."""
-    try:
-        if stat.S_ISDIR(path.lstat().st_mode):
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        return str(exc)
-    return ""
-
-
-def _is_whole(path: Path) -> bool:
-    """Whether a moved-aside old copy is whole (not a copy whose removal was cut short): every safetensors file as long
-    as its header says and every shard the index names present, and not empty. A regular file, or a directory that
-    holds no safetensors files (whatever was under the target name), counts as whole: it was moved aside in one
-    rename."""
-    try:
-        if not stat.S_ISDIR(path.lstat().st_mode):
-            return True
-        if not any(path.iterdir()):
-            return False
-        index = path / "model.safetensors.index.json"
-        if index.exists():
-            shards = set(json.loads(index.read_text())["weight_map"].values())
-            if not all((path / f).is_file() for f in shards):
-                return False
-        for f in path.glob("*.safetensors"):
-            with open(f, "rb") as h:
-                head = h.read(8)
-                if len(head) < 8:
-                    return False
-                (n,) = struct.unpack("<Q", head)
-                header = json.loads(h.read(n))
-            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-            if f.stat().st_size < 8 + n + end:
-                return False
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return False
-    return True
 
 
 def save_merged(

@@ -15,12 +15,10 @@ from typing import Any
 
 from ..coordination import this_rank
 from ..errors import LoraStreamError
-from ..stream import ParamStream
-from ..transaction import Transaction, fault_point
+from ..transaction import Transaction
 from .prefix_cache import reset_prefix_cache
 from .preflight import EngineCheckpoint
-from .source import SyncSource
-from .verify import Verification, engine_logprobs, engine_probe_ids, should_verify, verify_engine
+from .verify import ProbeHistory, Verification, engine_logprobs, engine_probe_ids, verify_engine
 
 __all__ = [
     "WORKER_EXTENSION",
@@ -28,8 +26,8 @@ __all__ = [
     "engine_rpc",
     "forget_weights_on_sleep",
     "local_model_runner",
+    "LocalEngineChecks",
     "probe_before",
-    "verify_reset_and_vote",
 ]
 
 #: Pass as ``LLM(..., worker_extension_cls=WORKER_EXTENSION)`` for an engine in a child process.
@@ -107,59 +105,69 @@ def forget_weights_on_sleep(llm: Any, model: Any | None) -> None:
     run_before(llm.llm_engine, "sleep", discarding)
 
 
-def probe_before(sink: Any, stages: dict[str, Any], lora_request: Any = None) -> Any:
+def probe_before(
+    llm: Any, history: ProbeHistory, index: int, verifying: bool, stages: dict[str, Any], lora_request: Any = None
+) -> Any:
     """What the in-process engine serves before a verified sync loads (its probe, through ``lora_request`` when
-    given), for the "it changed" check; ``None`` when this sync is not verified or cannot be checked (the previous
-    one was not verified). The same decision on every rank (it depends on committed syncs only)."""
-    if not should_verify(sink.verify, sink._syncs) or not sink._history.wants_before(sink._syncs):
+    given), for the "it changed" check; ``None`` when this sync (the ``index``-th) is not verified or cannot be
+    checked (the previous one was not verified). The same decision on every rank (it depends on committed syncs
+    only)."""
+    if not verifying or not history.wants_before(index):
         return None
     t = time.perf_counter()
-    before = engine_logprobs(sink.llm, engine_probe_ids(sink.llm), lora_request)
+    before = engine_logprobs(llm, engine_probe_ids(llm), lora_request)
     stages["probe_before_s"] = time.perf_counter() - t
     return before
 
 
-def verify_reset_and_vote(
-    tx: Transaction,
-    source: SyncSource,
-    sink: Any,
-    stream: ParamStream,
-    where: str,
-    lora_request: Any = None,
-    before: Any = None,
-) -> Verification | None:
-    """The end of a sync into an in-process engine, before its commit or abort: the verification when ``sink.verify``
-    asks for this sync (after a vote, since its forward is a collective; with the "it changed" check against
-    ``before``, :func:`probe_before`), the prefix-cache reset, and the vote. ``sink`` has ``llm``, ``verify``,
-    ``verify_tolerance``, ``prefix_cache_timeout``, ``_syncs`` and ``_history``.
+class LocalEngineChecks:
+    """Step 3 of a sync (:mod:`lora_stream.sinks.vote`) into an engine in this process or its child: the probe
+    through the engine against the trainer's forward, and the prefix-cache reset. ``before`` is what
+    :func:`probe_before` read (the "it changed" check); ``history`` and ``index`` the sink's verification history
+    and this sync's index."""
 
-    Every rank runs as many exchanges on every path: once a vote saw a failure, no rank votes again."""
-    verification: Verification | None = None
-    if should_verify(sink.verify, sink._syncs):
-        if not tx.vote("after loading", known=source.ended_early):
-            # That vote saw a failure and every rank knows it: each took part in it or, still inside its pass (under
-            # a sharded gatherer, when this rank failed before starting its own: taking the engine's snapshot, say),
-            # learned it at a group boundary and will not exchange again. Another vote would wait alone until the
-            # timeout.
-            return None
-        with tx.attempt():
-            verification = verify_engine(
-                sink.llm,
-                stream.model,
-                limit=sink.verify_tolerance,
-                rank=this_rank(),
-                where=where,
-                lora_request=lora_request,
-                history=sink._history,
-                index=sink._syncs,
-                before=before,
-            )
-            fault_point("verify")
-    with tx.attempt() as go:
-        if go:
-            # KV blocks cached under the previous weights (or the previous adapter, whose id is kept) must go.
-            reset_prefix_cache(lambda: sink.llm.reset_prefix_cache(), sink.prefix_cache_timeout, "the engine")
-            fault_point("prefix-cache")
-            fault_point("commit")
-    tx.vote("before committing", known=source.ended_early)
-    return verification
+    def __init__(
+        self,
+        llm: Any,
+        model: Any,
+        where: str,
+        *,
+        limit: float | None,
+        history: ProbeHistory,
+        index: int,
+        prefix_cache_timeout: float,
+        lora_request: Any = None,
+        before: Any = None,
+    ) -> None:
+        self.llm = llm
+        self.model = model
+        self.where = where
+        self.limit = limit
+        self.history = history
+        self.index = index
+        self.prefix_cache_timeout = prefix_cache_timeout
+        self.lora_request = lora_request
+        self.before = before
+
+    def verify(self) -> Verification | None:
+        return verify_engine(
+            self.llm,
+            self.model,
+            limit=self.limit,
+            rank=this_rank(),
+            where=self.where,
+            lora_request=self.lora_request,
+            history=self.history,
+            index=self.index,
+            before=self.before,
+        )
+
+    def agree_on_verification(self, tx: Transaction) -> None:
+        """One engine per rank: nothing to compare across ranks."""
+
+    def reset_prefix_cache(self) -> None:
+        # KV blocks cached under the previous weights (or the previous adapter, whose id is kept) must go.
+        reset_prefix_cache(lambda: self.llm.reset_prefix_cache(), self.prefix_cache_timeout, "the engine")
+
+    def before_vote(self) -> None:
+        """A colocated engine is synchronous: nothing else can have changed it since it loaded."""

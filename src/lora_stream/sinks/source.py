@@ -19,7 +19,7 @@ from ..stream import ParamMeta, ParamStream, Selection, StreamPass
 from ..transaction import fault_point
 from .record import SyncRecord
 
-__all__ = ["SyncSource"]
+__all__ = ["EngineMergeSource", "SyncSource", "source_for"]
 
 
 class SyncSource:
@@ -52,8 +52,10 @@ class SyncSource:
         meta = {m.name: m for m in stream.metadata()}
         groups = stream.groups() if selection is None else stream.groups(selection)
         self._groups = [names + self._aliases_of(names) for names in groups]
+        # An alias is described as its primary (the same tensor travels under both names).
+        primary_of = {a: p for p, aliases in self._by_primary.items() for a in aliases}
         self._meta = [
-            ParamMeta(n, meta[n].dtype, meta[n].shape) if n in meta else self._alias_meta(n, meta)
+            ParamMeta(n, meta[primary_of.get(n, n)].dtype, meta[primary_of.get(n, n)].shape)
             for names in self._groups
             for n in names
         ]
@@ -76,6 +78,10 @@ class SyncSource:
         self.pass_: StreamPass[Any] | None = None
         self._stop_reason: str | None = None
         self.tensors = self.bytes = self.groups_sent = self.peak_group_bytes = 0
+        self._describe()
+
+    def _describe(self) -> None:
+        """A subclass that sends something else than the stream's outputs describes it here (last in ``__init__``)."""
 
     @property
     def aliases(self) -> list[str]:
@@ -84,10 +90,6 @@ class SyncSource:
 
     def _aliases_of(self, names: list[str]) -> list[str]:
         return [a for n in names for a in self._by_primary.get(n, ())]
-
-    def _alias_meta(self, alias: str, meta: dict[str, ParamMeta]) -> ParamMeta:
-        primary = next(p for p, aliases in self._by_primary.items() if alias in aliases)
-        return ParamMeta(alias, meta[primary].dtype, meta[primary].shape)
 
     # -- vLLM's WeightSource ---------------------------------------------------------------------------------------
     def metadata(self) -> list[ParamMeta]:
@@ -222,7 +224,6 @@ class EngineMergeSource(SyncSource):
         full_because: str | None = None,
         base_fp: Mapping[str, int] | None = None,
     ):
-        super().__init__(stream, aliases, version, None, selection=selection, full_because=full_because)
         from ..stream import InputRequest
 
         self.plan = plan
@@ -231,13 +232,8 @@ class EngineMergeSource(SyncSource):
         full = selection is None
         sends = {i: [plan.inputs[k] for k in (plan.reads[i] if full else plan.trainable(i))] for i in steps}
         self.request = InputRequest(frozenset(steps), sends)
-        _, specs, origin = stream._select_inputs(self.request)
-        self._input_groups = [[s.key for s in group] for group in specs]
-        self._input_meta = [ParamMeta(s.key, s.dtype, s.shape) for group in specs for s in group]
         self._frozen = {k for k, spec in plan.inputs.items() if not spec.trainable}
-        # The fault points "group:<k>" of the whole plan, as for merged syncs: each input batch's group there.
-        self._plan_index = origin
-        self._plan_groups = len(stream._groups)
+        super().__init__(stream, aliases, version, None, selection=selection, full_because=full_because)
         # The trainer's intra-op thread count: some CPU kernels' reduction order depends on it, and the engine
         # computes each merge with the same count, so that its result is the trainer's bit for bit.
         threads = torch.get_num_threads()
@@ -250,6 +246,15 @@ class EngineMergeSource(SyncSource):
         }
         #: Fingerprints of the base tensors this (full) sync sent, whole; filled as they pass.
         self.base_fp: dict[str, int] = {}
+
+    def _describe(self) -> None:
+        """What travels: the selected steps' inputs, in the stream's input groups."""
+        _, specs, origin = self.stream._select_inputs(self.request)
+        self._input_groups = [[s.key for s in group] for group in specs]
+        self._input_meta = [ParamMeta(s.key, s.dtype, s.shape) for group in specs for s in group]
+        # The fault points "group:<k>" of the whole plan, as for merged syncs: each input batch's group there.
+        self._plan_index = origin
+        self._plan_groups = len(self.stream._groups)
 
     @property
     def aliases(self) -> list[str]:
@@ -287,3 +292,21 @@ class EngineMergeSource(SyncSource):
             yield list(names), list(tensors)
         for j in range(passed, self._plan_groups):
             fault_point(f"group:{j}")
+
+
+def source_for(
+    stream: ParamStream,
+    aliases: Mapping[str, str],
+    version: str | None,
+    *,
+    adapter: dict[str, Any] | None = None,
+    selection: Selection | None = None,
+    full_because: str | None = None,
+    merge_plan: Any = None,
+    base_fp: Mapping[str, int] | None = None,
+) -> SyncSource:
+    """What one sync sends: the merged outputs (or an adapter's factors), or, with ``merge_plan``, the engine-side
+    merge's inputs (:class:`EngineMergeSource`, naming the base the engines hold by ``base_fp``)."""
+    if merge_plan is not None:
+        return EngineMergeSource(stream, merge_plan, aliases, version, selection, full_because, base_fp=base_fp)
+    return SyncSource(stream, aliases, version, adapter, selection=selection, full_because=full_because)

@@ -28,36 +28,33 @@ insecure serialization is needed).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
 from typing import Any
 
 import torch
 
-from ..changes import Changes, EngineState, SyncedSources, agree_on_changes, takes_selection
+from ..changes import EngineState
 from ..engine.holding import NOT_HELD, held_state
 from ..engine.reload import LoadReport, ReloadBracket
 from ..stream import ParamStream
 from ..transaction import Transaction, fault_point
-from .engine_base import EngineBaseRecord
+from .conclude import commit_or_roll_back, record_of
+from .decide import Decision, decide
 from .local_engine import (
+    LocalEngineChecks,
     engine_checkpoint,
     engine_rpc,
     forget_weights_on_sleep,
     local_model_runner,
     probe_before,
-    verify_reset_and_vote,
 )
-from .prefix_cache import reset_prefix_cache
+from .memory import SinkMemory
 from .preflight import preflight
 from .record import SyncRecord
-from .source import EngineMergeSource, SyncSource
-from .verify import (
-    ProbeHistory,
-    VerifyPolicy,
-    check_policy,
-)
+from .source import SyncSource
+from .verify import VerifyPolicy, check_policy
+from .vote import check_and_vote
 
 __all__ = ["VLLMColocatedSink"]
 
@@ -135,8 +132,9 @@ class VLLMColocatedSink:
                 "base (docs: Where the merge runs). Use merge='trainer'"
             )
         self.merge = merge
-        #: merge="engine": which base the engine's workers hold from this sink.
-        self._base = EngineBaseRecord()
+        #: What this rank knows of what the engine holds from this sink (its last commit, the merge's base).
+        self._memory = SinkMemory()
+        self._base = self._memory.base
         forget_weights_on_sleep(llm, runner.model if runner is not None else None)
         self.check_consumed = check_consumed
         self.rollback = rollback
@@ -145,12 +143,9 @@ class VLLMColocatedSink:
         self.prefix_cache_timeout = prefix_cache_timeout
         self.skip_unchanged = skip_unchanged
         self.version: str | None = None
-        self._syncs = 0
-        self._history = ProbeHistory()
-        #: What the engine holds since this sink's last commit: the commit's token, this rank's fingerprints then,
-        #: and which checkpoint names the engine's modules read together (``None``: unknown).
+        #: What the engine holds since this sink's last commit: the commit's token, and which checkpoint names the
+        #: engine's modules read together (``None``: unknown).
         self._token: str | None = None
-        self._synced: SyncedSources | None = None
         self._units: list[list[str]] | None = None
         self._why_full = "no sync committed into this engine by this sink yet"
 
@@ -171,7 +166,8 @@ class VLLMColocatedSink:
     def sync(self, stream: ParamStream, *, version: str | None = None) -> SyncRecord:
         """Load one pass of ``stream`` into the engine -- every output, or with ``skip_unchanged`` only those whose
         sources changed since the engine's version (``record.skipped_tensors``, ``record.full_because``) -- as one
-        transaction across the trainer ranks.
+        transaction across the trainer ranks: decide, transfer, check and vote, commit or roll back
+        (:mod:`lora_stream.sinks.route`).
 
         Returns on every rank with the engine serving the new weights and ``version``, or raises on every rank with
         the engine serving exactly what it served before (with ``rollback=True``): the failing rank raises its own
@@ -180,129 +176,34 @@ class VLLMColocatedSink:
         :class:`~lora_stream.StreamAbortedError` naming it and its reason."""
         start = time.perf_counter()
         tx = Transaction.for_stream(stream, self.name)
-        stages: dict[str, Any] = {}
-
-        merging: list[Any] = []  # the engine-side merge's recipes and this rank's base fingerprints
-
-        def prepare() -> tuple[dict[str, str], list[int | None] | None, EngineState]:
-            aliases = self.preflight(stream)
-            t = time.perf_counter()
-            if self.merge == "engine":
-                plan = self._base.plan(stream)  # what the engine cannot merge exactly is refused here
-                merging[:] = [plan, plan.base_fingerprints(stream)]
-            fingerprints = stream.fingerprints() if self.skip_unchanged and takes_selection(stream) else None
-            stages["fingerprint_s"] = time.perf_counter() - t
-            # The engine proves its state only for a sync that may be partial (the proof reads every weight).
-            t = time.perf_counter()
-            engine = self._engine_state() if fingerprints is not None else EngineState(self._why_full)
-            stages["state_check_s"] = time.perf_counter() - t
-            return aliases, fingerprints, engine
-
-        aliases, fingerprints, engine = tx.prepare(prepare)
-        changes = None
-        if fingerprints is not None:
-            force = self._base.reason(merging[1], fingerprints, self._synced) if merging else None
-            changes = agree_on_changes(tx, stream, fingerprints, self._synced, [engine], aliases, force_full=force)
-            if not changes.agreed:
-                assert tx.error is not None
-                raise tx.error
-            stages.update(changes.stages)
-        selection = changes.selection if changes is not None else None
-        full_because = changes.full_because if changes is not None else "skip_unchanged=False"
-        source: SyncSource
-        if merging:
-            source = EngineMergeSource(
-                stream, merging[0], aliases, version, selection, full_because, base_fp=self._base.sent
-            )
-        else:
-            source = SyncSource(stream, aliases, version, selection=selection, full_because=full_because)
-        token = uuid.uuid4().hex
-        opened = False
-        before = None
-        report = LoadReport()
-        with tx.attempt():
-            before = probe_before(self, stages)
-            t = time.perf_counter()
-            self._begin(source)
-            opened = True
-            stages["snapshot_s"] = time.perf_counter() - t
-            try:
-                with source.batches() as batches:  # a failure below ends the pass for every rank, with its reason
-                    for names, tensors in batches:
-                        self._load(list(zip(names, tensors)), source.aliases)
-            except BaseException as exc:
-                # Always close the bracket: an open one leaves layers on the meta device and the engine's next
-                # forward kills it. After a failure, closing puts back every layer still waiting for weights.
-                self._finish(exc)
-                raise
-            report = self._finish(None)
-            fault_point("reload-check")
-            error = report.error() if self.check_consumed else None
-            if error is not None:
-                raise error
-        verification = verify_reset_and_vote(tx, source, self, stream, " (colocated engine)", before=before)
-        tx.conclude(
-            lambda: self._commit(version, token, changes, report, source, merging[1] if merging else None),
-            lambda error: self._abort(error, opened),
+        route = _EngineRoute(self, stream.model)
+        decision = decide(
+            tx,
+            stream,
+            route,
+            self._memory,
+            version=version,
+            verifying=self._memory.verifying(self.verify),
+            skip_unchanged=self.skip_unchanged,
+            merge=self.merge,
         )
-        stages["kept_bytes"] = self._kept_bytes
-        record = dataclasses.replace(
-            source.record(self.name, time.perf_counter() - start), stages=stages, verification=verification
-        )
+        route.transfer(tx, decision)
+        known = decision.source.ended_early
+        verification = check_and_vote(tx, route, verifying=decision.verifying, known=known)
+        commit_or_roll_back(tx, route, decision, self._memory)
+        record = record_of(decision, self.name, time.perf_counter() - start, route.stages(), verification)
         record.log()
         return record
 
     def forget(self) -> None:
         """Trust nothing about what the engine holds: the next sync sends every output (after writing the engine's
         weights some other way, say; lora_stream's own writes are seen without it)."""
-        self._token = self._synced = self._units = None
-        self._base.forget()
+        self._token = self._units = None
+        self._memory.forget()
         self._why_full = "forget() was called"
 
     def close(self) -> None:
         """Nothing is held between syncs."""
-
-    # -- commit and abort ---------------------------------------------------------------------------------------------
-    def _commit(
-        self,
-        version: str | None,
-        token: str,
-        changes: Changes | None,
-        report: LoadReport,
-        source: SyncSource,
-        base_fps: dict[str, int] | None,
-    ) -> None:
-        # A sink that never sends a partial sync leaves no token: the engine then records no digest of its state
-        # (one read of every weight per commit) for a proof nobody will ask for.
-        held = token if self.skip_unchanged else None
-        if self._bracket is not None:
-            self._kept_bytes = self._bracket.kept_bytes
-            self._bracket.commit(held)
-        else:
-            self._kept_bytes = sum(int(n) for n in self._rpc("lora_stream_commit", held))
-        self._token = token
-        self._synced = changes.sources if changes is not None else None
-        if self.merge == "engine":
-            self._base.remember(True, source, base_fps)
-        self._units = report.units
-        self.version = version
-        self._history.committed(self._syncs)
-        self._syncs += 1
-
-    def _abort(self, error: BaseException, opened: bool) -> None:
-        """Every rank failed the sync: put this engine back (the bracket is closed already) and drop its KV blocks.
-        The next sync sends every output (a rolled-back engine is not trusted to hold the last commit)."""
-        self._token = self._synced = self._units = None
-        self._base.forget()
-        self._why_full = "the last sync failed (the engine was rolled back)"
-        if opened:
-            restored = self._bracket.rollback() if self._bracket is not None else all(self._rpc("lora_stream_rollback"))
-            if not restored:
-                error.add_note(
-                    "lora_stream: rollback=False, so the engine was not put back: layers that received all their "
-                    "weights serve the new ones; run another sync before relying on it"
-                )
-        reset_prefix_cache(lambda: self.llm.reset_prefix_cache(), self.prefix_cache_timeout, "the engine")
 
     # -- the bracket, in process or over collective_rpc ------------------------------------------------------------
     _kept_bytes = 0
@@ -378,3 +279,89 @@ class VLLMColocatedSink:
 
     def _rpc(self, method: str, *args: Any) -> list[Any]:
         return engine_rpc(self.llm, method, *args)
+
+
+class _EngineRoute(LocalEngineChecks):
+    """One sync's route into the colocated sink's engine (:mod:`lora_stream.sinks.route`): in this process, through
+    its model runner and :class:`~lora_stream.engine.reload.ReloadBracket`; in a child process, the same bracket over
+    ``collective_rpc``."""
+
+    def __init__(self, sink: VLLMColocatedSink, model: Any) -> None:
+        memory = sink._memory
+        super().__init__(
+            sink.llm,
+            model,
+            " (colocated engine)",
+            limit=sink.verify_tolerance,
+            history=memory.history,
+            index=memory.syncs,
+            prefix_cache_timeout=sink.prefix_cache_timeout,
+        )
+        self.sink = sink
+        self.token = uuid.uuid4().hex
+        self.opened = False
+        self.report = LoadReport()
+        self._stages: dict[str, Any] = {}
+
+    def preflight(self, stream: ParamStream, verifying: bool) -> dict[str, str]:
+        return self.sink.preflight(stream)
+
+    def engine_states(self) -> list[EngineState]:
+        return [self.sink._engine_state()]
+
+    def transfer(self, tx: Transaction, decision: Decision) -> None:
+        sink, source = self.sink, decision.source
+        with tx.attempt():
+            self.before = probe_before(sink.llm, self.history, self.index, decision.verifying, self._stages)
+            t = time.perf_counter()
+            sink._begin(source)
+            self.opened = True
+            self._stages["snapshot_s"] = time.perf_counter() - t
+            try:
+                with source.batches() as batches:  # a failure below ends the pass for every rank, with its reason
+                    for names, tensors in batches:
+                        sink._load(list(zip(names, tensors)), source.aliases)
+            except BaseException as exc:
+                # Always close the bracket: an open one leaves layers on the meta device and the engine's next
+                # forward kills it. After a failure, closing puts back every layer still waiting for weights.
+                sink._finish(exc)
+                raise
+            self.report = sink._finish(None)
+            fault_point("reload-check")
+            error = self.report.error() if sink.check_consumed else None
+            if error is not None:
+                raise error
+
+    def commit(self, tx: Transaction, decision: Decision) -> None:
+        sink = self.sink
+        # A sink that never sends a partial sync leaves no token: the engine then records no digest of its state
+        # (one read of every weight per commit) for a proof nobody will ask for.
+        held = self.token if sink.skip_unchanged else None
+        if sink._bracket is not None:
+            sink._kept_bytes = sink._bracket.kept_bytes
+            sink._bracket.commit(held)
+        else:
+            sink._kept_bytes = sum(int(n) for n in sink._rpc("lora_stream_commit", held))
+        sink._token = self.token
+        sink._units = self.report.units
+        sink.version = decision.source.weight_version
+
+    def abort(self, error: BaseException) -> None:
+        """Every rank failed the sync: put this engine back (the bracket is closed already) and drop its KV blocks.
+        The next sync sends every output (a rolled-back engine is not trusted to hold the last commit)."""
+        sink = self.sink
+        if self.opened:
+            restored = sink._bracket.rollback() if sink._bracket is not None else all(sink._rpc("lora_stream_rollback"))
+            if not restored:
+                error.add_note(
+                    "lora_stream: rollback=False, so the engine was not put back: layers that received all their "
+                    "weights serve the new ones; run another sync before relying on it"
+                )
+        self.reset_prefix_cache()
+
+    def forget(self, why: str) -> None:
+        self.sink._token = self.sink._units = None
+        self.sink._why_full = why
+
+    def stages(self) -> dict[str, Any]:
+        return {**self._stages, "kept_bytes": self.sink._kept_bytes}

@@ -32,12 +32,13 @@ from ..adapter import ADAPTER_PREFIX, AdapterStream
 from ..engine.adapter_staging import AdapterLoadError, StagedAdapter, adapter_path, stage, unstage
 from ..errors import LoraStreamError
 from ..transaction import Transaction, fault_point
-from .local_engine import engine_checkpoint, engine_rpc, local_model_runner, probe_before, verify_reset_and_vote
+from .local_engine import LocalEngineChecks, engine_checkpoint, engine_rpc, local_model_runner, probe_before
 from .prefix_cache import reset_prefix_cache
 from .preflight import adapter_preflight
 from .record import AdapterSyncRecord
 from .source import SyncSource
-from .verify import ProbeHistory, VerifyPolicy, check_policy
+from .verify import ProbeHistory, VerifyPolicy, check_policy, should_verify
+from .vote import check_and_vote
 
 __all__ = ["VLLMLoRASink", "stable_lora_id"]
 
@@ -155,13 +156,15 @@ class VLLMLoRASink:
         start = time.perf_counter()
         tx = Transaction.for_stream(stream, self.name)
         tx.prepare(lambda: self.preflight(stream))  # every rank refuses together, before any gather
+        verifying = should_verify(self.verify, self._syncs)  # the same on every rank: commits are agreed
         source = SyncSource(stream, {}, version)
         tensors: dict[str, torch.Tensor] = {}
         installed = False
         before = None
         with tx.attempt():
             served = self._request(load_inplace=False) if self._synced else None
-            before = probe_before(self, {}, served)  # what is served now, for the "it changed" check
+            # What is served now, for the "it changed" check.
+            before = probe_before(self.llm, self._history, self._syncs, verifying, {}, served)
             with source.batches() as batches:  # a failure here ends the pass for every rank, with its reason
                 for names, group in batches:
                     for n, t in zip(names, group):
@@ -171,9 +174,18 @@ class VLLMLoRASink:
             self._install(StagedAdapter(tensors, stream.adapter_config(), version))
             installed = True
             fault_point("reload-check")
-        verification = verify_reset_and_vote(
-            tx, source, self, stream, " (adapter)", lora_request=self._request(load_inplace=False), before=before
+        checks = LocalEngineChecks(
+            self.llm,
+            stream.model,
+            " (adapter)",
+            limit=self.verify_tolerance,
+            history=self._history,
+            index=self._syncs,
+            prefix_cache_timeout=self.prefix_cache_timeout,
+            lora_request=self._request(load_inplace=False),
+            before=before,
         )
+        verification = check_and_vote(tx, checks, verifying=verifying, known=source.ended_early)
         tx.conclude(lambda: self._commit(version), lambda error: self._restore(error) if installed else None)
         seconds = time.perf_counter() - start
         base = source.record(self.name, seconds)

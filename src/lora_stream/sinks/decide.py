@@ -1,0 +1,137 @@
+"""Step 1 of a sync, decide: what this sync sends and why, agreed by every trainer rank before any byte reaches an
+engine (the steps: :mod:`lora_stream.sinks.route`).
+
+Who calls it: every sink that loads a :class:`~lora_stream.ParamStream` into engines -- a server, a colocated
+engine, an engine in a child process -- once per sync, first, inside the sync's transaction. It runs, on this rank:
+
+* the route's pre-flight (:meth:`Route.preflight <lora_stream.sinks.route.Route.preflight>`: the stream against
+  every engine's checkpoint; a refusal refuses on every rank, with every engine untouched);
+* the verification's probe, an adapter sync's staging place, the engine-side merge's recipes (what the engines
+  cannot merge exactly is refused here);
+* for a sync that may be partial, this rank's fingerprints of every frozen shard, and what each engine proves it
+  holds (:meth:`Route.engine_states <lora_stream.sinks.route.Route.engine_states>`);
+
+then the transaction's pre-flight agreement, and the agreement on what changed
+(:func:`~lora_stream.changes.agree_on_changes`). The :class:`Decision` is the same on every rank (but for this rank's
+own fingerprints and timings); its :attr:`~Decision.source` is what step 2 sends.
+
+What breaks if it is bypassed: a partial sync decided on one rank only would leave the engines mixed; a fingerprint
+taken after the transfer began would prove nothing about what was sent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from typing import Any
+
+from ..adapter import AdapterStream
+from ..changes import Changes, agree_on_changes, takes_selection
+from ..stream import ParamStream
+from ..transaction import Transaction
+from .memory import SinkMemory
+from .route import Route
+from .source import SyncSource, source_for
+from .verify import model_vocab_size, probe_ids
+
+__all__ = ["Decision", "decide"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What step 1 decided, on every rank alike."""
+
+    #: What step 2 sends: every output, the changed ones, or the engine-side merge's inputs (with its recipes).
+    source: SyncSource
+    #: Tied aliases to offer (``{alias: primary}``).
+    aliases: dict[str, str]
+    #: The agreed outcome of what changed (``None``: every output goes, no agreement ran).
+    changes: Changes | None
+    #: An adapter sync's staging (``{"path", "config"}``); ``None``: a merged sync.
+    adapter: dict[str, Any] | None
+    #: Whether step 3 verifies this sync, and the probe's token ids (``None``: the route probes by itself).
+    verifying: bool
+    probe_ids: list[int] | None
+    #: ``merge="engine"``: the stream's recipes, and this rank's fingerprints of the adapted steps' bases.
+    merge_plan: Any
+    base_fps: dict[str, int] | None
+    #: Seconds of this step's parts (``fingerprint_s``, ``state_check_s``, ``decide_s``).
+    stages: dict[str, Any]
+
+    @property
+    def full_because(self) -> str | None:
+        """Why every output goes (``None``: a partial sync)."""
+        return self.source.full_because if self.source.selection is None else None
+
+
+def decide(
+    tx: Transaction,
+    stream: ParamStream,
+    route: Route,
+    memory: SinkMemory,
+    *,
+    version: str | None,
+    verifying: bool,
+    skip_unchanged: bool,
+    merge: str,
+    probe: bool = False,
+    lora_name: str | None = None,
+) -> Decision:
+    """Decide this sync on every rank (see the module docstring); raise on every rank if any rank refused.
+
+    ``verifying``: step 3 verifies (the same on every rank: :meth:`SinkMemory.verifying`); ``probe``: the probe's
+    token ids are chosen here (a server's workers probe before loading); ``lora_name``: an
+    :class:`~lora_stream.AdapterStream` is staged under this name (a route that loads adapters); ``merge``:
+    ``"trainer"`` or ``"engine"``; ``skip_unchanged``: a merged sync may be partial."""
+    stages: dict[str, Any] = {}
+
+    def check() -> tuple[Any, ...]:
+        aliases = route.preflight(stream, verifying)
+        ids = probe_ids(model_vocab_size(stream.model)) if verifying and probe else None
+        adapter = None
+        if lora_name is not None and isinstance(stream, AdapterStream):
+            adapter = {"path": _staging_path(lora_name), "config": stream.adapter_config()}
+        t = time.perf_counter()
+        merge_plan = memory.base.plan(stream) if adapter is None and merge == "engine" else None
+        base_fps = merge_plan.base_fingerprints(stream) if merge_plan is not None else None
+        skipping = skip_unchanged and adapter is None and takes_selection(stream)
+        fingerprints = stream.fingerprints() if skipping else None
+        stages["fingerprint_s"] = time.perf_counter() - t
+        engines = None
+        if fingerprints is not None:  # the proof reads every weight: only for a sync that may be partial
+            t = time.perf_counter()
+            engines = route.engine_states()
+            stages["state_check_s"] = time.perf_counter() - t
+        return aliases, ids, adapter, merge_plan, base_fps, fingerprints, engines
+
+    aliases, ids, adapter, merge_plan, base_fps, fingerprints, engines = tx.prepare(check)
+    changes = None
+    if fingerprints is not None:
+        force = memory.base.reason(base_fps, fingerprints, memory.synced) if merge_plan is not None else None
+        changes = agree_on_changes(tx, stream, fingerprints, memory.synced, engines, aliases, force_full=force)
+        if not changes.agreed:
+            assert tx.error is not None
+            raise tx.error
+        stages.update(changes.stages)
+    selection = changes.selection if changes is not None else None
+    full_because = changes.full_because if changes is not None else None
+    if changes is None and adapter is None:
+        full_because = "skip_unchanged=False"
+    source = source_for(
+        stream,
+        aliases,
+        version,
+        adapter=adapter,
+        selection=selection,
+        full_because=full_because,
+        merge_plan=merge_plan,
+        base_fp=memory.base.sent,
+    )
+    return Decision(source, aliases, changes, adapter, verifying, ids, merge_plan, base_fps, stages)
+
+
+def _staging_path(lora_name: str) -> str:
+    from ..engine.adapter_staging import adapter_path
+
+    return adapter_path(lora_name, uuid.uuid4().hex[:12])

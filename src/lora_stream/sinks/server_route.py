@@ -1,0 +1,574 @@
+"""The server route of a sync (:mod:`lora_stream.sinks.route`): the servers one trainer rank feeds, for one sync of a
+:class:`~lora_stream.sinks.vllm_server.VLLMServerSink`.
+
+Per server, the feeding rank: checks it and joins its transfer group (step 1); pauses its generation, holds it under
+the sync's lease (a heartbeat), sends through its data plane, and stages an adapter (step 2); probes it and resets
+its prefix cache, and confirms the lease still holds (step 3); commits, or rolls it back (step 4); resumes its
+generation on every path. Under ``on_replica_failure="exclude"`` a server's own failure excludes it (rolled back,
+left out) instead of failing the sync; the ranks then agree on which servers were excluded.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import time
+import uuid
+import warnings
+from typing import TYPE_CHECKING, Any
+
+from ..adapter import ADAPTER_PREFIX, AdapterStream
+from ..changes import EngineState
+from ..errors import LoraStreamError, ReplicaError
+from ..lockstep import describe_error
+from ..stream import ParamStream
+from ..transaction import Transaction, fault_point
+from .decide import Decision
+from .memory import SinkMemory
+from .prefix_cache import reset_prefix_cache
+from .preflight import EngineCheckpoint, adapter_preflight, preflight
+from .server_client import LeaseExpiredError, ServerError, validate_adapter
+from .server_replica import LeaseKeeper, Replica, ServerUpdate, is_replica_failure, lease_lost, load_error
+from .server_verify import agree_on_weights, verify_replica
+from .verify import Verification, trainer_logprobs
+
+if TYPE_CHECKING:
+    from .vllm_server import VLLMServerSink
+
+__all__ = ["ServerRoute"]
+
+logger = logging.getLogger("lora_stream")
+
+
+class ServerRoute:
+    """One sync's servers on this trainer rank (those it feeds), implementing :class:`~lora_stream.sinks.route.Route`.
+
+    Built at the start of each sync (:meth:`start`: a new lease for each server, one excluded last time tried
+    again); :meth:`end` releases them on every path. Reads the sink's options and replicas; keeps this sync's
+    outcome across the fleet (:attr:`excluded`, :attr:`readmitted`, :attr:`resume_note`)."""
+
+    def __init__(self, sink: VLLMServerSink, memory: SinkMemory) -> None:
+        self.sink = sink
+        self.memory = memory
+        self.mine = [r for r in sink._assign() if r.sender == sink.rank]
+        self.keeper = LeaseKeeper(self.mine, sink.lease)
+        self.decision: Decision | None = None
+        self.digests: list[str] = []
+        self.excluded: dict[str, str] = {}
+        self.readmitted: tuple[str, ...] = ()
+        self.resume_failures: list[str] = []
+        self.resume_note: str | None = None
+
+    def start(self) -> None:
+        """The servers this rank feeds each start this sync from scratch, under a new lease."""
+        sync_id = uuid.uuid4().hex
+        for r in self.mine:
+            r.was_excluded, r.failure, r.state = r.failure is not None, None, ServerUpdate()
+            r.client.lease = (sync_id, self.sink.lease)
+            r.client.unresponsive = False
+            if r.engine is not None:  # where the previous sync's transfer stood is not this one's
+                r.engine.started, r.engine.pending, r.engine.stalled = False, None, False
+
+    def end(self) -> None:
+        """On every path, last: stop the heartbeat and release each server from this sync."""
+        self.keeper.stop()
+        for r in self.mine:
+            r.client.lease = None
+            r.client.budget_s = None
+
+    def _phase(self) -> None:
+        """A new stretch between two agreements: every server this rank feeds gets a fresh budget of calls."""
+        for r in self.mine:
+            r.client.budget_s = self.sink.timeout + self.sink.prefix_cache_timeout
+
+    # -- step 1: decide -----------------------------------------------------------------------------------------------
+    def preflight(self, stream: ParamStream, verifying: bool) -> dict[str, str]:
+        """This rank's servers: reachability, credentials, the pre-flight, the transfer groups. Raises (or, under
+        ``"exclude"``, excludes the server) before anything is sent. A server that a vanished sink left paused or in
+        an open update is healed by its lease at this sync's first request."""
+        self._phase()
+        if verifying and isinstance(stream, AdapterStream):
+            raise LoraStreamError(
+                "verify= on a server checks merged syncs only: the probe runs through the served model without "
+                "vLLM's LoRA layers, so an adapter sync cannot be verified there; sync with verify=False, or sync "
+                "the merged model (ParamStream)"
+            )
+        aliases: dict[str, str] = {}
+        for r in self.mine:
+
+            def check(r: Replica = r) -> None:
+                aliases.update(self.check_server(stream, r))
+                self._read_status(r)
+                self._check_lease(r)
+                self._ensure_engine(r)
+
+            self._on(r, check)
+        return aliases
+
+    def engine_states(self) -> list[EngineState]:
+        return [r.engine_state() for r in self._live()]
+
+    # -- step 2: transfer ---------------------------------------------------------------------------------------------
+    def transfer(self, tx: Transaction, decision: Decision) -> None:
+        """Under a pause of generation, so that no request is computed partly with each version: from the pause on,
+        the sync holds each server under its lease (kept alive by this rank's heartbeat)."""
+        self.decision = decision
+        source = self._arm(decision)
+        self._phase()
+        self.keeper.start()
+        with tx.attempt():
+            for r in self._live():
+                self._on(r, lambda r=r: self._pause(r))
+            try:
+                from ..transfer.sender import send_to_engines
+
+                sending = self._live()
+                # send_to_engines names a failed engine by its position in the list it was given.
+                on_failure = (
+                    (lambda i, e: self._drop_in_transfer(sending[i].index, e))
+                    if self.sink.on_replica_failure == "exclude"
+                    else None
+                )
+                send_to_engines([r.engine for r in sending], source, on_failure=on_failure)
+            except BaseException as exc:
+                # Every worker that received data must hear the outcome: one still waiting for chunks fails when
+                # its data plane closes (and rolls back itself, ending vLLM's session); one that loaded everything
+                # waits for the decision, and the abort sends it.
+                for r in self.mine:
+                    if r.failure is None:
+                        self._settle_transfer(r)
+                error = load_error(exc)
+                if error is exc:
+                    raise
+                raise error from exc
+            finally:
+                self.sink._source.current = None
+            for r in self._live():
+                r.state.loaded = r.state.session = True  # the workers hold it open, waiting for the decision
+            self._phase()
+            adapter = source.adapter
+            if adapter is not None:
+                for r in self._live():
+                    self._on(r, lambda r=r: self._load_adapter(r, adapter["path"]))
+            fault_point("reload-check")
+
+    def _arm(self, decision: Decision) -> Any:
+        """Tell each live server's engine what this sync asks of its workers; returns what is sent."""
+        # The probe before loading serves the "it changed" check only, which needs the previous sync verified.
+        ids = decision.probe_ids
+        before = ids if ids is not None and self.memory.history.wants_before(self.memory.syncs) else None
+        partial = decision.changes is not None and decision.changes.selection is not None
+        for r in self._live():
+            r.engine.keep_previous = self.sink.rollback  # read per sync: the option may change between syncs
+            r.engine.adapter_keep = r.serving_path
+            r.engine.probe_ids = before  # the workers probe what they serve before loading
+            r.engine.digest_received = ids is not None  # and digest every byte they receive
+            r.engine.base_sync = r.holds if partial else None  # what its workers must hold
+        self.sink._source.current = decision.source
+        return decision.source
+
+    # -- step 3: check and vote ---------------------------------------------------------------------------------------
+    def verify(self) -> Verification | None:
+        """The trainer's probe (its forward: a collective under ZeRO-3 / FSDP, so every rank runs it), then each
+        server this rank feeds checked against it. Returns this rank's worst server verification (``None`` when it
+        feeds none); the weight digest of each server that passed is compared across the fleet next."""
+        self._phase()
+        assert self.decision is not None and self.decision.probe_ids is not None
+        ids = self.decision.probe_ids
+        model = self.decision.source.stream.model
+        t = time.perf_counter()
+        trainer, scale = trainer_logprobs(model, ids)
+        trainer_s = time.perf_counter() - t
+        history, index = self.memory.history, self.memory.syncs
+        history.propose(index, trainer)
+        trainer_dtype = next(model.parameters()).dtype
+        results: list[tuple[Verification, str]] = []
+        for r in self._live():
+
+            def check(r: Replica = r) -> None:
+                limit = self.sink.verify_tolerance
+                args = (r, ids, trainer, scale, trainer_dtype)
+                results.append(verify_replica(*args, rank=self.sink.rank, limit=limit, history=history, index=index))
+
+            self._on(r, check)
+        self.digests = [d for _, d in results]
+        worst = max((v for v, _ in results), key=lambda v: v.max_abs_diff, default=None)
+        if worst is not None:
+            worst = dataclasses.replace(worst, stages={"trainer_s": trainer_s, **worst.stages})
+        return worst
+
+    def agree_on_verification(self, tx: Transaction) -> None:
+        agree_on_weights(tx, len(self.sink.replicas), self.sink.rank, self.digests)
+
+    def reset_prefix_cache(self) -> None:
+        # Within the phase's budget: the transfer's, or the verification's (its call and this reset).
+        for r in self._live():
+            self._on(r, lambda r=r: self._reset_prefix_cache(r))
+
+    def before_vote(self) -> None:
+        """Every server this rank fed must still be held by this sync. A rank stopped longer than the lease (a GC
+        pause, a preemption), or a server stalled longer than it, finds here that the server healed and rolled the
+        update back; its vote then fails the sync on every rank, instead of the others committing while that server
+        stays on the old version. What remains is the window between this check and the commit request."""
+        for r in self._live():
+
+            def confirm(r: Replica = r) -> None:
+                lost = r.state.lease_lost
+                if lost is None:
+                    lost = lease_lost((r.client.lease_status() or {}).get("yours"))  # with this sync's headers
+                if lost is not None:
+                    raise LeaseExpiredError(f"vLLM server at {r.url}: before the vote to commit, {lost}")
+
+            self._on(r, confirm)
+
+    # -- step 4: commit or roll back (and, on every path, resume generation) -----------------------------------
+    def commit(self, tx: Transaction, decision: Decision) -> None:
+        """Each feeding rank commits on its servers; a second vote carries the outcome of those calls; under
+        ``"exclude"``, every rank then learns which servers were excluded."""
+        self._phase()
+        version = decision.source.weight_version
+        with tx.attempt():
+            for r in self._live():
+                self._on(r, lambda r=r: self._commit(r, version, decision.adapter))
+        tx.vote("after committing")
+        self.excluded, self.readmitted = self._agree_on_fleet(tx)
+        self._phase()
+
+    def abort(self, error: BaseException) -> None:
+        """Every rank failed the sync: each feeding rank puts its servers back, and the data planes start over."""
+        self._phase()
+        committed = [r.url for r in self.mine if r.state.committed]
+        if committed:
+            error.add_note(f"lora_stream: {', '.join(committed)} had already committed this update before the failure")
+        failures = []
+        for r in self._live():
+            try:
+                self._abort_replica(r, error)
+            except BaseException as exc:
+                failures.append(f"{r.url}: {describe_error(exc)}")
+        if failures:
+            raise ServerError("; ".join(failures))
+
+    def forget(self, why: str) -> None:
+        for r in self.mine:
+            r.forget("the server was excluded from the last sync" if r.failure is not None else why)
+
+    def after(self, committed: bool) -> None:
+        """After a merged sync, on every path: a server excluded or failed is forgotten (the next sync sends it
+        every output)."""
+        for r in self.mine:
+            if r.failure is not None:
+                r.forget("the server was excluded from the last sync")
+            elif not committed or not r.state.committed:
+                r.forget("the last sync failed (the server was rolled back)")
+
+    def stages(self) -> dict[str, Any]:
+        fed = [r for r in self.mine if r.engine is not None and r.state.committed]
+        stages = dict(getattr(fed[0].engine, "last_stages", None) or {}) if fed else {}
+        if len(fed) > 1:
+            stages["replicas"] = {r.url: dict(r.engine.last_stages or {}) for r in fed}
+        return stages
+
+    # -- per server (on the rank that feeds it) ----------------------------------------------------------------------
+    def _live(self) -> list[Replica]:
+        return [r for r in self.mine if r.failure is None]
+
+    def _on(self, replica: Replica, step: Any) -> None:
+        """Run one server's ``step``: under ``"exclude"`` a failure of that server excludes it (rolled back, left
+        out); otherwise, or for a failure that is not the server's, it fails the sync."""
+        if replica.failure is not None:
+            return
+        try:
+            step()
+        except BaseException as exc:
+            if self.sink.on_replica_failure != "exclude" or not is_replica_failure(load_error(exc)):
+                raise
+            self._drop(replica.index, exc)
+
+    def _drop(self, index: int, error: BaseException) -> None:
+        """Exclude server ``index`` from this sync: put it back as it was, as far as it still answers."""
+        replica = self.sink.replicas[index]
+        replica.failure = load_error(error)
+        logger.warning("lora_stream: excluding the vLLM server at %s from this sync: %s", replica.url, error)
+        try:
+            self._abort_replica(replica, replica.failure)
+        except BaseException as exc:  # it may be gone: what matters is that the others go on
+            logger.warning("lora_stream: rolling back the excluded server at %s failed: %r", replica.url, exc)
+        replica.serving_path = None  # restarted or not, it is sent the whole adapter at its readmission
+
+    def _drop_in_transfer(self, index: int, error: BaseException) -> None:
+        """A server failed during the transfer: settle where its update stands (its data plane torn down first, so
+        that workers still waiting for chunks fail at once and roll back themselves), then exclude it."""
+        self._settle_transfer(self.sink.replicas[index])
+        self._drop(index, error)
+
+    def _settle_transfer(self, replica: Replica) -> None:
+        """After a transfer that did not complete for ``replica``: close its data plane, then learn whether its
+        workers still hold the update open (they loaded every chunk and wait for the decision: the abort must send
+        it) or ended it (an update that fails rolls back in the workers, and vLLM ends the session)."""
+        engine = replica.engine
+        started = bool(getattr(engine, "started", False))
+        pending = getattr(engine, "pending", None)
+        stalled = bool(getattr(engine, "stalled", False))
+        replica.close()
+        state = replica.state
+        state.session = False
+        if not started:
+            return
+        if pending is None:  # the session opened, the update was never sent
+            state.session = True
+            return
+        if stalled:
+            replica.client.unresponsive = True  # a chunk it never took: left to its lease
+            state.session = True
+            return
+        began = time.monotonic()
+        try:
+            pending.result(timeout=max(0.0, replica.client.remaining()))
+            state.session = True  # loaded, and waiting for the decision
+        except concurrent.futures.TimeoutError:
+            replica.client.unresponsive = True
+            state.session = True
+        except BaseException:
+            state.session = False  # the update failed: the workers rolled it back and vLLM ended the session
+        finally:
+            replica.client.spend(time.monotonic() - began)
+
+    def _pause(self, replica: Replica) -> None:
+        if self.sink.pause is not None:
+            replica.state.paused = True  # sent: a pause that timed out may still land, and must be resumed
+            replica.client.pause(self.sink.pause)
+
+    def _reset_prefix_cache(self, replica: Replica) -> None:
+        reset_prefix_cache(replica.client.reset_prefix_cache, self.sink.prefix_cache_timeout, replica.url)
+
+    def _load_adapter(self, replica: Replica, path: str) -> None:
+        replica.state.adapter_loaded = True
+        replica.state.adapter_path = path
+        replica.client.load_lora_adapter(self.sink.lora_name, path, restore=replica.serving_path)
+
+    def _commit(self, replica: Replica, version: str | None, adapter: dict[str, Any] | None) -> None:
+        replica.state.version = version
+        sync = replica.client.lease[0] if replica.client.lease is not None else None
+        replica.client.update_weights({"command": "commit", "sync": sync, "version": version})
+        replica.state.committed = True
+        replica.client.finish_weight_update(version)
+        replica.state.session = False
+        if adapter is not None:
+            replica.serving_path = adapter["path"]
+            replica.written_by = sync  # the base weights are untouched: the workers hold what they held
+        else:
+            status = replica.status or {}
+            replica.holds = replica.written_by = sync
+            replica.boot = status.get("boot")
+            replica.units = replica.engine.last_units if replica.engine is not None else None
+
+    def _abort_replica(self, replica: Replica, error: BaseException) -> None:
+        """Put ``replica`` back as it was before this sync, whatever its workers' state: an update still open
+        (mid-transfer or loaded and waiting) is rolled back and vLLM's session ended, a staged adapter swapped back,
+        the prefix cache reset. A server that stopped answering is left to its lease, which does the same."""
+        state = replica.state
+        client = replica.client
+        client.budget_s = (
+            self.sink.timeout + self.sink.prefix_cache_timeout
+        )  # the abort's own budget, whatever came before
+        try:
+            if state.committed:
+                if state.session and not client.unresponsive:  # committed, but finishing failed: end the session
+                    client.finish_weight_update(state.version)
+                    state.session = False
+                return
+            if replica.engine is not None and not state.loaded:
+                self._settle_transfer(replica)  # the pass failed before this server's transfer ended
+            if client.unresponsive:
+                error.add_note(
+                    f"lora_stream: {replica.url} stopped answering; its lease ({self.sink.lease:g} s) rolls the update "
+                    "back, ends vLLM's update session and resumes generation by itself"
+                )
+                return
+            try:
+                if state.adapter_loaded:
+                    if replica.serving_path is not None:
+                        client.load_lora_adapter(self.sink.lora_name, replica.serving_path)
+                    else:
+                        client.unload_lora_adapter(self.sink.lora_name)
+                if state.session:
+                    client.update_weights({"command": "rollback"})
+                    client.finish_weight_update(None)
+                    state.session = False
+                if not self.sink.rollback and not state.adapter_loaded:
+                    error.add_note(
+                        f"lora_stream: rollback=False: layers of {replica.url} that received their weights serve the "
+                        "new ones"
+                    )
+                self._reset_prefix_cache(replica)
+            except LeaseExpiredError:
+                state.session = state.paused = False  # its lease already rolled it back and resumed it
+        finally:
+            replica.close()  # the data plane may be half-used: start over with a new group next time
+
+    def resume(self, error: BaseException | None) -> None:
+        """Resume generation on every server this rank paused, on every path; what failed is kept
+        (:attr:`resume_failures`) and added to ``error`` as notes. A server that stopped answering, or whose lease
+        already resumed it, is skipped."""
+        failures: list[str] = []
+        for r in self.mine:
+            if not r.state.paused:
+                continue
+            if r.client.unresponsive:
+                if error is None and r.failure is None:
+                    failures.append(f"{r.url} stopped answering before generation could be resumed")
+                continue
+            try:
+                r.client.budget_s = self.sink.timeout  # its own budget, whatever came before
+                r.client.resume()
+                r.state.paused = False
+            except LeaseExpiredError:
+                r.state.paused = False
+            except BaseException as exc:
+                if r.failure is not None:
+                    continue  # excluded: it may be gone, and the others are served
+                failures.append(f"resuming {r.url}'s generation failed: {describe_error(exc)}")
+        if error is not None:
+            for f in failures:
+                error.add_note(f"lora_stream: {f}")
+        self.resume_failures = failures
+
+    def _agree_on_fleet(self, tx: Transaction) -> tuple[dict[str, str], tuple[str, ...]]:
+        """Under ``"exclude"``: every rank learns which servers were excluded (and readmitted) on any rank; if none
+        is left, the sync fails on every rank. One exchange of two bits per server (never more than it carries),
+        after the votes, on every rank alike; the reasons stay with the rank that feeds the server."""
+        if self.sink.on_replica_failure != "exclude" or not tx.ok:
+            return {}, ()
+        n = len(self.sink.replicas)
+        bits = [self.sink.replicas[i].failure is not None for i in range(n)]
+        bits += [self.sink.replicas[i].was_excluded and self.sink.replicas[i].failure is None for i in range(n)]
+        mine_ids = {r.index for r in self.mine}
+        for i in range(n):
+            if i not in mine_ids:
+                bits[i] = bits[n + i] = False
+        agreed = tx.any_of(bits, "agreeing on the fleet")
+        if agreed is None:
+            return {}, ()
+        excluded: dict[str, str] = {}
+        for r in self.sink.replicas:
+            if not agreed[r.index]:
+                continue
+            if r.index in mine_ids and r.failure is not None:
+                excluded[r.url] = describe_error(r.failure)
+            else:
+                excluded[r.url] = f"excluded by trainer rank {r.sender}, which feeds it (its reason is in that log)"
+        readmitted = tuple(r.url for r in self.sink.replicas if agreed[n + r.index])
+        if len(excluded) == n:
+            tx.error = ReplicaError(
+                "every vLLM server failed the sync: " + "; ".join(f"{u}: {why}" for u, why in excluded.items()),
+                failures=excluded,
+            )
+            return {}, ()
+        return excluded, readmitted
+
+    def agree_on_resume(self, tx: Transaction, version: str | None) -> None:
+        """Committed: every rank learns whether resuming failed on any server (its lease resumes it by itself), so
+        that every rank records it alike (:attr:`resume_note`)."""
+        failed_resume = tx.any_of([bool(self.resume_failures)], "after resuming generation")
+        if failed_resume is not None and not failed_resume[0]:
+            return
+        resume_note = (
+            "; ".join(self.resume_failures)
+            if self.resume_failures
+            else "resuming generation failed on a server another trainer rank feeds (or that rank was lost)"
+        ) + f"; the server's lease resumes it within {self.sink.lease:g} s"
+        warnings.warn(f"lora_stream: sync {version!r} committed, but {resume_note}", RuntimeWarning, stacklevel=3)
+        tx.error = None  # committed everywhere: what failed after is recorded, not raised
+        self.resume_note = resume_note
+
+    def check_server(self, stream: ParamStream, replica: Replica) -> dict[str, str]:
+        models = replica.client.check_access()
+        if isinstance(stream, AdapterStream):
+            validate_adapter(stream, replica.client.max_lora_rank(), f"the server at {replica.url}")
+            if self.sink.checkpoint is not False:
+                adapter_preflight(stream.metadata(), self._checkpoint(replica, models), ADAPTER_PREFIX)
+            return {}
+        if self.sink.merge == "engine":
+            self.memory.base.plan(stream)  # what the engine cannot merge exactly is refused here, before any byte
+        if self.sink.checkpoint is False:
+            return stream.tied_aliases()  # offered; the worker loads each only if its model holds it
+        return preflight(stream.metadata(), stream.tied_aliases(), self._checkpoint(replica, models))
+
+    def _read_status(self, replica: Replica) -> None:
+        """The server's lease status, read before this sync writes anything: what it holds (for a partial sync),
+        and whether it restarted, whose workers then lost this rank's transfer group (built again below)."""
+        try:
+            replica.status = replica.client.lease_status()
+        except ServerError:
+            replica.status = None
+        status = replica.status or {}
+        boot = status.get("boot")
+        if replica.engine is not None and boot and replica.engine_boot and boot != replica.engine_boot:
+            replica.close()
+        elif (
+            replica.engine is not None
+            and replica.written_by is not None
+            and status.get("weights_by") != replica.written_by
+        ):
+            # Another trainer wrote through this server since, and may have built its workers' group anew (there
+            # is one per server): build this rank's again rather than find it closed mid-transfer.
+            replica.close()
+        if replica.engine is None:
+            replica.engine_boot = boot
+
+    def _check_lease(self, replica: Replica) -> None:
+        """Once per server, at its first sync: warn if it keeps no weight-update lease. Best effort: a server that
+        cannot say is asked again at the next sync; the sync itself goes on."""
+        if replica.lease_checked:
+            return
+        try:
+            status = replica.client.lease_status()
+        except ServerError:
+            return
+        replica.lease_checked = True
+        if status is None or status.get("disabled"):
+            why = "it runs without it" if status is None else str(status["disabled"])
+            warnings.warn(
+                f"lora_stream: the vLLM server at {replica.url} keeps no weight-update lease ({why}): if this "
+                "trainer vanishes mid-sync, that server stays paused or in its update until someone resumes it "
+                "(install lora_stream in the server's environment; see docs/guarantees.md)",
+                RuntimeWarning,
+                stacklevel=5,
+            )
+
+    def _checkpoint(self, replica: Replica, models: dict[str, Any]) -> EngineCheckpoint:
+        if replica.ckpt is None:
+            path = self.sink.checkpoint
+            if path is None or path is True:
+                data = models.get("data") or [{}]
+                path = data[0].get("root")
+            try:
+                replica.ckpt = EngineCheckpoint.read(str(path))
+            except (FileNotFoundError, OSError) as exc:
+                raise ServerError(
+                    f"cannot read the checkpoint {path!r} served at {replica.url} for the pre-flight check ({exc}); "
+                    "pass checkpoint= (a copy of the model directory), or checkpoint=False to skip the check"
+                ) from exc
+        return replica.ckpt
+
+    def _ensure_engine(self, replica: Replica) -> None:
+        if replica.engine is not None:
+            return
+        from ..transfer.sender import TrainerTransferEngine, TrainerTransferInitInfo
+
+        # The feeding rank hosts the rendezvous (on a socket it binds and hands to the store: no close-and-reuse
+        # race) and is rank 0 of the server's group; the server's workers follow.
+        info = TrainerTransferInitInfo(
+            master_address=self.sink.master_address,
+            world_size=1 + replica.client.world_size(),
+            buffer_bytes=self.sink.buffer_bytes,
+            timeout_s=self.sink.timeout,
+            transport=self.sink.backend,
+            rank=0,
+        )
+        engine = TrainerTransferEngine.trainer_init(info, client=replica.client, source=self.sink._source)
+        engine.deferred = True  # the sink concludes vLLM's update session after the ranks voted
+        engine.keep_previous = self.sink.rollback
+        replica.engine = engine
