@@ -149,19 +149,16 @@ def flat_gather_of(groups: list[Pieces]) -> Callable[[], None]:
 
 
 def interleaved(syncs: dict[str, Callable[[], None]], rounds: int) -> dict[str, dict[str, float]]:
-    """Each labelled sync run once per round, in the same order every round, ``rounds`` rounds (a barrier before
-    each run), so this machine's drift hits every label alike: per label the median and every run's seconds."""
-    runs: dict[str, list[float]] = {k: [] for k in syncs}
-    for fn in syncs.values():  # warm-up: the first sync of each plans and allocates
-        dist.barrier()
-        fn()
-    for _ in range(rounds):
-        for label, fn in syncs.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            runs[label].append(time.perf_counter() - t0)
-    return {k: {"median_s": statistics.median(v), "runs_s": v} for k, v in runs.items()}
+    """Each labelled sync run once per round, in the same order every round, ``rounds`` rounds after a warm-up round
+    (a barrier before each run), so this machine's drift hits every label alike (:func:`common.interleave`): per
+    label the median and every run's seconds."""
+    from common import interleave
+
+    # The warm-up round is dropped: the first sync of each plans and allocates.
+    fns = {k: lambda _, fn=fn: fn() for k, fn in syncs.items()}
+    runs = interleave(rounds + 1, fns, before=lambda _: dist.barrier())
+    seconds = {k: [s.seconds for s in v[1:]] for k, v in runs.items()}
+    return {k: {"median_s": statistics.median(v), "runs_s": v} for k, v in seconds.items()}
 
 
 #: The adapter A/B variants (``bench_adapter.py --ab free,keep``): the gatherer's options of each.

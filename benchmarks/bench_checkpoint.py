@@ -9,14 +9,24 @@ saves minus the resident set before them. Writes benchmarks/results/checkpoint.j
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import MiB, model_cli, run_variant  # noqa: E402
+from common import Col, MiB, format_table, model_cli, run_variant, write_json  # noqa: E402
+
+COLUMNS = (
+    Col("variant", "<18"),
+    Col("rank", ">4"),
+    Col("median save", ">10.2f", "s"),
+    Col("x base", ">7.2f"),
+    Col("RSS growth", ">8.0f", "MiB"),
+    Col("x less", ">7.1f"),
+    Col("peak gathered", ">14"),
+    Col("written", ">6.0f", "MiB"),
+)
 
 
 def main() -> None:
@@ -27,23 +37,24 @@ def main() -> None:
             print(f"running {variant} ...", flush=True)
             rows += run_variant(HERE / "checkpoint_worker.py", variant, [], common, tmp, timeout=1800)
     base = {r["rank"]: r for r in rows if r["variant"] == "gather_merge_save"}
-    header = (
-        f"{'variant':<18} {'rank':>4} {'median save':>11} {'x base':>7} {'RSS growth':>11} {'x less':>7} "
-        f"{'peak gathered':>14} {'written':>9}"
-    )
-    print(header)
-    print("-" * len(header))
+    lines = []
     for r in rows:
         b = base[r["rank"]]
         gathered = f"{r['peak_gathered_bytes'] / MiB:.1f}MiB" if r["peak_gathered_bytes"] else "whole model"
-        ratio = r["median_save_s"] / b["median_save_s"]
-        print(
-            f"{r['variant']:<18} {r['rank']:>4} {r['median_save_s']:>10.2f}s {ratio:>7.2f} "
-            f"{r['rss_growth_bytes'] / MiB:>8.0f}MiB {b['rss_growth_bytes'] / max(r['rss_growth_bytes'], 1):>7.1f} "
-            f"{gathered:>14} {r['written_bytes'] / MiB:>6.0f}MiB"
+        lines.append(
+            [
+                r["variant"],
+                r["rank"],
+                r["median_save_s"],
+                r["median_save_s"] / b["median_save_s"],
+                r["rss_growth_bytes"] / MiB,
+                b["rss_growth_bytes"] / max(r["rss_growth_bytes"], 1),
+                gathered,
+                r["written_bytes"] / MiB,
+            ]
         )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    print(format_table(COLUMNS, lines))
+    write_json(args.out, {"args": vars(args), "rows": rows})
     print(f"\nwrote {args.out}")
 
 

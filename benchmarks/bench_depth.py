@@ -11,14 +11,22 @@ benchmarks/results/depth.json; benchmarks/plots.py turns it into docs/images/*.p
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import MiB, model_cli, run_variant  # noqa: E402
+from common import Col, MiB, format_table, model_cli, run_variant, write_json  # noqa: E402
+
+COLUMNS = (
+    Col("layers", ">6"),
+    Col("model", ">6.0f", "MiB"),
+    Col("variant", "<20"),
+    Col("median sync", ">10.2f", "s"),
+    Col("peak gathered", ">10.1f", "MiB"),
+    Col("RSS growth", ">7.0f", "MiB"),
+)
 
 
 def main() -> None:
@@ -37,16 +45,20 @@ def main() -> None:
             for variant, opts in (("whole_gather", []), ("lora_stream", ["--budget", budget])):
                 print(f"depth {depth}: {variant} ...", flush=True)
                 rows += run_variant(HERE / "zero3_worker.py", variant, opts, shape, tmp, timeout=1800)
-    print(f"\n{'layers':>6} {'model':>9} {'variant':<20} {'median sync':>11} {'peak gathered':>13} {'RSS growth':>10}")
-    for r in rows:
-        if r["rank"] != 0:
-            continue
-        print(
-            f"{r['layers']:>6} {r['model_bytes'] / MiB:>6.0f}MiB {r['variant']:<20} {r['median_sync_s']:>10.2f}s "
-            f"{r['peak_gathered_bytes'] / MiB:>10.1f}MiB {r['rss_growth_bytes'] / MiB:>7.0f}MiB"
-        )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}))
+    lines = [
+        [
+            r["layers"],
+            r["model_bytes"] / MiB,
+            r["variant"],
+            r["median_sync_s"],
+            r["peak_gathered_bytes"] / MiB,
+            r["rss_growth_bytes"] / MiB,
+        ]
+        for r in rows
+        if r["rank"] == 0
+    ]
+    print("\n" + format_table(COLUMNS, lines, rule=False))
+    write_json(args.out, {"args": vars(args), "rows": rows}, indent=None)
     print(f"\nwrote {args.out}")
 
 

@@ -16,17 +16,24 @@ sent-bytes column as the property, and the time column as this machine's. Writes
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import add_model_args, free_port, llama_config, start_vllm_server, wait_vllm_server  # noqa: E402
+from common import Col, add_model_args, format_table, llama_config, run_ranks, vllm_servers, write_json  # noqa: E402
+
+COLUMNS = (
+    Col("servers", "7d"),
+    Col("mode", ">7"),
+    Col("median s", "9.3f"),
+    Col("x 1 server", "10.2f"),
+    Col("busiest rank sent MiB", "22.0f"),
+    Col("x 1", "5.2f"),
+)
 
 
 def main() -> None:
@@ -44,31 +51,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = os.path.join(tmp, "model")
         LlamaForCausalLM(llama_config(args)).save_pretrained(model_dir)
-        servers = [start_vllm_server(model_dir, {"OMP_NUM_THREADS": "1"}) for _ in range(args.servers)]
-        try:
-            for proc, url in servers:
-                wait_vllm_server(proc, url, 400)
-            port = free_port()
+        with vllm_servers(model_dir, args.servers, timeout=400, env={"OMP_NUM_THREADS": "1"}) as servers:
             out = os.path.join(tmp, "fleet")
-            env = {
-                **os.environ,
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "WORLD_SIZE": "2",
-                "OMP_NUM_THREADS": "1",
-                "FLEET_MODEL": model_dir,
-            }
             cmd = [sys.executable, str(HERE / "fleet_worker.py"), out, str(args.syncs), *(u for _, u in servers)]
-            ranks = [subprocess.Popen(cmd, env={**env, "RANK": str(r)}) for r in (0, 1)]
-            for p in ranks:
-                if p.wait(timeout=3600) != 0:
-                    raise SystemExit("a trainer rank failed")
-            results = [json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1)]
-        finally:
-            for proc, _ in servers:
-                proc.terminate()
-            for proc, _ in servers:
-                proc.wait(timeout=60)
+            env = {"FLEET_MODEL": model_dir}
+            results = run_ranks(cmd, out, timeout=3600, failure="a trainer rank failed", env=env, capture=False)
     model_bytes = results[0]["bytes"]
     rows = []
     for key in results[0]["rows"]:
@@ -81,16 +68,15 @@ def main() -> None:
         f"\nmodel: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}: {model_bytes / 2**20:.0f} MiB "
         f"float32; 2 trainer ranks -> 1..{args.servers} vLLM servers (gloo), median of {args.syncs} syncs"
     )
-    print(f"  {'servers':>7} {'mode':>7} {'median s':>9} {'x 1 server':>10} {'busiest rank sent MiB':>22} {'x 1':>5}")
     for r in rows:
         r["time_ratio"] = r["median_s"] / one["median_s"]
         r["sent_ratio"] = r["max_rank_sent_bytes"] / one["max_rank_sent_bytes"]
-        print(
-            f"  {r['servers']:7d} {r['mode']:>7} {r['median_s']:9.3f} {r['time_ratio']:10.2f} "
-            f"{r['max_rank_sent_bytes'] / 2**20:22.0f} {r['sent_ratio']:5.2f}"
-        )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "model_bytes": model_bytes, "rows": rows}, indent=1))
+    lines = [
+        [r["servers"], r["mode"], r["median_s"], r["time_ratio"], r["max_rank_sent_bytes"] / 2**20, r["sent_ratio"]]
+        for r in rows
+    ]
+    print(format_table(COLUMNS, lines, rule=False, indent="  "))
+    write_json(args.out, {"args": vars(args), "model_bytes": model_bytes, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -9,14 +9,13 @@ trainer that "gathers the full state dict, then merges" does). Writes benchmarks
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import MiB, model_cli, run_variant, table  # noqa: E402
+from common import MiB, model_cli, run_variant, table, write_json  # noqa: E402
 
 
 def main() -> None:
@@ -37,8 +36,7 @@ def main() -> None:
         f"{rows[0]['model_bytes'] / MiB:.0f} MiB bf16; {args.syncs} syncs per variant, 2 ranks, FSDP2\n"
     )
     print(table(rows, "whole_full_tensor"))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    write_json(args.out, {"args": vars(args), "rows": rows})
     print(f"\nwrote {args.out}")
 
 

@@ -31,9 +31,19 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import MiB, RssSampler, add_model_args, llama_config, rss  # noqa: E402
+from common import Col, MiB, RssSampler, add_model_args, format_table, llama_config, rss, write_json  # noqa: E402
 
 VARIANTS = ["bf16", "nf4", "nf4-packed", "int8", "nf4-peft"]
+COLUMNS = (
+    Col("variant", "<12"),
+    Col("median sync", ">10.2f", "s"),
+    Col("x bf16", ">7.2f"),
+    Col("RSS growth", ">8.0f", "MiB"),
+    Col("x bf16", ">7.2f"),
+    Col("merge temps", ">8.1f", "MiB"),
+    Col("streamed", ">6.0f", "MiB"),
+    Col("max rel error vs exact", ">22"),
+)
 
 
 def build_checkpoint(args: argparse.Namespace, path: str) -> None:
@@ -159,21 +169,21 @@ def main() -> None:
             subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=3600)
             rows.append(json.loads(Path(out).read_text()))
     base = rows[0]
-    header = (
-        f"{'variant':<12} {'median sync':>11} {'x bf16':>7} {'RSS growth':>11} {'x bf16':>7} "
-        f"{'merge temps':>11} {'streamed':>9} {'max rel error vs exact':>22}"
-    )
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        err = "-" if r["max_rel_error_vs_exact"] is None else f"{r['max_rel_error_vs_exact']:.2e}"
-        print(
-            f"{r['variant']:<12} {r['median_sync_s']:>10.2f}s {r['median_sync_s'] / base['median_sync_s']:>7.2f} "
-            f"{r['rss_growth_bytes'] / MiB:>8.0f}MiB {r['rss_growth_bytes'] / max(base['rss_growth_bytes'], 1):>7.2f} "
-            f"{r['peak_temp_bytes'] / MiB:>8.1f}MiB {r['streamed_bytes'] / MiB:>6.0f}MiB {err:>22}"
-        )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+    lines = [
+        [
+            r["variant"],
+            r["median_sync_s"],
+            r["median_sync_s"] / base["median_sync_s"],
+            r["rss_growth_bytes"] / MiB,
+            r["rss_growth_bytes"] / max(base["rss_growth_bytes"], 1),
+            r["peak_temp_bytes"] / MiB,
+            r["streamed_bytes"] / MiB,
+            "-" if r["max_rel_error_vs_exact"] is None else f"{r['max_rel_error_vs_exact']:.2e}",
+        ]
+        for r in rows
+    ]
+    print(format_table(COLUMNS, lines))
+    write_json(args.out, {"args": vars(args), "rows": rows}, indent=2)
 
 
 if __name__ == "__main__":

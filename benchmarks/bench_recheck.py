@@ -12,14 +12,13 @@ time, interleaved. Writes benchmarks/results/recheck.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from common import interleave, median_seconds, write_json  # noqa: E402
 
 
 def main() -> None:
@@ -50,28 +49,23 @@ def main() -> None:
     )
     stream = ParamStream(model, group_by="layer")
     facts = len(stream._witness)
-    checks, passes = [], []
-    for _ in range(args.rounds):
-        t = time.perf_counter()
+
+    def ten_checks(_: int) -> None:
         for _ in range(10):
             stream.check_plan()
-        checks.append((time.perf_counter() - t) / 10)
-        t = time.perf_counter()
-        for _ in stream:
+
+    def one_pass(_: int) -> None:
+        for _ in stream:  # includes one check
             pass
-        passes.append(time.perf_counter() - t)  # includes one check
-    check, pass_s = statistics.median(checks), statistics.median(passes)
+
+    runs = interleave(args.rounds, {"check": ten_checks, "pass": one_pass})
+    check, pass_s = statistics.median(s.seconds / 10 for s in runs["check"]), median_seconds(runs["pass"])
     modules = sum(1 for _ in model.modules())
     print(f"\nmodel: {args.layers} layers, hidden {args.hidden}, LoRA r=8 on every linear layer: {modules} modules")
     print(f"  facts re-checked per pass: {facts}")
     print(f"  check_plan():  {check * 1e3:.2f} ms  ({check / facts * 1e6:.2f} us per fact)")
     print(f"  one pass:      {pass_s * 1e3:.1f} ms  (the check is {check / pass_s:.2%} of it)")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(
-        json.dumps(
-            {"args": vars(args), "modules": modules, "facts": facts, "check_s": check, "pass_s": pass_s}, indent=1
-        )
-    )
+    write_json(args.out, {"args": vars(args), "modules": modules, "facts": facts, "check_s": check, "pass_s": pass_s})
 
 
 if __name__ == "__main__":

@@ -23,13 +23,23 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import add_model_args, free_port, llama_config, start_vllm_server, wait_vllm_server  # noqa: E402
+from common import (  # noqa: E402
+    Col,
+    add_model_args,
+    format_table,
+    free_port,
+    interleave,
+    llama_config,
+    median_growth,
+    median_seconds,
+    tree_rss_growth,
+    vllm_servers,
+    write_json,
+)
 
 #: Variants of the transaction-cost table: name -> (pause, rollback, verify).
 TX_VARIANTS = {
@@ -38,38 +48,12 @@ TX_VARIANTS = {
     "pause+rollback": ("wait", True, False),
     "pause+rollback+verify": ("wait", True, True),
 }
-
-
-class TreeRss(threading.Thread):
-    """Peak growth of the RSS summed over a process and its children (the server and its engine core)."""
-
-    def __init__(self, proc: object) -> None:
-        super().__init__(daemon=True)
-        self.proc = proc
-        self.base = self.peak = self.sample()
-        self.running = True
-
-    def sample(self) -> int:
-        import psutil
-
-        procs = [self.proc, *self.proc.children(recursive=True)]  # type: ignore[attr-defined]
-        total = 0
-        for p in procs:
-            try:
-                total += p.memory_info().rss
-            except psutil.Error:
-                pass
-        return total
-
-    def run(self) -> None:
-        while self.running:
-            self.peak = max(self.peak, self.sample())
-            time.sleep(0.005)
-
-    def stop(self) -> int:
-        self.running = False
-        self.join()
-        return max(self.peak, self.sample()) - self.base
+TX_COLUMNS = (
+    Col("transaction cost", "22"),
+    Col("median s", "9.3f"),
+    Col("x plain", "8.2f"),
+    Col("server peak RSS growth MiB", "27.0f"),
+)
 
 
 def main() -> None:
@@ -90,9 +74,7 @@ def main() -> None:
     base = LlamaForCausalLM(llama_config(args))
     with tempfile.TemporaryDirectory() as tmp:
         base.save_pretrained(tmp)
-        server, url = start_vllm_server(tmp)
-        try:
-            wait_vllm_server(server, url, 300)
+        with vllm_servers(tmp, timeout=300) as [(server, url)]:
             model = get_peft_model(
                 base, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", init_lora_weights=False)
             )
@@ -105,19 +87,22 @@ def main() -> None:
             import psutil
 
             tree = psutil.Process(server.pid)
-            costs: dict[str, list[tuple[float, int]]] = {v: [] for v in TX_VARIANTS}
-            checks: list[dict[str, float]] = []
-            for i in range(args.syncs):
-                for v, (pause, rollback, verify) in TX_VARIANTS.items():
-                    sink.pause, sink.rollback, sink.verify = pause, rollback, verify
-                    sampler = TreeRss(tree)
-                    sampler.start()
-                    t = time.perf_counter()
-                    record = sink.sync(stream, version=f"{v}-{i}")
-                    seconds = time.perf_counter() - t
-                    costs[v].append((seconds, sampler.stop()))
-                    if record.verification is not None:
-                        checks.append(dict(record.verification.stages))
+
+            def configure(v: str) -> None:
+                sink.pause, sink.rollback, sink.verify = TX_VARIANTS[v]
+
+            costs = interleave(
+                args.syncs,
+                {v: lambda i, v=v: sink.sync(stream, version=f"{v}-{i}") for v in TX_VARIANTS},
+                before=configure,
+                watch=lambda: tree_rss_growth(tree),
+            )
+            checks = [
+                dict(s.result.verification.stages)
+                for i in range(args.syncs)
+                for v in TX_VARIANTS
+                if (s := costs[v][i]).result.verification is not None
+            ]
             from lora_stream.transfer.packing import plan_chunks
 
             meta = stream.metadata()
@@ -128,9 +113,6 @@ def main() -> None:
                 int(args.buffer_mib * 2**20),
             )
             chunk_bytes = [plan.chunk_bytes(c) for c in range(len(plan.chunks))]
-        finally:
-            server.terminate()
-            server.wait(timeout=60)
         floor_out = os.path.join(tmp, "floor.json")
         fport = free_port()
         procs = [
@@ -177,36 +159,33 @@ def main() -> None:
         f" the rest (transport, packing, HTTP, waits) {transport:.3f} s = {transport / floor:.2f}x the floor, "
         "if the merges overlapped nothing"
     )
-    base = statistics.median(t for t, _ in costs["plain"])
+    base = median_seconds(costs["plain"])
     tx_rows = []
-    print(f"  {'transaction cost':22} {'median s':>9} {'x plain':>8} {'server peak RSS growth MiB':>27}")
     for v in TX_VARIANTS:
-        m = statistics.median(t for t, _ in costs[v])
-        g = statistics.median(r for _, r in costs[v]) / 2**20
+        m = median_seconds(costs[v])
+        g = median_growth(costs[v]) / 2**20
         tx_rows.append({"variant": v, "median_s": m, "ratio": m / base, "server_rss_growth_mib": g})
-        print(f"  {v:22} {m:9.3f} {m / base:8.2f} {g:27.0f}")
+    keys = ("variant", "median_s", "ratio", "server_rss_growth_mib")
+    print(format_table(TX_COLUMNS, [[r[k] for k in keys] for r in tx_rows], rule=False, indent="  "))
     verify_stages = {k: statistics.median(c.get(k, 0.0) for c in checks) for k in (checks[0] if checks else {})}
     print("  verify=True, each check (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in verify_stages.items()))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(
-        json.dumps(
-            {
-                "args": vars(args),
-                "first_s": first.seconds,
-                "median_s": median,
-                "bytes": first.bytes,
-                "gbps": gbps,
-                "broadcast_floor_s": floor,
-                "trainer_stages_s": trainer,
-                "worker_stages_s": worker,
-                "vllm_own_load_s": vllm_own,
-                "ours_s": ours,
-                "ours_less_produce_s": transport,
-                "transaction": tx_rows,
-                "verify_stages_s": verify_stages,
-            },
-            indent=1,
-        )
+    write_json(
+        args.out,
+        {
+            "args": vars(args),
+            "first_s": first.seconds,
+            "median_s": median,
+            "bytes": first.bytes,
+            "gbps": gbps,
+            "broadcast_floor_s": floor,
+            "trainer_stages_s": trainer,
+            "worker_stages_s": worker,
+            "vllm_own_load_s": vllm_own,
+            "ours_s": ours,
+            "ours_less_produce_s": transport,
+            "transaction": tx_rows,
+            "verify_stages_s": verify_stages,
+        },
     )
 
 

@@ -16,18 +16,48 @@ benchmarks/results/skip.json.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import free_port, llama_config, rank_env, start_vllm_server, wait_vllm_server  # noqa: E402
+from common import (  # noqa: E402
+    Col,
+    MiB,
+    add_model_args,
+    format_table,
+    interleave,
+    llama_config,
+    median_of,
+    median_seconds,
+    rank_rows,
+    run_ranks,
+    vllm_servers,
+    write_json,
+)
 
-MiB = 2**20
+COLUMNS = (
+    Col("case", "<11"),
+    Col("sync", "<5"),
+    Col("seconds", ">8.3f"),
+    Col("x full", ">7.2f"),
+    Col("tensors", ">8.0f"),
+    Col("gathered MiB/rank", ">18.1f"),
+    Col("sent MiB", ">9.1f"),
+    Col("snapshot MiB", ">13.1f"),
+    Col("server RSS +MiB", ">16.0f"),
+    Col("vLLM load s", ">12.3f"),
+    Col("fingerprint s", ">14.4f"),
+)
+FINGERPRINT_COLUMNS = (
+    Col("threads", ">7"),
+    Col("dtype", ">15"),
+    Col("MiB", ">6"),
+    Col("NH GiB/s", ">9.2f"),
+    Col("linear GiB/s", ">13.2f"),
+    Col("NH / linear", ">12.1f"),
+)
 
 
 def checkpoint(case: str, args: argparse.Namespace, path: str) -> None:
@@ -60,43 +90,25 @@ def checkpoint(case: str, args: argparse.Namespace, path: str) -> None:
 def run_case(case: str, args: argparse.Namespace, tmp: str) -> dict[str, object]:
     path = str(Path(tmp) / case)
     checkpoint(case, args, path)
-    server, url = start_vllm_server(path)
-    try:
-        wait_vllm_server(server, url, 600)
+    with vllm_servers(path, timeout=600) as [(server, url)]:
         out = str(Path(tmp) / f"{case}-out")
-        port = free_port()
         targets = "all" if case == "dense-all" else "attn"
         cmd = [sys.executable, str(HERE / "skip_worker.py"), url, str(server.pid), path, targets, str(args.rounds), out]
-        procs = [
-            subprocess.Popen(cmd, env=rank_env(r, port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for r in (0, 1)
-        ]
-        logs = [p.communicate(timeout=3600)[0] for p in procs]
-        if any(p.returncode for p in procs):
-            raise SystemExit(f"case {case} failed:\n" + "\n".join(log[-4000:] for log in logs))
-        ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in (0, 1)]
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
+        ranks = run_ranks(cmd, out, timeout=3600, failure=f"case {case} failed:\n", tail=4000)
     result: dict[str, object] = {"case": case}
     for kind in ("full", "skip"):
-        r0 = [row for row in ranks[0]["rows"] if row["kind"] == kind]
-        r1 = [row for row in ranks[1]["rows"] if row["kind"] == kind]
-
-        def med(rows: list[dict], key: str) -> float:
-            return float(statistics.median(float(row[key]) for row in rows))
-
+        r0, r1 = rank_rows(ranks, "kind", kind)
         result[kind] = {
-            "seconds": max(med(r0, "seconds"), med(r1, "seconds")),
-            "gathered_mib_per_rank": med(r0, "gathered_bytes") / MiB,
-            "sent_mib": med(r0, "sent_bytes") / MiB,
-            "tensors": med(r0, "tensors"),
-            "skipped_tensors": med(r0, "skipped_tensors"),
-            "snapshot_mib": med(r0, "snapshot_bytes") / MiB,
-            "server_rss_growth_mib": med(r0, "server_rss_growth") / MiB,
-            "server_load_s": med(r0, "server_load_s"),
-            "fingerprint_s": max(med(r0, "fingerprint_s"), med(r1, "fingerprint_s")),
-            "decide_s": max(med(r0, "decide_s"), med(r1, "decide_s")),
+            "seconds": max(median_of(r0, "seconds"), median_of(r1, "seconds")),
+            "gathered_mib_per_rank": median_of(r0, "gathered_bytes") / MiB,
+            "sent_mib": median_of(r0, "sent_bytes") / MiB,
+            "tensors": median_of(r0, "tensors"),
+            "skipped_tensors": median_of(r0, "skipped_tensors"),
+            "snapshot_mib": median_of(r0, "snapshot_bytes") / MiB,
+            "server_rss_growth_mib": median_of(r0, "server_rss_growth") / MiB,
+            "server_load_s": median_of(r0, "server_load_s"),
+            "fingerprint_s": max(median_of(r0, "fingerprint_s"), median_of(r1, "fingerprint_s")),
+            "decide_s": max(median_of(r0, "decide_s"), median_of(r1, "decide_s")),
         }
     result["fingerprinted_local_mib"] = max(r["fingerprinted_local_bytes"] for r in ranks) / MiB
     result["rounds"] = args.rounds
@@ -126,8 +138,6 @@ _LINEAR_WEIGHTS: dict[str, object] = {}
 def fingerprint_cost(args: argparse.Namespace) -> list[dict[str, object]]:
     """NH (``lora_stream.fingerprint``) against the linear sum it replaced, on the same tensors in the same run,
     interleaved, at 1 and 2 threads: GiB/s and the ratio."""
-    import time
-
     import torch
 
     from lora_stream.fingerprint import fingerprint
@@ -138,13 +148,10 @@ def fingerprint_cost(args: argparse.Namespace) -> list[dict[str, object]]:
         torch.set_num_threads(threads)
         for dtype in (torch.float32, torch.bfloat16):
             t = torch.randn(args.fingerprint_mib * MiB // dtype.itemsize).to(dtype)
-            times: dict[str, list[float]] = {"nh": [], "linear": []}
-            for _ in range(args.rounds + 1):  # the first round warms up, and is dropped
-                for name, fn in (("nh", fingerprint), ("linear", _linear_fingerprint)):
-                    s = time.perf_counter()
-                    fn(t)
-                    times[name].append(time.perf_counter() - s)
-            nh, lin = (statistics.median(times[k][1:]) for k in ("nh", "linear"))
+            # The first round warms up, and is dropped.
+            fns = {"nh": lambda _, t=t: fingerprint(t), "linear": lambda _, t=t: _linear_fingerprint(t)}
+            runs = interleave(args.rounds + 1, fns)
+            nh, lin = (median_seconds(runs[k][1:]) for k in ("nh", "linear"))
             gib = args.fingerprint_mib / 1024
             rows.append(
                 {
@@ -158,21 +165,14 @@ def fingerprint_cost(args: argparse.Namespace) -> list[dict[str, object]]:
             )
     torch.set_num_threads(before)
     print("\nfingerprint cost: NH against the linear sum it replaced (same tensors, interleaved, medians)")
-    print(f"{'threads':>7} {'dtype':>15} {'MiB':>6} {'NH GiB/s':>9} {'linear GiB/s':>13} {'NH / linear':>12}")
-    for r in rows:
-        print(
-            f"{r['threads']:>7} {r['dtype']:>15} {r['mib']:>6} {r['nh_gib_s']:>9.2f} {r['linear_gib_s']:>13.2f} "
-            f"{r['nh_over_linear']:>12.1f}"
-        )
+    keys = ("threads", "dtype", "mib", "nh_gib_s", "linear_gib_s", "nh_over_linear")
+    print(format_table(FINGERPRINT_COLUMNS, [[r[k] for k in keys] for r in rows], rule=False))
     return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--intermediate", type=int, default=2816)
-    ap.add_argument("--vocab", type=int, default=32000)
+    add_model_args(ap, layers=8)
     ap.add_argument("--moe-layers", type=int, default=4)
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--moe-intermediate", type=int, default=384)
@@ -184,34 +184,37 @@ def main() -> None:
     args = ap.parse_args()
     cost = fingerprint_cost(args)
     if args.fingerprint_only:
-        out = Path(args.out).with_name("fingerprint.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"args": vars(args), "fingerprint": cost}, indent=1))
+        write_json(Path(args.out).with_name("fingerprint.json"), {"args": vars(args), "fingerprint": cost})
         return
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for case in args.cases.split(","):
             results.append(run_case(case, args, tmp))
             print(f"  {case}: done", flush=True)
-    header = (
-        f"{'case':<11} {'sync':<5} {'seconds':>8} {'x full':>7} {'tensors':>8} {'gathered MiB/rank':>18} "
-        f"{'sent MiB':>9} {'snapshot MiB':>13} {'server RSS +MiB':>16} {'vLLM load s':>12} {'fingerprint s':>14}"
-    )
-    print("\n2 ZeRO-3 ranks -> 1 vLLM server (gloo), median over interleaved rounds\n" + header)
-    print("-" * len(header))
+    lines: list[list[object] | str] = []
     for res in results:
         full = res["full"]
         for kind in ("full", "skip"):
             row = res[kind]
-            print(
-                f"{res['case']:<11} {kind:<5} {row['seconds']:>8.3f} {row['seconds'] / full['seconds']:>7.2f} "
-                f"{row['tensors']:>8.0f} {row['gathered_mib_per_rank']:>18.1f} {row['sent_mib']:>9.1f} "
-                f"{row['snapshot_mib']:>13.1f} {row['server_rss_growth_mib']:>16.0f} {row['server_load_s']:>12.3f} "
-                f"{row['fingerprint_s']:>14.4f}"
+            lines.append(
+                [
+                    res["case"],
+                    kind,
+                    row["seconds"],
+                    row["seconds"] / full["seconds"],
+                    row["tensors"],
+                    row["gathered_mib_per_rank"],
+                    row["sent_mib"],
+                    row["snapshot_mib"],
+                    row["server_rss_growth_mib"],
+                    row["server_load_s"],
+                    row["fingerprint_s"],
+                ]
             )
-        print(f"{'':<11} fingerprints read {res['fingerprinted_local_mib']:.0f} MiB of frozen shards per rank")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "results": results, "fingerprint": cost}, indent=1))
+        lines.append(f"{'':<11} fingerprints read {res['fingerprinted_local_mib']:.0f} MiB of frozen shards per rank")
+    print("\n2 ZeRO-3 ranks -> 1 vLLM server (gloo), median over interleaved rounds")
+    print(format_table(COLUMNS, lines))
+    write_json(args.out, {"args": vars(args), "results": results, "fingerprint": cost})
 
 
 if __name__ == "__main__":

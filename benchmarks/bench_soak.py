@@ -11,7 +11,6 @@ writes everything to ``benchmarks/results/soak.json``. Exit status 1 if any roun
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -19,7 +18,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from common import write_json  # noqa: E402
 from helpers import save_for_vllm, vllm_llama  # noqa: E402
 from soak import FAULTS, Soak, soak_servers  # noqa: E402
 
@@ -58,9 +59,7 @@ def main() -> int:
                 s.stop()
                 Path(args.out).with_name(f"soak-server{i}.log").write_text(s.output())
     data = {**report.as_json(), "seed": args.seed, "kinds": list(kinds), "seconds": time.monotonic() - start}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=1))
+    out = write_json(args.out, data)
     print(
         f"{len(report.rounds)} rounds, {report.launches} trainer launches, {report.answers} responses "
         f"({report.uncommitted_answers} from no committed version, {report.client_errors} refused or aborted), "

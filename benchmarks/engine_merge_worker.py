@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import tree_rss
 
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 DS = {
@@ -27,19 +28,6 @@ DS = {
 }
 MODES = ("trainer", "engine", "adapter")
 LORA_NAME = "policy"
-
-
-def tree_rss(pid: int) -> int:
-    import psutil
-
-    proc = psutil.Process(pid)
-    total = 0
-    for p in [proc, *proc.children(recursive=True)]:
-        try:
-            total += p.memory_info().rss
-        except psutil.Error:
-            pass
-    return total
 
 
 def throughput(url: str, model: str, batch: int, tokens: int) -> float:
@@ -57,6 +45,7 @@ def throughput(url: str, model: str, batch: int, tokens: int) -> float:
 
 
 def main() -> None:
+    import psutil
     import requests
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -132,7 +121,7 @@ def main() -> None:
             for mode in MODES:
                 tps[mode].append(throughput(*served[mode], batch=8, tokens=32))
         result["tokens_per_s"] = tps
-        result["server_rss"] = {m: tree_rss(int(pid)) for m, pid in zip(MODES, pids)}
+        result["server_rss"] = {m: tree_rss(psutil.Process(int(pid))) for m, pid in zip(MODES, pids)}
     with open(f"{out}.rank{rank}.json", "w") as f:
         json.dump(result, f)
     dist.barrier()

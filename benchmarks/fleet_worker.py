@@ -2,7 +2,7 @@
 it) push one model into 1, 2 and 3 vLLM servers, spread over the ranks or all from rank 0, one configuration after
 the other.
 
-Usage: fleet_worker.py OUT_JSON SYNCS URL [URL ...]   (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set)
+Usage: fleet_worker.py OUT SYNCS URL [URL ...]   (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set; writes OUT.rankN.json)
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def main() -> None:
                     {"seconds": float(slowest), "sent_bytes": int(record.stages.get("sent_bytes", 0))}
                 )
         sink.close()
-    with open(f"{out}.{rank}", "w") as f:
+    with open(f"{out}.rank{rank}.json", "w") as f:
         json.dump({"rank": rank, "bytes": record.bytes, "rows": rows}, f)
     dist.destroy_process_group()
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_server import TreeRss
+from common import tree_rss_growth
 
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 DS = {
@@ -54,9 +54,7 @@ def main() -> None:
     def sync(kind: str, i: int) -> dict[str, object]:
         if kind == "full":
             sink.forget()
-        sampler = TreeRss(psutil.Process(int(pid))) if rank == 0 else None
-        if sampler is not None:
-            sampler.start()
+        stop_rss = tree_rss_growth(psutil.Process(int(pid))) if rank == 0 else None
         t = time.perf_counter()
         r = sink.sync(stream, version=f"{kind}-{i}")
         seconds = time.perf_counter() - t
@@ -74,7 +72,7 @@ def main() -> None:
             "decide_s": r.stages.get("decide_s", 0.0),
             "snapshot_bytes": worker.get("kept_bytes", 0.0),
             "server_load_s": worker.get("load_s", 0.0) + worker.get("finish_s", 0.0),
-            "server_rss_growth": sampler.stop() if sampler is not None else 0,
+            "server_rss_growth": stop_rss() if stop_rss is not None else 0,
             "full_because": r.full_because,
         }
 
