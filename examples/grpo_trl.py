@@ -38,8 +38,6 @@ def main() -> None:
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from lora_stream.integrations.trl import trl_vllm_with_lora, use_lora_stream, without_trl_transfer_group
-
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("lora_stream").setLevel(logging.INFO)
     workdir = tempfile.mkdtemp(prefix="grpo_trl_")
@@ -82,6 +80,8 @@ def main() -> None:
         return
     if "--adapter" in sys.argv:
         # --8<-- [start:adapter]
+        from lora_stream.integrations.trl import trl_vllm_with_lora, use_lora_stream
+
         with trl_vllm_with_lora(max_lora_rank=16):  # TRL's LLM is built with enable_lora=True
             trainer = build_trainer()
         hook = use_lora_stream(trainer, adapter=True, lora_name="policy")  # only the LoRA factors, every step
@@ -89,13 +89,17 @@ def main() -> None:
         # --8<-- [end:adapter]
     elif server_url:
         # --8<-- [start:server]
-        with without_trl_transfer_group():  # TRL's own NCCL group is not needed (and raises on CPU)
+        from lora_stream.integrations.trl import use_lora_stream, without_trl_transfer_group
+
+        with without_trl_transfer_group():  # required in server mode: lora_stream's sink opens the transfer group
             trainer = build_trainer()
-        hook = use_lora_stream(trainer, sink_options={"backend": "gloo"})  # "nccl" on GPUs
+        hook = use_lora_stream(trainer)  # nccl on a GPU trainer, gloo on a CPU one; TRL's host and vllm_group_port
         trainer.train()
         # --8<-- [end:server]
     else:
         # --8<-- [start:hook]
+        from lora_stream.integrations.trl import use_lora_stream
+
         trainer = build_trainer()
         hook = use_lora_stream(trainer)  # <- the one line
         trainer.train()

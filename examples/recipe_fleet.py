@@ -3,7 +3,7 @@
     python examples/tiny_model.py /tmp/tiny-llama
     for port in 8000 8001; do
         VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model /tmp/tiny-llama \\
-            --port $port --weight-transfer-config '{"backend": "gloo"}' &   # docs/vllm_server.md
+            --port $port --weight-transfer-config '{"backend": "lora_stream"}' &   # docs/vllm_server.md
     done
     torchrun --nproc-per-node 2 examples/recipe_fleet.py /tmp/tiny-llama http://127.0.0.1:8000 http://127.0.0.1:8001
 

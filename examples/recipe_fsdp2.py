@@ -2,7 +2,7 @@
 
     python examples/tiny_model.py /tmp/tiny-llama
     VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model /tmp/tiny-llama \\
-        --port 8000 --weight-transfer-config '{"backend": "gloo"}' &        # "nccl" on GPUs; see docs/vllm_server.md
+        --port 8000 --weight-transfer-config '{"backend": "lora_stream"}' &  # the same on GPUs; docs/vllm_server.md
     torchrun --nproc-per-node 2 examples/recipe_fsdp2.py /tmp/tiny-llama http://127.0.0.1:8000
 
 Rank 0 talks to the server and sends; every rank takes part in the gathers. Set ``VLLM_API_KEY`` on both sides

@@ -4,6 +4,10 @@
 vLLM engine, a subprocess -- in its body or in any fixture it uses, or that is marked so. Every other test runs in
 this process on tiny models and is the fast tier (``nox -s tests -- -m "not slow"``, docs/development.md). CI runs
 both.
+
+``matrix``: a combination of feature, route and architecture that CI's pairwise set already covers pair by pair
+(``docs/development.md``, "The matrix"); it runs in the whole product, ``nox -s matrix`` (``pytest --matrix``), and
+is deselected -- not skipped -- everywhere else.
 """
 
 from __future__ import annotations
@@ -49,11 +53,27 @@ def _reads_as_starting(func: Any, seen: set[Any]) -> bool:
     )
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--matrix",
+        action="store_true",
+        help="run the whole product of features, routes and architectures (nox -s matrix), not CI's pairwise set",
+    )
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: starts a process or an engine (left out of the fast tier)")
+    config.addinivalue_line(
+        "markers", "matrix: beyond CI's pairwise set; run by `nox -s matrix` (pytest --matrix), deselected otherwise"
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.getoption("--matrix"):
+        beyond = [item for item in items if item.get_closest_marker("matrix")]
+        if beyond:
+            config.hook.pytest_deselected(items=beyond)
+            items[:] = [item for item in items if not item.get_closest_marker("matrix")]
     for item in items:
         if item.get_closest_marker("slow") or item.get_closest_marker("distributed"):
             item.add_marker(pytest.mark.slow)

@@ -144,7 +144,7 @@ def test_every_configuration_streams_peft_merge_or_is_refused_at_construction(
     got = list(ParamStream(pm, group_by="module"))
     assert_matches(got, ref)
     # bf16: the float32 merge rounded once, whatever the grouping.
-    bf16 = dict(ParamStream(pm, dtype=torch.bfloat16, budget_bytes=10_000))
+    bf16 = dict(ParamStream(pm, dtype=torch.bfloat16, group_by="budget", budget_bytes=10_000))
     for name, t in got:
         assert torch.equal(bf16[name], t.to(torch.bfloat16)), name
 

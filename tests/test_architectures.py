@@ -253,8 +253,7 @@ def test_a_many_to_one_conversion_is_never_split_across_groups(tmp_path: Path) -
 def test_conversions_that_do_not_split_into_steps_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """If the steps (however they were found) do not reproduce transformers' revert of the whole model, the stream
     is refused at construction instead of yielding a guess."""
-    from lora_stream import CheckpointFormatError
-    from lora_stream.checkpoint_format import CheckpointFormat
+    from lora_stream.checkpoint_format import CheckpointFormat, CheckpointFormatError
 
     pm = _peft(BY_ID["qwen3_moe"])
     # Pretend nothing converts: every in-memory name kept as is.

@@ -22,7 +22,16 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import VLLM_ENV, assert_matches, assert_vllm_serves, lora, oracle, tiny_llama, vllm_generate
+from helpers import (
+    VLLM_ENV,
+    assert_matches,
+    assert_vllm_serves,
+    lora,
+    oracle,
+    perturb_adapters,
+    tiny_llama,
+    vllm_generate,
+)
 from launch import TESTS
 
 from lora_stream import CheckpointError, ParamStream, SafetensorsSink, StreamAbortedError, save_merged
@@ -614,3 +623,36 @@ def test_vllm_serves_the_saved_checkpoint_like_transformers(tmp_path: Path) -> N
     save_merged(pm, out, max_shard_size="200KB")
     llm = vllm_engine(str(out))
     assert_vllm_serves(vllm_generate(llm), AutoModelForCausalLM.from_pretrained(out))
+
+
+def test_an_adapter_stream_is_saved_in_peft_layout_and_loads_back_as_the_trainers_adapter(tmp_path: Path) -> None:
+    """``SafetensorsSink.sync(AdapterStream(m))`` writes what peft's ``save_pretrained`` writes for an adapter, and
+    ``PeftModel.from_pretrained`` on a fresh base gives the trainer's forward: rsLoRA and a rank pattern make the
+    scalings differ per module (folded into ``lora_B``, the config says 1); the factors are perturbed off peft's
+    zero ``lora_B``. ``max_shard_size`` does not split it: peft loads one file."""
+    from peft import PeftModel
+    from safetensors import safe_open
+
+    from lora_stream import AdapterStream
+
+    kw = dict(target_modules=["q_proj", "v_proj", "down_proj"], r=4, lora_alpha=16, use_rslora=True)
+    pm = lora(tiny_llama(seed=1), rank_pattern={"down_proj": 2}, **kw)
+    perturb_adapters(pm)
+    out = tmp_path / "adapter"
+    stream = AdapterStream(pm)
+    record = SafetensorsSink(out, max_shard_size=1000, progress=False).sync(stream, version="a1")
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert json.loads((out / "adapter_config.json").read_text()) == stream.adapter_config()
+    with safe_open(str(out / "adapter_model.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == sorted(m.name for m in stream.metadata())
+        assert f.metadata() == {"format": "pt", "version": "a1"}
+    assert record.tensors == len(stream.metadata())
+
+    loaded = PeftModel.from_pretrained(tiny_llama(seed=1), out).eval()
+    pm.eval()
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = pm(ids).logits, loaded(ids).logits
+        plain = tiny_llama(seed=1)(ids).logits
+    assert not torch.allclose(want, plain, atol=1e-3), "the adapter should change the forward"
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -23,14 +23,8 @@ from helpers import (
 )
 from torch import nn
 
-from lora_stream import (
-    NameCollisionError,
-    ParamStream,
-    RenameError,
-    UnsupportedAdapterError,
-    UnsupportedModelError,
-    stream_merged_params,
-)
+from lora_stream import ParamStream, UnsupportedAdapterError, UnsupportedModelError, stream_merged_params
+from lora_stream.errors import NameCollisionError, RenameError
 
 LLAMA_CASES = {
     "all-linear": dict(target_modules="all-linear"),
@@ -280,9 +274,9 @@ def test_metadata_agrees_with_iteration_and_groups() -> None:
     for kw in (
         {},
         {"dtype": torch.bfloat16},
-        {"group_by": "layer"},
+        {"group_by": "budget"},
         {"group_by": "module"},
-        {"budget_bytes": 20_000},
+        {"group_by": "budget", "budget_bytes": 20_000},
     ):
         stream = ParamStream(pm, **kw)
         meta = stream.metadata()
@@ -323,12 +317,14 @@ def test_order_is_registration_order_and_layer_groups_are_whole_layers() -> None
         assert all(n.startswith(f"model.layers.{i}.") for n in groups[i + 1])
         assert len(groups[i + 1]) == 9
     assert groups[-1] == ["model.norm.weight", "lm_head.weight"]
+    assert ParamStream(pm).groups() == groups, "group_by='layer' is the default"
+    assert ParamStream(pm).group_by == "layer"
 
 
 def test_budget_groups_respect_the_budget_unless_one_module_is_larger() -> None:
     pm = lora(tiny_llama(), target_modules="all-linear")
     budget = 40_000
-    stream = ParamStream(pm, budget_bytes=budget)
+    stream = ParamStream(pm, group_by="budget", budget_bytes=budget)
     sizes = stream.group_gathered_bytes
     groups = stream.groups()
     assert len(groups) > 4

@@ -10,8 +10,8 @@ import pytest
 import torch
 from helpers import lora, perturb_adapters, tiny_llama
 
-from lora_stream import ParamStream, fingerprint
-from lora_stream.fingerprint import _NH, BLOCK_WORDS, CHUNK_WORDS, _key, nh_reference
+from lora_stream import ParamStream
+from lora_stream.fingerprint import _NH, BLOCK_WORDS, CHUNK_WORDS, _key, fingerprint, nh_reference
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
@@ -166,7 +166,7 @@ def test_the_bound_holds_for_fixed_pairs_of_inputs_on_a_reduced_word(half_bits: 
 
 def test_the_same_in_every_process() -> None:
     """Fingerprints recorded at one sync are compared at the next: nothing may depend on the process."""
-    program = "import torch; from lora_stream import fingerprint; print(fingerprint(torch.arange(3000.0)))"
+    program = "import torch; from lora_stream.fingerprint import fingerprint; print(fingerprint(torch.arange(3000.0)))"
     other = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120, check=True)
     assert int(other.stdout.split()[-1]) == fingerprint(torch.arange(3000.0))
 

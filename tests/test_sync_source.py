@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 from helpers import lora, tiny_llama
 
-from lora_stream import ParamStream, PassState
+from lora_stream import ParamStream
 from lora_stream.sinks import SyncSource
+from lora_stream.stream import PassState
 
 
 class Wrapped(ParamStream):

@@ -20,6 +20,7 @@ from helpers import event, require, results_of
 from launch import assert_all_ok, describe, launch
 
 from lora_stream.integrations.trl import TESTED_TRL, UnsupportedTrlError, use_lora_stream
+from lora_stream.sinks.record import METRICS
 
 
 @pytest.fixture(autouse=True)
@@ -37,10 +38,15 @@ def merged_tensors(syncs: int) -> list[int]:
 def _check_syncs(rec: dict[str, Any], tensors: int | None = None, syncs: int = 3) -> None:
     """Every sync served the trainer's merged model, within the tolerance derived from the dtypes
     (lora_stream.sinks.verify.tolerance); and a step changed what was served by far more than any sync's error.
-    ``tensors``: an adapter sync's per sync (every time); ``None``: a merged sync's (:func:`merged_tensors`)."""
+    ``tensors``: an adapter sync's per sync (every time); ``None``: a merged sync's (:func:`merged_tensors`). The
+    syncs' figures reached TRL's logged metrics (``trainer.state.log_history``, what ``report_to`` gets), every
+    name in at least one logged step and in no more steps than there were syncs."""
     checks = rec["checks"]
     expected = merged_tensors(syncs) if tensors is None else [tensors] * syncs
     assert rec["outcome"] == "trained" and len(checks) == syncs and rec["records"] == expected, rec
+    logged = rec["logged_metrics"]
+    assert set(logged) == {f"lora_stream/{m}" for m in METRICS}, logged
+    assert all(1 <= n <= syncs for n in logged.values()) and not rec["unlogged_metrics"], rec
     assert all(c["max_err"] < c["tol"] for c in checks), checks
     assert len({c["stream_id"] for c in checks}) == 1, "every sync reuses the stream planned at install"
     worst = max(c["max_err"] for c in checks)
@@ -116,14 +122,15 @@ def test_under_zero3_trl_gathers_the_whole_model_and_the_hook_one_layer(tmp_path
 
 
 def test_server_mode_on_two_zero3_ranks_serves_the_merged_model(tmp_path: Path) -> None:
-    """TRL's server mode against a real vLLM OpenAI server (float32) over lora_stream's gloo backend; the trainer is
-    built inside without_trl_transfer_group() (TRL's own transfer group needs CUDA)."""
+    """TRL's server mode against a real vLLM OpenAI server (float32) started with the documented command (lora_stream's
+    engine and TRL's own flags: lora_stream.integrations.trl.SERVER_FLAGS), over the gloo transport; the trainer is
+    built inside without_trl_transfer_group(), as use_lora_stream requires in server mode."""
     require("deepspeed")
     from helpers import save_for_vllm, vllm_llama
     from vllm_server import Server
 
     path = save_for_vllm(vllm_llama(), str(tmp_path / "model"), tokenizer=True)
-    server = Server(path).wait_ready()
+    server = Server(path, trl=True).wait_ready()
     try:
         env = {"LORA_STREAM_TEST_ZERO3": "1", "LORA_STREAM_TEST_SERVER": server.url}
         results = launch("trl_grpo", "server", str(tmp_path), world=2, timeout=400, env=env)
@@ -160,7 +167,7 @@ def test_adapter_sync_in_server_mode_names_the_adapter_in_every_request(tmp_path
     from vllm_server import Server
 
     path = save_for_vllm(vllm_llama(), str(tmp_path / "model"), tokenizer=True)
-    server = Server(path, max_lora_rank=8).wait_ready()
+    server = Server(path, max_lora_rank=8, trl=True).wait_ready()
     try:
         env = {"LORA_STREAM_TEST_SERVER": server.url}
         (r,) = launch("trl_grpo", "adapter", str(tmp_path), world=1, timeout=400, env=env)
@@ -205,7 +212,7 @@ def test_the_example_runs(mode: list[str], tmp_path: Path) -> None:
         from tiny_model import write_tiny_model
 
         model_dir = write_tiny_model(str(tmp_path / "model"))
-        server = Server(model_dir).wait_ready()
+        server = Server(model_dir, trl=True).wait_ready()
         mode = ["--model", model_dir, "--server", server.url]
     try:
         # As `python examples/grpo_trl.py ...` runs it: a program of its own, not a rank of a launched job.
@@ -317,6 +324,9 @@ def test_an_adapter_rank_above_max_lora_rank_is_refused_at_install(
         gen = _Generation(model, mode="server", server_base_url="http://127.0.0.1:9", server_timeout=5)
         monkeypatch.setattr(VLLMServerClient, "check_access", lambda self: {"data": [{"root": checkpoints["untied"]}]})
         monkeypatch.setattr(VLLMServerClient, "max_lora_rank", lambda self: 8)
+        monkeypatch.setattr(  # the server runs lora_stream's engine (what use_lora_stream checks first)
+            VLLMServerClient, "server_config", lambda self: {"weight_transfer_config": {"backend": "lora_stream"}}
+        )
         hint = "--max-lora-rank"
     with pytest.raises(AdapterLoadError, match="LoRA rank 16 is greater than max_lora_rank 8") as info:
         use_lora_stream(_trainer(model, gen), adapter=True)
@@ -393,6 +403,39 @@ def test_sink_options_reach_the_sink_built_at_install(checkpoints: dict[str, str
     with pytest.raises(ValueError, match="verify must be"):  # a bad option fails now, not in trainer.train()
         use_lora_stream(trainer, sink_options={"verify": 0})
     assert _untouched(trainer.vllm_generation)
+
+
+def test_each_syncs_figures_go_into_the_trainers_metrics_as_trls_own(tmp_path: Path) -> None:
+    """The hook appends the record's figures to ``trainer._metrics[mode]`` as TRL appends its own (per mode, a list
+    per name, which ``trainer.log()`` averages and hands to wandb, tensorboard, ...). The sink here is an in-process
+    SafetensorsSink: nothing starts."""
+    from collections import defaultdict
+
+    from lora_stream import SafetensorsSink
+    from lora_stream.integrations.trl import TrlSyncHook
+    from lora_stream.sinks.record import METRICS
+
+    model = _peft()
+    trainer = _trainer(model, _Generation(model))
+    trainer._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}  # TRL 1.16's GRPO/RLOO structure
+    hook = TrlSyncHook(trainer, {}, {})
+    hook._sink = SafetensorsSink(tmp_path / "ckpt", overwrite=True, progress=False)
+    for step in range(2):
+        trainer.state.global_step = step
+        hook.sync_weights()
+    names = {f"lora_stream/{m}" for m in METRICS}
+    train = trainer._metrics["train"]
+    assert set(train) == names and not trainer._metrics["eval"], dict(train)
+    assert train["lora_stream/sync_s"] == [r.seconds for r in hook.records]
+    assert train["lora_stream/sent_mib"] == [r.bytes / 2**20 for r in hook.records]
+    assert min(train["lora_stream/sent_mib"]) > 0
+    assert train["lora_stream/verified"] == [0.0, 0.0] and train["lora_stream/partial"] == [0.0, 0.0]
+    model.eval()  # TRL's mode: "train" if trainer.model.training else "eval"
+    hook.sync_weights()
+    assert set(trainer._metrics["eval"]) == names and len(train["lora_stream/sync_s"]) == 2
+    del trainer._metrics  # not a TRL trainer with metrics: the sync still works, nothing is added
+    hook.sync_weights()
+    assert [r.version for r in hook.records] == ["step-0", "step-1", "step-1", "step-1"]
 
 
 def _outcome(output: str) -> dict[str, Any]:

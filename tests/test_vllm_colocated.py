@@ -267,7 +267,7 @@ def _two_versions(path: str):  # type: ignore[no-untyped-def]
 
 
 def test_a_failure_at_any_point_leaves_the_engine_bit_identical_and_the_next_sync_works(untied) -> None:  # type: ignore[no-untyped-def]
-    from lora_stream.transaction import set_fault_hook
+    from lora_stream.testing import set_fault_hook
 
     path, llm = untied
     pm = _two_versions(path)
@@ -393,7 +393,7 @@ def test_verification_catches_a_sync_that_changed_nothing_while_the_trainer_move
 
 
 def test_without_rollback_nothing_is_kept_and_a_failure_says_the_engine_is_mixed(untied) -> None:  # type: ignore[no-untyped-def]
-    from lora_stream.transaction import set_fault_hook
+    from lora_stream.testing import set_fault_hook
 
     path, llm = untied
     pm = _two_versions(path)
@@ -498,7 +498,7 @@ def test_structured_edits_of_frozen_weights_travel_and_serve_what_a_full_sync_se
 
 
 def test_a_partial_sync_failing_at_any_point_leaves_the_engine_bit_identical_and_the_next_sync_is_full(untied) -> None:  # type: ignore[no-untyped-def]
-    from lora_stream.transaction import set_fault_hook
+    from lora_stream.testing import set_fault_hook
 
     path, llm = untied
     pm = _two_versions(path)

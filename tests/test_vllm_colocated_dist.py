@@ -39,7 +39,7 @@ def test_a_failure_on_rank_1_at_any_point_raises_everywhere_and_leaves_every_eng
     """ZeRO-3 (or replicated, DDP-style) ranks + one tensor-parallel engine across both, verified syncs: a failure on
     rank 1 alone at each transaction point (pre-flight, mid-stream, reload check, verification, prefix-cache reset,
     commit)."""
-    from lora_stream.transaction import FAULT_POINTS
+    from lora_stream.testing import FAULT_POINTS
 
     scenario = "faults" if trainer == "zero3" else "faults-ddp"
     results = launch("vllm_colocated_dist", scenario, checkpoints["untied"], timeout=420)

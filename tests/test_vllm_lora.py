@@ -83,7 +83,7 @@ def test_three_training_steps_each_served_exactly_through_the_returned_lora_requ
 def test_a_verified_adapter_sync_rolls_back_to_the_previous_version_after_a_failure_at_any_late_point(served) -> None:  # type: ignore[no-untyped-def]
     from helpers import perturb_adapters
 
-    from lora_stream.transaction import set_fault_hook
+    from lora_stream.testing import set_fault_hook
 
     path, llm = served
     pm = lora(_base(path), target_modules="all-linear", r=8, lora_alpha=16)

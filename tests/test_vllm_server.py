@@ -12,7 +12,7 @@ from helpers import require, results_of, save_for_vllm, vllm_llama
 from launch import assert_all_ok, describe, launch
 from vllm_server import Server
 
-from lora_stream.transaction import FAULT_POINTS
+from lora_stream.testing import FAULT_POINTS
 
 KEY = "test-secret-key"
 
@@ -297,7 +297,7 @@ def test_an_adapter_the_server_refuses_leaves_the_previous_version_serving(
 def test_a_failure_on_rank_1_at_any_point_raises_everywhere_and_the_server_serves_the_previous_version(
     server: Server, checkpoint: str
 ) -> None:
-    from lora_stream.transaction import FAULT_POINTS
+    from lora_stream.testing import FAULT_POINTS
 
     results = launch("vllm_server_push", "faults", server.url, checkpoint, timeout=420)
     assert_all_ok(results)

@@ -13,9 +13,9 @@ they read, and what each test proves:
 - ``held_names()``: ``None``, every rank holds every tensor.
 - ``iter_groups()``: one ``(names, tensors)`` batch per group of vLLM's ``layerwise_groups`` over the metadata's
   names, in order. ``sharded_rdt`` computes those groups from ``metadata()`` itself and raises on the first batch that
-  differs. A ``ParamStream`` yields its own groups, so this holds with ``group_by="layer"``, and on every model whose
-  metadata order vLLM accepts at all (``sharded_rdt`` refuses one whose names are not group-contiguous, from
-  ``ModuleSource`` too); under the default ``group_by="budget"`` only the flat iteration (all ``nccl`` reads) matches.
+  differs. A ``ParamStream`` yields its own groups, so this holds with ``group_by="layer"`` (the default), on every
+  model whose metadata order vLLM accepts at all (``sharded_rdt`` refuses one whose names are not group-contiguous,
+  from ``ModuleSource`` too); under ``group_by="budget"`` only the flat iteration (all ``nccl`` reads) matches.
 
 "A plain model" is one without adapters and without a checkpoint conversion (Llama, GPT-2): there the checkpoint's
 names are ``named_parameters()``' names, a tied weight comes once under the name ``named_parameters()`` gives it, and
@@ -173,17 +173,18 @@ def test_layer_groups_are_vllms_layerwise_groups_one_contiguous_run_per_decoder_
     assert assert_same_batches(base.WeightSource.iter_groups(stream), ref.iter_groups()) == len(groups)
 
 
-def test_the_default_grouping_matches_flat_iteration_only() -> None:
-    """Under the default ``group_by="budget"`` the metadata and the flat iteration are still ``ModuleSource``'s (what
-    ``nccl`` reads), but the groups are not vLLM's (the whole tiny model fits one budget): ``sharded_rdt``, which
-    checks every batch against ``layerwise_groups``, needs ``group_by="layer"``."""
+def test_budget_grouping_matches_flat_iteration_only() -> None:
+    """Under ``group_by="budget"`` the metadata and the flat iteration are still ``ModuleSource``'s (what ``nccl``
+    reads), but the groups are not vLLM's (the whole tiny model fits one budget): ``sharded_rdt``, which checks every
+    batch against ``layerwise_groups``, needs ``group_by="layer"``, the default."""
     model = tiny_llama()
-    stream, ref = ParamStream(model), base.ModuleSource(model)
+    stream, ref = ParamStream(model, group_by="budget"), base.ModuleSource(model)
     assert meta_fields(stream.metadata()) == meta_fields(ref.metadata())
     assert assert_same_pairs(iter(stream), iter(ref)) == len(ref.metadata())
     expected = base.layerwise_groups([m.name for m in stream.metadata()])
     assert stream.groups() != expected
     assert len(stream.groups()) == 1 and len(expected) == model.config.num_hidden_layers + 2
+    assert ParamStream(model).groups() == expected, "the default grouping is vLLM's"
 
 
 def test_vllms_nccl_trainer_engine_iterates_the_stream_on_a_non_sender_rank() -> None:

@@ -12,13 +12,26 @@ import requests
 from launch import free_port
 
 
+def transfer_flags(backend: str = "lora_stream", *, trl: bool = False) -> list[str]:
+    """The server's weight-transfer flags: lora_stream's engine under ``backend`` (``lora_stream``, the name the docs
+    use, or ``gloo``, its other name); ``trl=True``: what docs/gpus.md and docs/trl.md tell a TRL user to start,
+    ``lora_stream.integrations.trl.SERVER_FLAGS`` (the engine as ``lora_stream`` and ``trl vllm-serve``'s flags;
+    tests/test_gpu_route.py holds the docs to it)."""
+    if trl:
+        from lora_stream.integrations.trl import SERVER_FLAGS
+
+        return list(SERVER_FLAGS)
+    return ["--weight-transfer-config", f'{{"backend": "{backend}"}}']
+
+
 class Server:
     def __init__(
         self,
         model_dir: str,
         *,
         api_key: str | None = None,
-        backend: str = "gloo",
+        backend: str = "lora_stream",
+        trl: bool = False,
         middleware: tuple[str, ...] = (),
         max_lora_rank: int | None = None,
         port: int | None = None,
@@ -43,8 +56,7 @@ class Server:
             "127.0.0.1",
             "--port",
             str(self.port),
-            "--weight-transfer-config",
-            f'{{"backend": "{backend}"}}',
+            *transfer_flags(backend, trl=trl),
             "--gpu-memory-utilization",
             "0.5",
         ]

@@ -13,6 +13,8 @@ from typing import Any
 from helpers import require, results_of
 from launch import RankResult, describe, launch
 
+from lora_stream.sinks.record import METRICS
+
 WORKER = str(Path(__file__).resolve().parent / "workers" / "verl_engine.py")
 
 
@@ -56,6 +58,22 @@ def test_adapter_sync_is_verls_adapter_with_the_scaling_in_lora_b(tmp_path: Path
     assert all(r.returncode == 0 for r in results), describe(results)
     done = events(results, "adapter-exact")
     assert len(done) == 2 and all(e["tensors"] > 0 and e["base_tensors"] > 0 for e in done), describe(results)
+    # Each sync is seen: one line per export on rank 0's stderr at the logging defaults (verl's own basicConfig,
+    # WARNING), none on rank 1 (its line is DEBUG); the record's figures wait for the next training step's metrics.
+    r0, r1 = results
+    lines = [line for line in r0.output.splitlines() if "lora_stream sync " in line]
+    assert [line.split("lora_stream sync ")[1].split(" ")[0] for line in lines] == [
+        "export-1",
+        "export-2",
+        "export-3",
+    ], describe(results)
+    assert all("(verl/adapter)" in line and "; full: " in line and "; not verified;" in line for line in lines), lines
+    assert not [line for line in r1.output.splitlines() if "lora_stream sync " in line], describe([r1])
+    for e in done:
+        figures = e["sync_figures"]
+        assert e["sync_version"] == "export-3" and e["sync_tensors"] == e["tensors"], e
+        assert set(figures) == {f"lora_stream/{m}" for m in METRICS} and figures["lora_stream/sent_mib"] > 0, e
+        assert e["pending_figures"] == figures, e
 
 
 def test_a_consumer_failing_on_rank_1_makes_rank_0_raise_naming_it(tmp_path: Path) -> None:

@@ -9,13 +9,9 @@
 from __future__ import annotations
 
 from .adapter import AdapterStream
-from .changes import Changes, EngineState, SyncedSources, agree_on_changes
-from .checkpoint_format import CheckpointFormatError, Layout
-from .coordination import Coordinator
 from .errors import (
+    CheckpointError,
     LoraStreamError,
-    NameCollisionError,
-    RenameError,
     ReplicaError,
     ReplicaExcludedWarning,
     StalePlanError,
@@ -24,21 +20,14 @@ from .errors import (
     UnsupportedAdapterError,
     UnsupportedModelError,
 )
-from .fingerprint import fingerprint
-from .gatherers import Fsdp1Gatherer, Fsdp2Gatherer, Gatherer, PlainGatherer, ZeroThreeGatherer, auto_gatherer
-from .grouping import DEFAULT_BUDGET_BYTES, GroupBy
-from .merge import DEFAULT_MERGE_BLOCK_BYTES
-from .names import Renames, register_wrapper
+from .gatherers import Fsdp1Gatherer, Fsdp2Gatherer, PlainGatherer, ZeroThreeGatherer
+from .names import register_wrapper
 from .sinks import (
     AdapterLoadError,
     AdapterSyncRecord,
-    CheckpointError,
     CheckpointMismatchError,
-    LeaseExpiredError,
-    PrefixCacheError,
     SafetensorsSink,
     ServerError,
-    Sink,
     SyncRecord,
     VLLMColocatedSink,
     VLLMLoadError,
@@ -46,69 +35,43 @@ from .sinks import (
     VLLMServerSink,
     save_merged,
 )
-from .sinks.verify import Verification, VerificationError, VerifyPolicy
-from .stream import ParamMeta, ParamStream, PassState, Selection, StreamPass, StreamStats, stream_merged_params
-from .transaction import FAULT_POINTS, Transaction, set_fault_hook
+from .sinks.verify import Verification, VerificationError
+from .stream import ParamStream, stream_merged_params
 
 __version__ = "0.1.0"
 
+#: What a user calls or catches. Everything else lives in its submodule: ``lora_stream.transaction``,
+#: ``lora_stream.changes``, ``lora_stream.stream``, ``lora_stream.gatherers``, ``lora_stream.sinks``, ...; test hooks in
+#: :mod:`lora_stream.testing`. ``tests/test_public_surface.py`` holds this list.
 __all__ = [
+    "AdapterLoadError",
     "AdapterStream",
     "AdapterSyncRecord",
-    "AdapterLoadError",
-    "VLLMLoRASink",
     "CheckpointError",
-    "CheckpointFormatError",
     "CheckpointMismatchError",
-    "Layout",
-    "SafetensorsSink",
-    "LeaseExpiredError",
-    "ServerError",
-    "Sink",
-    "SyncRecord",
-    "VLLMColocatedSink",
-    "VLLMLoadError",
-    "VLLMServerSink",
-    "DEFAULT_BUDGET_BYTES",
-    "DEFAULT_MERGE_BLOCK_BYTES",
-    "Coordinator",
     "Fsdp1Gatherer",
     "Fsdp2Gatherer",
-    "Gatherer",
-    "GroupBy",
     "LoraStreamError",
-    "NameCollisionError",
-    "ParamMeta",
     "ParamStream",
-    "PassState",
     "PlainGatherer",
-    "PrefixCacheError",
-    "RenameError",
-    "Renames",
     "ReplicaError",
     "ReplicaExcludedWarning",
+    "SafetensorsSink",
+    "ServerError",
     "StalePlanError",
     "StreamAbortedError",
-    "StreamPass",
-    "StreamStats",
-    "Selection",
-    "Changes",
-    "EngineState",
-    "SyncedSources",
-    "agree_on_changes",
-    "fingerprint",
-    "FAULT_POINTS",
-    "Transaction",
+    "SyncRecord",
     "TransferError",
     "UnsupportedAdapterError",
     "UnsupportedModelError",
+    "VLLMColocatedSink",
+    "VLLMLoRASink",
+    "VLLMLoadError",
+    "VLLMServerSink",
     "Verification",
     "VerificationError",
-    "VerifyPolicy",
     "ZeroThreeGatherer",
-    "auto_gatherer",
     "register_wrapper",
     "save_merged",
-    "set_fault_hook",
     "stream_merged_params",
 ]

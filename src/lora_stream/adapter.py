@@ -168,7 +168,8 @@ class AdapterStream(ParamStream):
         gatherer: as for :class:`~lora_stream.ParamStream`. The ZeRO-3 or FSDP2 gatherer this stream builds
             itself (``None``) keeps its gather buffers between syncs when they hold at most
             :data:`~lora_stream.gatherers.base.KEEP_BYTES` (64 MiB; ``keep_bytes``); ``close()`` frees them.
-        group_by: as for :class:`~lora_stream.ParamStream`.
+        group_by: as for :class:`~lora_stream.ParamStream`, but ``"budget"`` by default: the factors are small,
+            so one group holds many layers' and a sync makes few all-gathers.
         budget_bytes: as for :class:`~lora_stream.ParamStream`, counting the factors only.
         timeout: as for :class:`~lora_stream.ParamStream`.
         measure_rss: as for :class:`~lora_stream.ParamStream`.

@@ -14,11 +14,11 @@ skips them must *prove* them unchanged, never assume it:
   colocated engine carries the committing sync's token), and that the engine can tell which checkpoint tensors
   each of its modules reads (:mod:`lora_stream.engine.holding`). Otherwise -- a fresh, restarted or readmitted
   server, one another sink wrote to, a rolled-back or failed sync -- everything is sent.
-* **Every rank decides alike.** Two fixed-size agreements (:meth:`~lora_stream.Transaction.any_of`), the same
-  number on every path: which steps changed on any rank; then which steps must go because they share an engine
-  module with a changed one (q, k and v feed vLLM's one ``qkv_proj``). The stream then gathers, merges and sends
-  only those (:class:`~lora_stream.Selection`); the engine loads and snapshots only the modules they feed, and
-  refuses the update if it does not hold the version the trainer compared against.
+* **Every rank decides alike.** Two fixed-size agreements (:meth:`~lora_stream.transaction.Transaction.any_of`),
+  the same number on every path: which steps changed on any rank; then which steps must go because they share an
+  engine module with a changed one (q, k and v feed vLLM's one ``qkv_proj``). The stream then gathers, merges and
+  sends only those (:class:`~lora_stream.stream.Selection`); the engine loads and snapshots only the modules they
+  feed, and refuses the update if it does not hold the version the trainer compared against.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ __all__ = ["Changes", "EngineState", "SyncedSources", "agree_on_changes", "takes
 
 
 def takes_selection(stream: ParamStream) -> bool:
-    """Whether ``stream.iter_groups`` takes a :class:`~lora_stream.Selection` (a subclass that overrides it
+    """Whether ``stream.iter_groups`` takes a :class:`~lora_stream.stream.Selection` (a subclass that overrides it
     without one always sends everything)."""
     import inspect
 

@@ -13,8 +13,9 @@ __all__ = ["GroupBy", "DEFAULT_BUDGET_BYTES", "Group", "partition", "stack_key"]
 
 GroupBy = Literal["budget", "layer", "module"]
 """How a stream cuts the model into groups (``group_by=``): ``"budget"`` packs consecutive modules up to
-``budget_bytes``; ``"layer"`` makes one group per decoder layer (what vLLM's layerwise reload wants); ``"module"``
-one per module. A module (a LoRA layer with its base) is never split."""
+``budget_bytes``; ``"layer"`` (:class:`~lora_stream.ParamStream`'s default) makes one group per decoder layer
+(what vLLM's layerwise reload wants); ``"module"`` one per module. A module (a LoRA layer with its base) is never
+split."""
 
 DEFAULT_BUDGET_BYTES = 128 * 1024 * 1024
 """Default byte budget of one group (whole bytes of the parameters gathered for it). 128 MiB is one decoder layer
@@ -120,7 +121,7 @@ def partition(
     """
     if group_by not in ("budget", "layer", "module"):
         raise ValueError(f"group_by must be 'budget', 'layer' or 'module', got {group_by!r}")
-    if group_by == "budget" and budget_bytes <= 0:
+    if budget_bytes <= 0:  # refused whatever the grouping: a bad option is caught where it is written
         raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
     groups: list[list[Unit]] = []
     current: list[Unit] = []

@@ -266,16 +266,17 @@ class ParamStream:
     8. ``metadata()`` describes the whole stream without materializing or communicating anything and agrees with
        iteration element for element; ``groups()`` / ``iter_groups()`` expose the groups. Together these satisfy
        vLLM's ``WeightSource`` contract structurally; its groups are vLLM's ``layerwise_groups`` (what
-       ``sharded_rdt`` requires) under ``group_by="layer"`` (``tests/test_weight_source.py``, docs "vLLM's own
-       weight-transfer engines").
+       ``sharded_rdt`` requires) under ``group_by="layer"``, the default (``tests/test_weight_source.py``, docs
+       "vLLM's own weight-transfer engines").
 
     Args:
         model: the trainer's model: a ``PeftModel``, a plain ``nn.Module``, or either wrapped (DDP, DeepSpeed
             engine, ``torch.compile``, activation checkpointing, FSDP).
         dtype: output dtype of every tensor (``None``: each base parameter's own dtype).
         gatherer: how groups are made whole; chosen from the model when ``None``.
-        group_by: ``"budget"`` (default: consecutive modules up to ``budget_bytes``), ``"layer"`` (one decoder
-            layer per group, what vLLM's layerwise reload needs) or ``"module"``.
+        group_by: ``"layer"`` (default: one decoder layer per group, what vLLM's layerwise reload needs; what
+            comes before the layers, the embeddings, and after them, the norm and ``lm_head``, a group each),
+            ``"budget"`` (consecutive modules up to ``budget_bytes``: fewer, larger groups) or ``"module"``.
         budget_bytes: byte budget of a ``"budget"`` group, counted as whole bytes of the parameters gathered for it
             (base and adapter weights). A single module larger than the budget forms a group of its own.
         renames: a mapping of anchored name prefixes, or a callable, applied to every final name.
@@ -307,7 +308,7 @@ class ParamStream:
         *,
         dtype: torch.dtype | None = None,
         gatherer: Gatherer | None = None,
-        group_by: GroupBy = "budget",
+        group_by: GroupBy = "layer",
         budget_bytes: int = DEFAULT_BUDGET_BYTES,
         renames: Renames = None,
         merge_block_bytes: int = DEFAULT_MERGE_BLOCK_BYTES,
@@ -815,7 +816,7 @@ def stream_merged_params(
     *,
     dtype: torch.dtype | None = None,
     gatherer: Gatherer | None = None,
-    group_by: GroupBy = "budget",
+    group_by: GroupBy = "layer",
     budget_bytes: int = DEFAULT_BUDGET_BYTES,
     renames: Renames = None,
     merge_block_bytes: int = DEFAULT_MERGE_BLOCK_BYTES,

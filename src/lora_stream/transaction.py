@@ -15,9 +15,9 @@ A sync has three phases, the same in every sink; only the transport differs:
 Hence the two promises every sink keeps: when ``sync`` returns, it has returned on every rank; when it raises, it
 raises on every rank. A version moves on every engine or on none.
 
-Agreements are the stream's own status exchange (:class:`~lora_stream.Coordinator`), so a rank still inside the
-stream's pass learns the outcome there. A rank whose *process* died cannot vote; its peers fail the exchange after
-the stream's ``timeout`` (or at once, when the transport reports the closed connection) and abort.
+Agreements are the stream's own status exchange (:class:`~lora_stream.coordination.Coordinator`), so a rank still
+inside the stream's pass learns the outcome there. A rank whose *process* died cannot vote; its peers fail the
+exchange after the stream's ``timeout`` (or at once, when the transport reports the closed connection) and abort.
 
 Every path runs the same agreements on every rank: which ones follow depends only on what the previous ones
 decided, and that is the same everywhere. An exchange a rank gave up on is settled as given up for every rank
@@ -27,7 +27,7 @@ failure either way, and the late peer finds them given up.
 
 Fault points. For tests of these promises, :func:`set_fault_hook` installs a callable that every sink calls, on
 every rank, at each named point of its transaction (:data:`FAULT_POINTS`); raising from it fails the sync there, as
-a real failure at that point would.
+a real failure at that point would. Tests import both from :mod:`lora_stream.testing`.
 """
 
 from __future__ import annotations

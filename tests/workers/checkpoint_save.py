@@ -37,7 +37,7 @@ from helpers import (
 
 from lora_stream import LoraStreamError, ParamStream, SafetensorsSink, StreamAbortedError
 from lora_stream.sinks.durable_files import NO_RENAME_EXCHANGE_ENV
-from lora_stream.transaction import set_fault_hook
+from lora_stream.testing import set_fault_hook
 
 BUDGET = 40_000
 
@@ -81,7 +81,7 @@ def save_and_check(how: str, out: Path, saved: list[str] | None) -> dict[str, ob
     pm = lora(tiny_llama(layers=4, tie=True), target_modules="all-linear", modules_to_save=saved)
     template = copy.deepcopy(pm)
     model, whole = (zero3 if how == "zero3" else fsdp2)(pm)
-    stream = ParamStream(model, budget_bytes=BUDGET)
+    stream = ParamStream(model, group_by="budget", budget_bytes=BUDGET)
     bound = max(BUDGET, max(ParamStream(model, group_by="module").group_gathered_bytes))
     record = SafetensorsSink(out, max_shard_size=30_000).sync(stream)
     ref = oracle(whole(template))  # a gather: every rank takes part
@@ -144,7 +144,7 @@ def faults(how: str, out: Path) -> None:
         return SafetensorsSink(target, max_shard_size=30_000, overwrite=True, progress=False)
 
     def stream() -> ParamStream:
-        return ParamStream(model, budget_bytes=BUDGET, timeout=60)
+        return ParamStream(model, group_by="budget", budget_bytes=BUDGET, timeout=60)
 
     sink().sync(stream(), version="v1")
     old = files_of(target) if rank == 0 else {}
@@ -229,7 +229,7 @@ def main() -> None:
     sink.on_tensor = disk_full
     start = time.monotonic()
     try:
-        sink.sync(ParamStream(engine, budget_bytes=BUDGET, timeout=60))
+        sink.sync(ParamStream(engine, group_by="budget", budget_bytes=BUDGET, timeout=60))
     except (OSError, LoraStreamError) as exc:
         report(
             rank=rank, outcome="raised", error=type(exc).__name__, message=str(exc), seconds=time.monotonic() - start

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from helpers import ZERO3_CONFIG, finish, perturb_adapters, report, server_generate
 
 from lora_stream import LoraStreamError, ParamStream, StreamAbortedError, VLLMServerSink
-from lora_stream.transaction import FAULT_POINTS, set_fault_hook
+from lora_stream.testing import FAULT_POINTS, set_fault_hook
 
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 

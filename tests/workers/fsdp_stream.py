@@ -78,7 +78,7 @@ def counter() -> CollectiveCounter:
 def check(model: torch.nn.Module, template: torch.nn.Module, budget: int) -> None:
     ref = oracle(unsharded(model, template))
     with counter() as calls:
-        stream = ParamStream(model, budget_bytes=budget)
+        stream = ParamStream(model, group_by="budget", budget_bytes=budget)
         meta = stream.metadata()
     assert calls.count == 0, calls.count
     with counter() as calls:  # the probe does see the gathers iteration makes
@@ -196,7 +196,7 @@ def check_fsdp1(model: torch.nn.Module, template: torch.nn.Module, budget: int) 
     from lora_stream import Fsdp1Gatherer
 
     ref = oracle(unsharded_fsdp1(model, template))
-    stream = ParamStream(model, budget_bytes=budget)
+    stream = ParamStream(model, group_by="budget", budget_bytes=budget)
     assert isinstance(stream.gatherer, Fsdp1Gatherer)
     assert [m.name for m in stream.metadata()] == list(ref)
     bound = max(budget, max(ParamStream(model, group_by="module").group_gathered_bytes))

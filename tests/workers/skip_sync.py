@@ -23,7 +23,7 @@ import torch.distributed as dist
 from helpers import finish, lora, perturb_adapters, report, server_generate
 
 from lora_stream import ParamStream, StreamAbortedError, VLLMServerSink
-from lora_stream.transaction import set_fault_hook
+from lora_stream.testing import set_fault_hook
 
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 #: ``attn`` runs with DeepSpeed's default ``stage3_param_persistence_threshold`` (every parameter of this tiny model

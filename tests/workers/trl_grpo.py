@@ -337,6 +337,14 @@ def main(scenario: str, workdir: str) -> None:
         if r.verification is not None
     ]
     trainer_class = type(trainer).__name__
+    # The hook's figures as TRL logged them (trainer.log() averaged trainer._metrics["train"] into each logging
+    # step's entry): each lora_stream/ name, and in how many logged steps it appears; and any left unlogged.
+    logged: dict[str, int] = {}
+    for entry in trainer.state.log_history:  # type: ignore[attr-defined]
+        for key in entry:
+            if key.startswith("lora_stream/"):
+                logged[key] = logged.get(key, 0) + 1
+    unlogged = sorted(k for k in trainer._metrics["train"] if k.startswith("lora_stream/"))  # type: ignore[attr-defined]
     report(
         rank=rank,
         scenario=scenario,
@@ -347,6 +355,8 @@ def main(scenario: str, workdir: str) -> None:
         refused=refused,
         verified=verified,
         via_server=via_server,
+        logged_metrics=logged,
+        unlogged_metrics=unlogged,
     )
     finish(0)
 

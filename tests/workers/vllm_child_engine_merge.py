@@ -13,7 +13,7 @@ def main(path: str) -> None:
 
     from lora_stream import ParamStream, VLLMColocatedSink
     from lora_stream.sinks import WORKER_EXTENSION
-    from lora_stream.transaction import set_fault_hook
+    from lora_stream.testing import set_fault_hook
 
     llm = vllm_engine(path, worker_extension_cls=WORKER_EXTENSION)
     sink = VLLMColocatedSink(llm, merge="engine")

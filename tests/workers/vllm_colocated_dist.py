@@ -155,7 +155,7 @@ EARLY = ("prepare", "snapshot", "group:0", "group:1")
 
 
 def faults(rank: int, engine, sink, llm, step, expected, points) -> None:  # type: ignore[no-untyped-def]
-    from lora_stream.transaction import fault_point, set_fault_hook
+    from lora_stream.testing import fault_point, set_fault_hook
 
     exchanges = count_exchanges()
     begin = sink._begin

@@ -175,7 +175,7 @@ def _step(engine) -> None:  # type: ignore[no-untyped-def]
 
 
 def faults(rank: int, url: str, engine, template, sink) -> None:  # type: ignore[no-untyped-def]
-    from lora_stream.transaction import FAULT_POINTS, set_fault_hook
+    from lora_stream.testing import FAULT_POINTS, set_fault_hook
 
     sink.sync(ParamStream(engine, group_by="layer"), version="v1")
     before = server_generate(url) if rank == 0 else None

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from helpers import ZERO3_CONFIG, assert_vllm_serves, finish, lora, server_generate, zero3_whole_into
 
 from lora_stream import ParamStream, VLLMServerSink
-from lora_stream.transaction import set_fault_hook
+from lora_stream.testing import set_fault_hook
 
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 IDS = torch.tensor([[1, 17, 42, 99, 5, 7, 300]])

@@ -77,7 +77,7 @@ def counter() -> CollectiveCounter:
 def check_stream(engine, template, budget: int) -> None:  # type: ignore[no-untyped-def]
     ref = oracle(unsharded(engine, template))
     with counter() as calls:
-        stream = ParamStream(engine, budget_bytes=budget)
+        stream = ParamStream(engine, group_by="budget", budget_bytes=budget)
         meta = stream.metadata()
         stream.groups()
     assert calls.count == 0, f"planning and metadata() called {calls.count} collectives"
@@ -172,7 +172,7 @@ def scenario_moe(path: str) -> None:
     dist.barrier()
     ref = read_checkpoint(os.path.join(path, "merged"))
     budget = 60_000
-    stream = ParamStream(engine, budget_bytes=budget)
+    stream = ParamStream(engine, group_by="budget", budget_bytes=budget)
     largest_module = max(ParamStream(engine, group_by="module").group_gathered_bytes)
     bound = max(budget, largest_module)
     pairs, peak = stream_within_bound(stream, bound)

@@ -13,7 +13,8 @@ Scenarios:
            ``disable_adapter()`` exports the base, the next one the merge. Refusals: FSDP1 and QAT, before anything
            is built.
   adapter  ``lora.merge=False`` (verl's adapter-only sync): lora_A and lora_B (scaled) against verl's own
-           ``collect_lora_params``, the peft config's scaling 1, and the base export (verl's own).
+           ``collect_lora_params``, the peft config's scaling 1, and the base export (verl's own). Each of the 3
+           exports is a sync a user sees: its line on rank 0's stderr, its record and figures on the engine.
   raise    rank 1's consumer raises at the fifth tensor of a merged sync: rank 0 raises too, naming rank 1.
 """
 
@@ -197,7 +198,7 @@ def scenario_merged(root: str) -> None:
     # Refused at build time, before verl builds anything: FSDP1 and QAT.
     llama = save_model(root, "llama")
     for extra, needle in (
-        (["actor_rollout_ref.actor.strategy=fsdp"], "strategy is 'fsdp'"),
+        (["actor_rollout_ref.actor.strategy=fsdp"], "strategy is 'fsdp' (verl's default: FSDP1"),
         (["actor_rollout_ref.actor.fsdp_config.qat.enable=True"], "QAT"),
     ):
         try:
@@ -344,7 +345,19 @@ def scenario_adapter(root: str) -> None:
     base_gen, _base_config = engine.get_per_tensor_param(base_sync_done=False)
     base = drain(base_gen)
     assert base and not any("lora_" in n for n in base), sorted(base)[:4]
-    report(rank=dist.get_rank(), event="adapter-exact", tensors=len(got), base_tensors=len(base))
+    # Each of lora_stream's 3 exports logged its line (rank 0) and left its record and its figures for the next
+    # training step's metrics; verl's own exports (base, comparison) are not lora_stream's syncs.
+    record = engine.last_record  # type: ignore[attr-defined]
+    report(
+        rank=dist.get_rank(),
+        event="adapter-exact",
+        tensors=len(got),
+        base_tensors=len(base),
+        sync_version=record.version if record is not None else None,
+        sync_tensors=record.tensors if record is not None else None,
+        sync_figures=record.metrics() if record is not None else None,
+        pending_figures=engine._unreported,  # type: ignore[attr-defined]
+    )
 
 
 def scenario_raise(root: str) -> None:

@@ -7,8 +7,11 @@ its port: anyone can replace the served weights. Start the server with this guar
 guarded ones and the public probes requires ``Authorization: Bearer <key>``, with the key the server already has::
 
     VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR \\
-        --weight-transfer-config '{"backend": "gloo"}' \\
+        --weight-transfer-config '{"backend": "lora_stream"}' \\
         --api-key "$KEY" --middleware lora_stream.engine.guard.WeightRoutesGuard
+
+Not for a server TRL generates from: TRL's ``VLLMClient`` sends no key, so such a server refuses TRL's requests
+(docs/security.md, "With TRL: network isolation").
 
 The key is the server's ``--api-key`` (every one given), else ``VLLM_API_KEY``. A guarded server without a key
 answers 401 on those routes, naming the missing setting, rather than running open. Websocket requests follow the

@@ -10,9 +10,10 @@ already active"). This ASGI middleware, in the server's API process, makes the s
 and ``X-Lora-Stream-Lease`` (seconds). From the sync's ``/pause`` or ``/start_weight_update`` until its
 ``/resume`` and ``/finish_weight_update``, the sync *holds* the server. The lease runs while none of the sync's
 requests is in flight: each request's arrival, and each successful completion, renews it for ``lease`` seconds (a
-failed ``/update_weights`` renews nothing: the trainer that sent it may be gone). The sink sets ``lease`` longer
-than any legitimate silence of its own (its longest wait for the other trainer ranks plus one HTTP call:
-:meth:`~lora_stream.VLLMServerSink.lease_s`).
+failed ``/update_weights`` renews nothing: the trainer that sent it may be gone). The sink sends its ``lease=``
+option (:class:`~lora_stream.VLLMServerSink`, default :data:`~lora_stream.sinks.vllm_server.DEFAULT_LEASE_S`), and
+its feeding rank renews the lease every ``lease / 6`` seconds while it lives, so that no legitimate silence of its
+own (a wait for the other trainer ranks, an HTTP call) lets it expire.
 
 **When it expires** (nothing in flight): the middleware rolls the update back through lora_stream's worker engine
 (the trainer's ``rollback`` command: the workers put back, bit for bit, what the update replaced), ends vLLM's

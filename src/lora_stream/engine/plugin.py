@@ -3,7 +3,9 @@ both of vLLM's factories.
 
 Installed as ``[project.entry-points."vllm.general_plugins"] lora_stream``; vLLM calls :func:`register` in the
 API server, the engine core and every worker before the worker builds its weight-transfer engine, so a server
-started with ``--weight-transfer-config '{"backend": "gloo"}'`` accepts it once lora_stream is installed.
+started with ``--weight-transfer-config '{"backend": "lora_stream"}'`` (or ``"gloo"``) accepts it once lora_stream is
+installed; the trainer's sink chooses the data plane's transport (gloo or nccl). A server for TRL adds TRL's own
+flags: ``lora_stream.integrations.trl.SERVER_FLAGS``.
 
 In the API server it also installs :class:`~lora_stream.engine.lease.UpdateLease`, the lease under which a trainer
 holds the server paused and in an update, so that a server whose trainer vanished heals itself

@@ -46,6 +46,10 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
     update_info_cls = TransferUpdateInfo
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        from .vllm_version import check_vllm
+
+        # A server started with lora_stream's engine on an untested vLLM fails here, at start-up, with the reason.
+        check_vllm("lora_stream's weight-transfer engine (this vLLM server's --weight-transfer-config)")
         super().__init__(config, vllm_config, device, model)
         self.model: Any = model
         self.group: Any = None

@@ -20,7 +20,12 @@ remain). A subclass of ``GRPOTrainer`` would not reach users' own subclasses or 
 from __future__ import annotations
 
 import datetime
+import ipaddress
+import json
 import logging
+import os
+import shlex
+import socket
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -40,16 +45,44 @@ from ..stream import ParamStream
 logger = logging.getLogger("lora_stream")
 
 __all__ = [
+    "SERVER_FLAGS",
     "TESTED_TRL",
     "TrlSyncHook",
     "UnsupportedTrlError",
     "trl_vllm_with_lora",
     "without_trl_transfer_group",
     "use_lora_stream",
+    "server_command",
+    "trainer_address",
 ]
 
 #: The TRL releases whose ``VLLMGeneration`` this hook was written against and tested with: ``[low, high)``.
 TESTED_TRL = ("1.16.0", "1.17.0")
+
+#: What a vLLM server that TRL generates from and lora_stream syncs into is started with, beyond its model and your
+#: own options: lora_stream's weight-transfer engine (its vLLM plugin's name for it), and the flags TRL 1.16's
+#: ``trl vllm-serve`` adds (``trl.scripts.vllm_serve.build_command``: logprobs after temperature and logit processing,
+#: which TRL's importance-sampling correction needs; no cap on the logprobs returned; the scale-out routes TRL's
+#: client uses for multimodal prompts). Not vLLM's own ``{"backend": "nccl"}`` engine, which ``trl vllm-serve``
+#: starts: it rejects lora_stream's setup message. The same command serves a CPU trainer and a GPU one (the data
+#: plane's transport is the sink's ``backend``). docs/gpus.md shows it; the tests start their servers with it.
+SERVER_FLAGS = (
+    "--weight-transfer-config",
+    '{"backend": "lora_stream"}',
+    "--logprobs-mode",
+    "processed_logprobs",
+    "--max-logprobs",
+    "-1",
+    "--enable-scale-out",
+)
+
+
+def server_command(model: str = "MODEL_DIR") -> str:
+    """The command that starts a vLLM server for a TRL trainer whose sync goes through lora_stream (lora_stream
+    installed in the server's environment: its plugin registers the engine), as a shell line:
+    ``VLLM_SERVER_DEV_MODE=1 vllm serve MODEL_DIR`` and :data:`SERVER_FLAGS`. Add your own options (``--host``,
+    ``--port``, ``--tensor-parallel-size``, ...) after it."""
+    return "VLLM_SERVER_DEV_MODE=1 vllm serve " + shlex.join([model, *SERVER_FLAGS])
 
 
 class UnsupportedTrlError(LoraStreamError):
@@ -58,7 +91,8 @@ class UnsupportedTrlError(LoraStreamError):
 
 @dataclass(repr=False)
 class TrlSyncHook:
-    """The installed hook: ``records`` holds one :class:`~lora_stream.SyncRecord` per sync (this rank's view);
+    """The installed hook: ``records`` holds one :class:`~lora_stream.SyncRecord` per sync (this rank's view), whose
+    line rank 0 logs and whose figures join the trainer's logged metrics (``lora_stream/sync_s``, ...);
     :meth:`remove` restores TRL's own sync. Its ``repr`` shows the options with credentials redacted
     (:func:`~lora_stream.redaction.redact`: ``api_key``, tokens, passwords, URL userinfo)."""
 
@@ -151,6 +185,7 @@ class TrlSyncHook:
             self._drop_stream()  # the next sync starts from a freshly planned stream and gatherer
             raise
         self.records.append(record)
+        _add_to_trainer_metrics(self.trainer, record)
         client = getattr(gen, "vllm_client", None)  # server mode: the main process's only
         if self.adapter and gen.mode == "server" and client is not None and self._served_model is None:
             # TRL's client names the model in every request; the adapter's name selects it on the server.
@@ -213,11 +248,69 @@ class TrlSyncHook:
                 from ..sinks.vllm_server import VLLMServerSink
 
                 base_url = gen.server_base_url or f"http://{gen.server_host}:{gen.server_port}"
-                options = {"timeout": gen.server_timeout, **self.sink_options}
+                options = {**_server_defaults(gen, base_url), **self.sink_options}
                 if self.adapter:
                     options.setdefault("lora_name", self.lora_name)
                 self._sink = VLLMServerSink(base_url, rank=gen.accelerator.process_index, **options)
         return self._sink
+
+    def _check_server(self, sink: Any) -> None:
+        """Server mode, at install: what makes the first sync impossible however the stream looks, refused with the
+        fix. The trainer was built inside :func:`without_trl_transfer_group` (TRL's main process holds the client);
+        every server this rank feeds runs lora_stream's weight-transfer engine (``/server_info``), with the exact
+        command to start it with."""
+        from ..engine.plugin import BACKEND_NAMES
+        from ..sinks.server_client import ServerError
+
+        problems: list[str] = []
+        client = getattr(self.generation, "vllm_client", None)
+        if client is not None and not getattr(client, "_lora_stream_deferred", False):
+            problems.append(
+                "the trainer was built outside lora_stream.integrations.trl.without_trl_transfer_group(), so TRL "
+                "joined (or tried to join) vLLM's own NCCL transfer group, which lora_stream's engine on the server "
+                "does not speak. Build it inside the block: `with without_trl_transfer_group(): trainer = "
+                "GRPOTrainer(...)`, then use_lora_stream(trainer)"
+            )
+        for replica in sink._assign():  # the servers this rank feeds (TRL's main process: its one server)
+            if replica.sender != sink.rank:
+                continue
+            try:
+                config = replica.client.server_config()
+            except ServerError as exc:
+                if " 404 " not in str(exc):
+                    raise
+                config = None
+            if config is None:
+                problems.append(
+                    f"the vLLM server at {replica.url} does not expose vLLM's dev-mode routes (/server_info: 404), "
+                    "which the weight sync needs. Start it with VLLM_SERVER_DEV_MODE=1 and lora_stream's engine:\n\n"
+                    f"    {server_command()}\n"
+                )
+                continue
+            transfer = config.get("weight_transfer_config")
+            backend = transfer.get("backend") if isinstance(transfer, dict) else None
+            if backend in BACKEND_NAMES:
+                continue
+            model = (config.get("model_config") or {}).get("model")
+            if backend is None:
+                runs = "without a weight-transfer engine (no --weight-transfer-config)"
+            else:
+                flag = shlex.quote(json.dumps({"backend": backend}))
+                by = ", what `trl vllm-serve` starts" if backend == "nccl" else ""
+                runs = (
+                    f"vLLM's own {backend!r} weight-transfer engine (--weight-transfer-config {flag}{by}), which "
+                    "rejects lora_stream's setup message"
+                )
+            problems.append(
+                f"the vLLM server at {replica.url} runs {runs}. Start it with lora_stream's engine and TRL's own "
+                "flags, lora_stream installed in the server's environment (its vLLM plugin registers the engine; "
+                "your other options, such as --tensor-parallel-size, unchanged; docs/gpus.md):\n\n"
+                f"    {server_command(str(model) if model else 'MODEL_DIR')}\n"
+            )
+        if problems:
+            raise UnsupportedTrlError(
+                "use_lora_stream in server mode: " + "\n".join(problems) + "\nNothing was changed"
+            )
 
     def _preflight(self) -> None:
         """The refusals the first sync would make, made now: merged-in-place layers, no LoRA in the engine, an
@@ -226,8 +319,10 @@ class TrlSyncHook:
         :func:`use_lora_stream` agrees the outcome across the ranks."""
         _refuse_merged(self._model())
         sink = self._get_sink()
-        stream = self._stream()  # plans the pass (no communication, nothing gathered)
         colocate = self.generation.mode == "colocate"
+        if not colocate:
+            self._check_server(sink)
+        stream = self._stream()  # plans the pass (no communication, nothing gathered)
         try:
             if colocate:
                 sink.preflight(stream)  # VLLMLoRASink: vLLM's PEFTHelper validation and the adapter's shapes
@@ -259,6 +354,70 @@ class TrlSyncHook:
                 missing=[],
                 wrong_shape=[],
             ) from exc
+
+
+def _add_to_trainer_metrics(trainer: Any, record: SyncRecord) -> None:
+    """The sync's figures (:meth:`SyncRecord.metrics <lora_stream.SyncRecord.metrics>`: ``lora_stream/sync_s``,
+    ``lora_stream/sent_mib``, ...) appended to the trainer's metrics as TRL appends its own
+    (``trainer._metrics[mode][name]``, ``mode`` from ``trainer.model.training``): ``trainer.log()`` averages them over
+    the logging step and hands them, with TRL's, to every ``report_to`` integration (wandb, tensorboard, ...) and to
+    ``trainer.state.log_history``. A trainer without TRL's ``_metrics`` gets nothing."""
+    metrics = getattr(trainer, "_metrics", None)
+    if not isinstance(metrics, dict):
+        return
+    model = getattr(trainer, "model", None)
+    mode = "train" if getattr(model, "training", True) else "eval"
+    bucket = metrics.get(mode)
+    if not isinstance(bucket, dict):
+        return
+    for name, value in record.metrics().items():
+        bucket.setdefault(name, []).append(value)
+
+
+def _server_defaults(gen: Any, base_url: str) -> dict[str, Any]:
+    """The server sink's options taken from TRL's own arguments (``sink_options`` override each): TRL's
+    ``vllm_server_timeout``; the transport TRL's device calls for (``nccl`` on CUDA, ``gloo`` otherwise); the store
+    on this machine's address that the server reaches (:func:`trainer_address`, where TRL puts its NCCL group's:
+    ``get_ip()``) and on TRL's ``vllm_group_port``."""
+    from urllib.parse import urlparse
+
+    device = getattr(getattr(gen, "accelerator", None), "device", None)
+    return {
+        "timeout": gen.server_timeout,
+        "backend": "nccl" if getattr(device, "type", None) == "cuda" else "gloo",
+        "master_address": trainer_address(urlparse(base_url).hostname),
+        "master_port": int(getattr(gen, "group_port", 0) or 0),
+    }
+
+
+def trainer_address(server_host: str | None) -> str:
+    """The address of this machine that a vLLM server at ``server_host`` reaches: where the trainer's store of
+    lora_stream's transfer group listens (``VLLMServerSink``'s ``master_address``), as TRL's own NCCL group listens
+    on ``get_ip()``.
+
+    ``VLLM_HOST_IP`` when set (TRL's ``get_ip()`` reads it too); loopback when the server is on this machine's
+    loopback or unspecified address (TRL's default ``vllm_server_host``, ``0.0.0.0``, is this machine); otherwise
+    the local address on the route to the server (nothing is sent), which on a host with one network is ``get_ip()``'s
+    answer and on a host with several is the one the server reaches. ``127.0.0.1`` if the host cannot be resolved."""
+    explicit = os.environ.get("VLLM_HOST_IP")
+    if explicit:
+        return explicit
+    host = (server_host or "127.0.0.1").strip("[]")
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
+    except OSError:
+        found = []
+    for family, _, _, _, sockaddr in found:
+        ip = ipaddress.ip_address(str(sockaddr[0]).split("%")[0])
+        if ip.is_loopback or ip.is_unspecified:
+            return "::1" if family == socket.AF_INET6 else "127.0.0.1"
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.connect((sockaddr[0], 9, *sockaddr[2:]))  # a datagram socket: picks the route, sends nothing
+                return str(probe.getsockname()[0])
+        except OSError:
+            continue
+    return "127.0.0.1"
 
 
 def _refuse_merged(model: Any) -> None:
@@ -309,13 +468,16 @@ def trl_vllm_with_lora(max_lora_rank: int = 16, **llm_options: Any) -> Iterator[
 
 @contextmanager
 def without_trl_transfer_group() -> Iterator[None]:
-    """Build a server-mode TRL trainer inside this block so that TRL does not open its own weight-transfer group.
+    """Build a server-mode TRL trainer inside this block so that TRL does not open its own weight-transfer group;
+    :func:`use_lora_stream` requires it in server mode.
 
     In server mode TRL joins vLLM's NCCL weight-transfer engine while the trainer is built (``VLLMClient.
-    init_communicator``), which needs a CUDA device and raises on CPU. With the hook, lora_stream's
-    :class:`~lora_stream.VLLMServerSink` opens the transfer group itself (``gloo`` through lora_stream's plugin, or
-    ``nccl``), so TRL's is not needed on any device. Everything else TRL does at construction (connecting to the
-    server, reading its configuration) still happens.
+    init_communicator``). Against a server running lora_stream's engine (:data:`SERVER_FLAGS`) that cannot work: the
+    server refuses TRL's setup message (``packed``), while ``GRPOTrainer(...)`` waits in its NCCL rendezvous on a GPU
+    until that times out (on a CPU it raises at once: TRL's group needs CUDA). With the hook, lora_stream's
+    :class:`~lora_stream.VLLMServerSink` opens the transfer group itself (``nccl`` on GPUs, ``gloo`` on CPUs), so
+    TRL's is not needed on any device. Everything else TRL does at construction (connecting to the server, reading
+    its configuration) still happens.
     """
     _check_version()
     from trl.generation.vllm_client import VLLMClient
@@ -324,6 +486,7 @@ def without_trl_transfer_group() -> Iterator[None]:
 
     def deferred(self: Any, device: Any = 0) -> None:
         self.communicator = None  # lora_stream's sink opens the transfer group when it first syncs
+        self._lora_stream_deferred = True  # what use_lora_stream checks in server mode
 
     VLLMClient.init_communicator = deferred  # type: ignore[method-assign]
     try:
@@ -337,7 +500,10 @@ def _check_version() -> None:
         import trl
         from packaging.version import Version
     except ImportError as exc:
-        raise UnsupportedTrlError("use_lora_stream needs TRL installed (pip install 'lora-stream[trl]')") from exc
+        raise UnsupportedTrlError(
+            f"use_lora_stream needs TRL installed: pip install 'trl>={TESTED_TRL[0]},<{TESTED_TRL[1]}' (the release "
+            "it is tested with; docs/quickstart.md#install)"
+        ) from exc
     low, high = TESTED_TRL
     version = Version(Version(trl.__version__).base_version)
     if not Version(low) <= version < Version(high):
@@ -385,10 +551,13 @@ def use_lora_stream(
     the sink is built and its pre-flight runs against the engine (colocate) or the server (main process) -- adapter
     sync on an engine without LoRA, an adapter vLLM refuses (rank above ``max_lora_rank``, ...), a tied
     ``lm_head`` trained as a tensor of its own (``modules_to_save``), names or shapes the engine's checkpoint lacks,
-    and a peft model left merged in place by a failed TRL sync. Nothing is changed when it raises.
+    and a peft model left merged in place by a failed TRL sync. In server mode also a trainer built outside
+    :func:`without_trl_transfer_group`, and a server that does not run lora_stream's weight-transfer engine (the
+    error names the command to start it with: :func:`server_command`). Nothing is changed when it raises.
 
     Args:
-        trainer: a TRL trainer built with ``use_vllm=True`` (colocate or server mode).
+        trainer: a TRL trainer built with ``use_vllm=True`` (colocate or server mode; in server mode, built inside
+            :func:`without_trl_transfer_group`).
         adapter: sync only the LoRA adapter (:class:`~lora_stream.AdapterStream`) into vLLM's LoRA manager, as the
             adapter ``lora_name``, and generate through it: colocate mode passes its ``LoRARequest`` to every
             ``llm.generate``, server mode names it as the model of every request. The engine must serve LoRA
@@ -401,7 +570,11 @@ def use_lora_stream(
             colocate mode (``verify=True`` checks every sync against the trainer's forward within
             :func:`~lora_stream.sinks.verify.tolerance`; ``rollback=``, ``checkpoint=``, ...),
             :class:`~lora_stream.VLLMLoRASink` with ``adapter=True``, :class:`~lora_stream.VLLMServerSink` in server
-            mode (``backend="gloo"`` on CPU, ``"nccl"`` on GPUs; ``api_key``, ``checkpoint``, ``pause``, ...).
+            mode (``checkpoint``, ``pause``, ``verify``, ...). In server mode the hook takes from TRL's arguments,
+            unless given here: ``timeout`` (``vllm_server_timeout``), ``backend`` (``"nccl"`` when TRL's device is
+            CUDA, ``"gloo"`` otherwise), ``master_address`` (:func:`trainer_address` of TRL's server host) and
+            ``master_port`` (``vllm_group_port``). Not ``api_key``: TRL's ``VLLMClient`` sends none, so a server
+            that requires one refuses TRL's own requests (``docs/security.md``).
 
     Raises:
         UnsupportedTrlError: TRL is missing or outside :data:`TESTED_TRL`, or the trainer does not generate with
@@ -449,11 +622,6 @@ def use_lora_stream(
     if error is not None:
         hook.remove()
         raise error
-    client = getattr(gen, "vllm_client", None) if gen.mode == "server" else None
-    if client is not None and getattr(client, "communicator", None) is not None:
-        # TRL already joined vLLM's transfer engine (built outside without_trl_transfer_group): leave
-        # its group, so that the server's engine can be initialized again for lora_stream's sink.
-        client.close_communicator()
     gen.sync_weights = hook.sync_weights
     gen._lora_stream_hook = hook
     if adapter and gen.mode == "colocate":

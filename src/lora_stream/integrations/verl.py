@@ -17,7 +17,13 @@ builds in that process (the actor, the reference model) is this one; critics and
 
 What changes is one method, ``get_per_tensor_param()``: the generator verl's weight sync consumes (its
 ``CheckpointEngine.send_weights``, and the colocated "naive" path's ``rollout.update_weights``). Training, the
-optimizer, checkpoints, offload and the reference model are verl's own code, unchanged.
+optimizer, checkpoints, offload and the reference model are verl's own code, unchanged; ``train_batch()`` only adds
+the latest sync's figures to the metrics verl's own step returns.
+
+Each export that verl consumes to its end is a sync a user sees: one line on the ``lora_stream`` logger on rank 0
+(:meth:`SyncRecord.log <lora_stream.SyncRecord.log>`, version ``export-N``: verl does not pass its step to the
+export), :attr:`LoraStreamFSDPEngine.last_record`, and the figures (``actor/lora_stream/sync_s``, ...) in the
+metrics of the next training step, whose rollouts those weights generated.
 
 * ``lora.merge: true`` (merged sync). verl merges the adapter into the FSDP shards in place
   (``merged_lora_context(backup_adapters=True)``: a CPU copy of the rank's whole base shard, peft's in-place
@@ -53,6 +59,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib.metadata import version as _installed_version
@@ -64,7 +71,10 @@ from verl.workers.engine.fsdp import FSDPEngineWithLMHead
 
 from ..adapter import AdapterStream
 from ..errors import LoraStreamError
+from ..gatherers.base import nbytes
 from ..grouping import GroupBy
+from ..reporting import SYNC_BAR_DELAY_S, progress_bar
+from ..sinks.record import SyncRecord
 from ..stream import ParamStream
 
 logger = logging.getLogger("lora_stream")
@@ -134,6 +144,11 @@ class LoraStreamFSDPEngine(FSDPEngineWithLMHead):  # type: ignore[misc]  # verl 
 
     _stream: ParamStream | None = None
     _adapter_stream: AdapterStream | None = None
+    #: The latest export's :class:`~lora_stream.SyncRecord` (``None`` before the first one completes).
+    last_record: SyncRecord | None = None
+    _exports = 0
+    #: The latest export's figures, until the next training step's metrics carry them.
+    _unreported: dict[str, float] | None = None
 
     # -- building ----------------------------------------------------------------------------------------------
     def initialize(self) -> None:
@@ -149,9 +164,14 @@ class LoraStreamFSDPEngine(FSDPEngineWithLMHead):  # type: ignore[misc]  # verl 
     def _refuse_configuration(self) -> None:
         where = f"rank {self.rank}"
         if self.engine_config.strategy not in EXPORTED_BACKENDS:
+            strategy = self.engine_config.strategy
+            why = " (verl's default: FSDP1, which lora_stream is not tested with)" if strategy == "fsdp" else ""
             raise UnsupportedVerlError(
                 f"{where}: lora_stream's verl engine exports {', '.join(EXPORTED_BACKENDS)} models; this engine's "
-                f"strategy is {self.engine_config.strategy!r} (verl's FSDP1 engine is not tested with it)"
+                f"strategy is {strategy!r}{why}. Add "
+                "actor_rollout_ref.actor.strategy=fsdp2 to verl's command line (in YAML: actor_rollout_ref.actor."
+                "strategy: fsdp2; the reference model follows it), or remove actor_rollout_ref.model.external_lib to "
+                "keep verl's own export"
             )
         if self._qat_enabled:
             raise UnsupportedVerlError(
@@ -244,15 +264,65 @@ class LoraStreamFSDPEngine(FSDPEngineWithLMHead):  # type: ignore[misc]  # verl 
         return config
 
     def _export(self, stream: ParamStream, aliases: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
-        """One pass over ``stream`` as verl's generator: each tied alias right after the tensor it shares."""
+        """One pass over ``stream`` as verl's generator: each tied alias right after the tensor it shares. Once the
+        consumer took the last tensor, the export's record is logged (one line, rank 0) and its figures wait for
+        the next training step's metrics (:meth:`train_batch`)."""
         followers: dict[str, list[str]] = {}
         for alias, source in aliases.items():
             followers.setdefault(source, []).append(alias)
+        start = time.perf_counter()
+        tensors_sent = bytes_sent = largest = 0
         with self._staged(), iter(stream) as tensors:
-            for name, tensor in tensors:
-                yield name, tensor
-                for alias in followers.get(name, ()):
-                    yield alias, tensor
+            bar = self._bar(stream, followers)
+            try:
+                for name, tensor in tensors:
+                    size = tensor.numel() * tensor.element_size()
+                    largest = max(largest, size)
+                    for out in (name, *followers.get(name, ())):
+                        yield out, tensor
+                        tensors_sent += 1
+                        bytes_sent += size
+                        if bar is not None:
+                            bar.update(size)
+            finally:
+                if bar is not None:
+                    bar.close()
+        self._exports += 1
+        record = SyncRecord(
+            sink="verl/adapter" if isinstance(stream, AdapterStream) else "verl",
+            tensors=tensors_sent,
+            bytes=bytes_sent,
+            groups=stream.last_stats.groups,
+            seconds=time.perf_counter() - start,
+            peak_group_bytes=largest,  # verl takes one tensor at a time
+            peak_gathered_bytes=stream.last_stats.peak_gathered_bytes,
+            version=f"export-{self._exports}",
+            gathered_bytes=stream.last_stats.gathered_bytes,
+            full_because="verl's weight sync takes the whole export each time",
+        )
+        self.last_record = record
+        self._unreported = record.metrics()
+        record.log(self.rank)
+
+    def _bar(self, stream: ParamStream, followers: dict[str, list[str]]) -> Any:
+        """The export's progress bar (rank 0, a terminal: not under Ray, whose workers write to a pipe)."""
+        meta = stream.metadata()
+        total = sum(nbytes(torch.Size(m.shape), m.dtype) * (1 + len(followers.get(m.name, ()))) for m in meta)
+        return progress_bar(total, "lora_stream sync (verl)", rank=self.rank, delay=SYNC_BAR_DELAY_S, leave=False)
+
+    # -- metrics -------------------------------------------------------------------------------------------------
+    def train_batch(self, data: Any, loss_function: Any) -> Any:
+        """verl's own training step; its metrics also carry the latest export's figures, once
+        (:meth:`SyncRecord.metrics <lora_stream.SyncRecord.metrics>`, as one value per rank, the way verl's
+        per-micro-batch metrics are lists): verl's trainer logs them as ``actor/lora_stream/sync_s``,
+        ``actor/lora_stream/sent_mib``, ... beside its own, for the step whose rollouts those weights generated."""
+        outputs = super().train_batch(data, loss_function)
+        figures, self._unreported = self._unreported, None
+        metrics = outputs.get("metrics") if isinstance(outputs, dict) else None
+        if figures and isinstance(metrics, dict):
+            for name, value in figures.items():
+                metrics.setdefault(name, [value])
+        return outputs
 
     @contextmanager
     def _staged(self) -> Iterator[None]:

@@ -31,7 +31,7 @@ class Sink(Protocol):
         stream's ``timeout``).
 
         Contract, relied on by training loops; every lora_stream sink keeps it by running the sync as one
-        :class:`~lora_stream.Transaction` (prepare, transfer, vote, commit or abort):
+        :class:`~lora_stream.transaction.Transaction` (prepare, transfer, vote, commit or abort):
 
         * **Same outcome on every rank.** Either every rank returns a :class:`SyncRecord` (``version`` recorded,
           and given to the engine where it keeps one), or every rank raises -- the rank that found the problem its

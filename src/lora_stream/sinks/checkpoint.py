@@ -1,4 +1,5 @@
-"""Write a merged Hugging Face checkpoint (sharded safetensors) from a stream, one group at a time, atomically.
+"""Write a merged Hugging Face checkpoint (sharded safetensors) from a stream, one group at a time, atomically; or,
+from an :class:`~lora_stream.AdapterStream`, the adapter in peft's layout.
 
 Under ZeRO-3 or FSDP the usual ways to get a merged LoRA model on disk -- gather the whole model on one rank, merge,
 ``save_pretrained`` -- need the whole model in one process. :class:`SafetensorsSink` needs one group: every rank
@@ -34,11 +35,11 @@ Publishing (rank 0), the contract:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import os
 import re
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -48,8 +49,10 @@ from typing import IO, Any
 import torch
 from torch import nn
 
+from ..adapter import AdapterStream
 from ..coordination import this_rank
 from ..errors import CheckpointError
+from ..reporting import progress_bar
 from ..stream import ParamMeta, ParamStream
 from ..transaction import Transaction, fault_point
 from .durable_files import NO_RENAME_EXCHANGE_ENV as NO_RENAME_EXCHANGE_ENV
@@ -68,13 +71,25 @@ from .record import SyncRecord
 from .safetensors_shards import ShardPlan, is_whole, parse_size, plan_shards
 from .source import SyncSource
 
-__all__ = ["CheckpointError", "SafetensorsSink", "ShardPlan", "plan_shards", "save_merged"]
+__all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+    "CheckpointError",
+    "SafetensorsSink",
+    "ShardPlan",
+    "plan_shards",
+    "save_merged",
+]
 
 logger = logging.getLogger("lora_stream")
 
 #: The suffix of a leftover beside target ``name``: ``.{name}.tmp-<id>`` (being written, or, after an exchange, the
 #: old copy being removed) or ``.{name}.old-<id>`` (the old copy, moved aside by the fallback).
 _LEFTOVER = re.compile(r"(tmp|old)-[0-9a-f]{12}")
+
+#: What peft's ``save_pretrained`` writes for an adapter, and the only names ``PeftModel.from_pretrained`` loads.
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
 
 
 def _find_config(model: nn.Module) -> Any:
@@ -138,6 +153,12 @@ class SafetensorsSink:
       ``lm_head`` on a tied model is written and the config says ``false`` (what peft's ``merge_and_unload`` does).
     * Dtypes: every dtype safetensors stores (float64 to float8 ``F8_E4M3``/``F8_E5M2``, signed and unsigned
       integers, bool); another one is refused before anything is gathered.
+    * An :class:`~lora_stream.AdapterStream` is written as peft's ``save_pretrained`` writes an adapter:
+      ``adapter_model.safetensors`` (one file, whatever ``max_shard_size``: peft loads no other) and
+      ``adapter_config.json`` (:meth:`~lora_stream.AdapterStream.adapter_config`: each ``lora_B`` carries its
+      layer's scaling, and the config says scaling 1), so ``PeftModel.from_pretrained(base, directory)`` gives the
+      trainer's forward. No ``config.json`` or generation config is written (``config`` and ``generation_config``
+      are ignored); the tokenizer is, when given. Same atomicity as a merged checkpoint.
 
     Args:
         directory: the checkpoint directory to create.
@@ -148,7 +169,8 @@ class SafetensorsSink:
             ``False``: none). Written on a copy with ``dtype`` set to what was written.
         tokenizer: anything with ``save_pretrained`` (a tokenizer or processor) to save beside the weights.
         generation_config: save the model's generation config when it has one.
-        progress: a ``tqdm`` bar on rank 0 (``None``: only when stderr is a terminal).
+        progress: a ``tqdm`` bar on rank 0 (``None``: only when stderr is a terminal, or as the environment's
+            ``LORA_STREAM_PROGRESS=0``/``1`` says; :func:`lora_stream.reporting.progress_bar`).
         rank: this rank (``None``: ``torch.distributed``'s, or 0).
     """
 
@@ -193,6 +215,7 @@ class SafetensorsSink:
         start = time.perf_counter()
         tx = Transaction.for_stream(stream, self.name)
         source = SyncSource(stream, {}, version)
+        source.progress = False  # rank 0's bar is the writing's (_bar: bytes on disk, the shard)
         meta = source.metadata()
         prepared: list[Any] = []  # rank 0's plan, index and temporary directory, once made
 
@@ -202,10 +225,15 @@ class SafetensorsSink:
             self._check_parent()
             self._recover_leftovers()
             self._check_target()
-            file_metadata = {"format": "pt", "merged_adapters": json.dumps(_merged_adapters(stream.model))}
+            adapter = isinstance(stream, AdapterStream)
+            file_metadata = {"format": "pt"}
+            if not adapter:
+                file_metadata["merged_adapters"] = json.dumps(_merged_adapters(stream.model))
             if version is not None:
                 file_metadata["version"] = version
-            plan, weight_map = plan_shards(meta, self.max_shard_bytes, file_metadata)
+            plan, weight_map = plan_shards(meta, 1 << 62 if adapter else self.max_shard_bytes, file_metadata)
+            if adapter:  # one file, under the only name peft loads
+                plan = dataclasses.replace(plan, files=[ADAPTER_WEIGHTS])
             prepared.extend([plan, weight_map, self._temp_dir()])
 
         try:
@@ -238,7 +266,7 @@ class SafetensorsSink:
         # The abort removes the temporary directory: the unpublished new copy, or (after an exchange) the old one.
         tx.conclude(lambda: None, lambda error: self._discard(prepared))
         record = source.record(self.name, time.perf_counter() - start)
-        record.log()
+        record.log(self.rank)
         return record
 
     def close(self) -> None:
@@ -321,12 +349,7 @@ class SafetensorsSink:
         )
 
     def _bar(self, total: int) -> Any:
-        show = self.progress if self.progress is not None else sys.stderr.isatty()
-        if not show:
-            return None
-        from tqdm.auto import tqdm
-
-        return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"saving {self.directory.name}")
+        return progress_bar(total, f"saving {self.directory.name}", show=self.progress, rank=self.rank)
 
     def _write(self, source: SyncSource, meta: list[ParamMeta], plan: ShardPlan, tmp: Path) -> set[Path]:
         """Write every shard into ``tmp``; returns the shard files, each already fsynced."""
@@ -394,6 +417,13 @@ class SafetensorsSink:
     ) -> None:
         """Write the index, the configs and the tokenizer beside the shards, then fsync ``tmp`` (every file not in
         ``synced``, then every directory). Nothing is renamed: publishing waits for the ranks' vote."""
+        if isinstance(stream, AdapterStream):
+            config_text = json.dumps(stream.adapter_config(), indent=2, sort_keys=True)
+            (tmp / ADAPTER_CONFIG).write_text(config_text + "\n")
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(str(tmp))
+            fsync_tree(tmp, synced)
+            return
         if weight_map:
             index = {"metadata": {"total_size": plan.total_size}, "weight_map": weight_map}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

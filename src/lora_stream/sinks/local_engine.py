@@ -28,6 +28,7 @@ __all__ = [
     "local_model_runner",
     "LocalEngineChecks",
     "probe_before",
+    "require_llm",
 ]
 
 #: Pass as ``LLM(..., worker_extension_cls=WORKER_EXTENSION)`` for an engine in a child process.
@@ -43,6 +44,19 @@ def _get_path(obj: Any, path: str) -> Any:
     for attr in path.split("."):
         obj = getattr(obj, attr)
     return obj
+
+
+def require_llm(llm: Any, sink: str) -> Any:
+    """``llm.llm_engine``; a ``TypeError`` naming ``sink``'s ``llm`` parameter where ``llm`` is not a ``vllm.LLM``
+    (a URL, a path, a model name), instead of an ``AttributeError`` from deep inside the sink."""
+    engine = getattr(llm, "llm_engine", None)
+    if engine is None:
+        hint = " (for a vLLM server, pass its URL to VLLMServerSink)" if isinstance(llm, str) else ""
+        raise TypeError(
+            f"{sink}'s llm must be a vllm.LLM (the engine object, e.g. vllm.LLM(model=...)), got "
+            f"{type(llm).__name__} {llm!r:.80}{hint}"
+        )
+    return engine
 
 
 def local_model_runner(engine: Any) -> Any | None:

@@ -6,9 +6,16 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..coordination import this_rank
 from ..redaction import REDACTED, is_sensitive, redact_text
+from ..reporting import sync_log_level
 
-__all__ = ["AdapterSyncRecord", "SyncRecord"]
+__all__ = ["METRICS", "AdapterSyncRecord", "SyncRecord"]
+
+#: The names :meth:`SyncRecord.metrics` returns (after its prefix, ``lora_stream/`` by default), each a float: the
+#: sync's seconds, the MiB sent and skipped as unchanged, the tensors sent, the largest group gathered, ``partial``
+#: (1 when unchanged outputs stayed in the engine), ``verified`` (1 when the sync was verified and passed).
+METRICS = ("sync_s", "sent_mib", "skipped_mib", "tensors", "peak_gathered_mib", "partial", "verified")
 
 logger = logging.getLogger("lora_stream")
 
@@ -76,22 +83,74 @@ class SyncRecord:
     def gbps(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 
-    def log(self) -> None:
-        logger.info(
-            "lora_stream %s sync%s: %d tensors, %.1f MiB in %d groups (%d tensors, %.1f MiB unchanged and skipped), "
-            "%.3f s (%.2f GB/s), peak group %.1f MiB, peak gathered %.1f MiB",
-            self.sink,
-            f" (version {self.version})" if self.version else "",
-            self.tensors,
-            self.bytes / 2**20,
-            self.groups,
-            self.skipped_tensors,
-            self.skipped_bytes / 2**20,
-            self.seconds,
-            self.gbps,
-            self.peak_group_bytes / 2**20,
-            self.peak_gathered_bytes / 2**20,
-        )
+    @property
+    def partial(self) -> bool:
+        """Whether outputs unchanged since the engine's version stayed in the engine (``skipped_tensors > 0``)."""
+        return self.skipped_tensors > 0
+
+    @property
+    def verified(self) -> bool:
+        """Whether this sync was verified, and passed (a failed verification raises instead of returning)."""
+        return bool(getattr(self.verification, "passed", False))
+
+    def summary(self) -> str:
+        """The sync as one line: version and sink, seconds, what was sent and what was skipped, full (and why) or
+        partial, verified or not, the memory bound. What :meth:`log` logs, e.g.::
+
+            lora_stream sync step-3 (vllm-colocated): 0.412 s; sent 14 tensors, 12.0 MiB in 3 groups (0.03 GB/s);
+            skipped 7 unchanged, 4.0 MiB; partial: only what changed; verified: max |diff| 0.0012 <= 0.0500;
+            peak group 4.0 MiB, peak gathered 4.0 MiB
+
+        (one line: wrapped here)."""
+        if self.partial:
+            how = "partial: only what changed"
+        else:
+            how = f"full: {self.full_because}" if self.full_because else "full"
+        check = self.verification
+        if check is None:
+            verified = "not verified"
+        elif self.verified:
+            verified = f"verified: max |diff| {check.max_abs_diff:.4f} <= {check.tolerance:.4f}"
+        else:
+            verified = f"verification failed: max |diff| {check.max_abs_diff:.4f} > {check.tolerance:.4f}"
+        parts = [
+            f"lora_stream sync{f' {self.version}' if self.version else ''} ({self.sink}): {self.seconds:.3f} s",
+            f"sent {self.tensors} tensors, {self.bytes / 2**20:.1f} MiB in {self.groups} groups ({self.gbps:.2f} GB/s)",
+            f"skipped {self.skipped_tensors} unchanged, {self.skipped_bytes / 2**20:.1f} MiB",
+            how,
+            verified,
+            f"peak group {self.peak_group_bytes / 2**20:.1f} MiB, "
+            f"peak gathered {self.peak_gathered_bytes / 2**20:.1f} MiB",
+        ]
+        if self.excluded:
+            parts.append(f"{len(self.excluded)} server(s) excluded: {', '.join(self.excluded)}")
+        if self.readmitted:
+            parts.append(f"readmitted {', '.join(self.readmitted)}")
+        if self.resume_failure:
+            parts.append(f"resuming generation failed: {self.resume_failure}")
+        return "; ".join(parts)
+
+    def log(self, rank: int | None = None) -> None:
+        """Log :meth:`summary` on the ``lora_stream`` logger: at ``INFO`` on rank 0, which a run shows without
+        configuring logging (:mod:`lora_stream.reporting`), at ``DEBUG`` on the other ranks. ``rank``: this rank
+        (``None``: ``torch.distributed``'s, or 0)."""
+        level = sync_log_level(this_rank() if rank is None else rank)
+        if logger.isEnabledFor(level):
+            logger.log(level, "%s", self.summary())
+
+    def metrics(self, prefix: str = "lora_stream/") -> dict[str, float]:
+        """The sync's figures for a trainer's metrics (:data:`METRICS`, each name after ``prefix``): what the TRL
+        hook adds to the trainer's logged metrics, and the verl engine to its actor's."""
+        figures = {
+            "sync_s": self.seconds,
+            "sent_mib": self.bytes / 2**20,
+            "skipped_mib": self.skipped_bytes / 2**20,
+            "tensors": float(self.tensors),
+            "peak_gathered_mib": self.peak_gathered_bytes / 2**20,
+            "partial": float(self.partial),
+            "verified": float(self.verified),
+        }
+        return {prefix + name: float(figures[name]) for name in METRICS}
 
 
 def _redacted_stages(value: Any) -> Any:

@@ -2,7 +2,7 @@
 (HTTP and a data plane), an engine in this process, and an engine in a child process (``collective_rpc``).
 
 A sync reads as four steps, each one module, run in this order by every trainer rank inside one
-:class:`~lora_stream.Transaction`:
+:class:`~lora_stream.transaction.Transaction`:
 
 1. **decide** (:mod:`lora_stream.sinks.decide`): what to send -- every output, only those that changed, or the
    engine-side merge's inputs -- and why; agreed by every rank before any byte reaches an engine.

@@ -243,12 +243,17 @@ class VLLMServerClient:
             raise
         return out if isinstance(out, dict) else None
 
+    def server_config(self) -> dict[str, Any]:
+        """The server's resolved ``VllmConfig`` as JSON (dev-mode ``GET /server_info?config_format=json``): its
+        ``weight_transfer_config``, ``model_config``, ``lora_config``, ... (``{}`` if it answers none)."""
+        info = self._request("GET", "server_info?config_format=json")
+        config = info.get("vllm_config") if isinstance(info, dict) else None
+        return config if isinstance(config, dict) else {}
+
     def max_lora_rank(self) -> int | None:
         """The server's ``--max-lora-rank``, or ``None`` when it runs without ``--enable-lora`` (dev-mode
         ``/server_info``)."""
-        info = self._request("GET", "server_info?config_format=json")
-        config = (info or {}).get("vllm_config") or {}
-        lora = config.get("lora_config") if isinstance(config, dict) else None
+        lora = self.server_config().get("lora_config")
         return int(lora["max_lora_rank"]) if isinstance(lora, dict) and "max_lora_rank" in lora else None
 
     def unload_lora_adapter(self, name: str) -> None:

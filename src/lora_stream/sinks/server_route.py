@@ -560,8 +560,10 @@ class ServerRoute:
 
         # The feeding rank hosts the rendezvous (on a socket it binds and hands to the store: no close-and-reuse
         # race) and is rank 0 of the server's group; the server's workers follow.
+        port = getattr(self.sink, "master_port", 0)
         info = TrainerTransferInitInfo(
             master_address=self.sink.master_address,
+            master_port=port + replica.index if port else 0,  # 0: an ephemeral port
             world_size=1 + replica.client.world_size(),
             buffer_bytes=self.sink.buffer_bytes,
             timeout_s=self.sink.timeout,

@@ -13,8 +13,10 @@ from typing import Any
 
 import torch
 
+from ..coordination import this_rank
 from ..gatherers.base import nbytes
 from ..lockstep import describe_error
+from ..reporting import SYNC_BAR_DELAY_S, progress_bar
 from ..stream import ParamMeta, ParamStream, Selection, StreamPass
 from ..transaction import fault_point
 from .record import SyncRecord
@@ -78,6 +80,11 @@ class SyncSource:
         self.pass_: StreamPass[Any] | None = None
         self._stop_reason: str | None = None
         self.tensors = self.bytes = self.groups_sent = self.peak_group_bytes = 0
+        #: A progress bar on rank 0 for a sync that takes more than a few seconds
+        #: (:func:`~lora_stream.reporting.progress_bar`): ``None`` shows it when stderr is a terminal, ``False``
+        #: never (a sink that draws its own).
+        self.progress: bool | None = None
+        self._bar: Any = None
         self._describe()
 
     def _describe(self) -> None:
@@ -111,6 +118,7 @@ class SyncSource:
         self._stop_reason = None
         with closing(batches):
             try:
+                self._bar = self._open_bar()
                 yield from self._expanded(batches)
             except GeneratorExit:
                 raise
@@ -127,6 +135,23 @@ class SyncSource:
                     # End it now (a no-op once complete): a wrapper that raised may leave it alive in a traceback,
                     # and the other ranks learn of the stop only when it ends.
                     self.pass_.close()
+                bar, self._bar = self._bar, None
+                if bar is not None:
+                    bar.close()
+
+    def _open_bar(self) -> Any:
+        """This sync's progress bar (rank 0, a terminal, after :data:`~lora_stream.reporting.SYNC_BAR_DELAY_S`), or
+        ``None``."""
+        if self.progress is False:
+            return None
+        total = sum(nbytes(torch.Size(m.shape), m.dtype) for m in self.metadata())
+        desc = f"lora_stream sync {self.weight_version}" if self.weight_version else "lora_stream sync"
+        return progress_bar(total, desc, show=self.progress, rank=this_rank(), delay=SYNC_BAR_DELAY_S, leave=False)
+
+    def _sent(self, group_bytes: int) -> None:
+        """Count one group handed over (the bar's progress)."""
+        if self._bar is not None:
+            self._bar.update(group_bytes)
 
     def _open_pass(self) -> Any:
         """The stream pass this sync sends (a subclass's stream may wrap it in a generator of its own)."""
@@ -155,6 +180,7 @@ class SyncSource:
             self.bytes += group_bytes
             self.groups_sent += 1
             self.peak_group_bytes = max(self.peak_group_bytes, group_bytes)
+            self._sent(group_bytes)
             yield out_names, out_tensors
         for j in range(passed, self._plan_groups):
             fault_point(f"group:{j}")
@@ -289,6 +315,7 @@ class EngineMergeSource(SyncSource):
             self.bytes += group_bytes
             self.groups_sent += 1
             self.peak_group_bytes = max(self.peak_group_bytes, group_bytes)
+            self._sent(group_bytes)
             yield list(names), list(tensors)
         for j in range(passed, self._plan_groups):
             fault_point(f"group:{j}")

@@ -32,7 +32,14 @@ from ..adapter import ADAPTER_PREFIX, AdapterStream
 from ..engine.adapter_staging import AdapterLoadError, StagedAdapter, adapter_path, stage, unstage
 from ..errors import LoraStreamError
 from ..transaction import Transaction, fault_point
-from .local_engine import LocalEngineChecks, engine_checkpoint, engine_rpc, local_model_runner, probe_before
+from .local_engine import (
+    LocalEngineChecks,
+    engine_checkpoint,
+    engine_rpc,
+    local_model_runner,
+    probe_before,
+    require_llm,
+)
 from .prefix_cache import reset_prefix_cache
 from .preflight import adapter_preflight
 from .record import AdapterSyncRecord
@@ -62,7 +69,8 @@ class VLLMLoRASink:
     directory the engine was started from; ``False`` skips the shape check, not vLLM's validation).
 
     Args:
-        llm: the engine, started with ``enable_lora=True`` and ``max_lora_rank`` at least the adapter's rank.
+        llm: the engine, a ``vllm.LLM``, started with ``enable_lora=True`` and ``max_lora_rank`` at least the
+            adapter's rank.
         lora_name: the adapter's name in the engine (and in the returned ``LoRARequest``).
         lora_int_id: its id; default :func:`stable_lora_id` of the name.
         checkpoint: see above.
@@ -89,12 +97,15 @@ class VLLMLoRASink:
         verify: VerifyPolicy = False,
         verify_tolerance: float | None = None,
     ) -> None:
+        from ..engine.vllm_version import check_vllm
+
+        engine = require_llm(llm, "VLLMLoRASink")
+        check_vllm("VLLMLoRASink")
         self.prefix_cache_timeout = prefix_cache_timeout
         self.verify = check_policy(verify)
         self.verify_tolerance = verify_tolerance
         self._syncs = 0
         self._history = ProbeHistory()
-        engine = llm.llm_engine
         self.llm = llm
         self.lora_config = engine.vllm_config.lora_config
         if self.lora_config is None:

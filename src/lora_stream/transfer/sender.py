@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import errno
 import secrets
+import socket
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, closing, nullcontext
 from dataclasses import dataclass
@@ -51,6 +54,25 @@ class TrainerTransferInitInfo(TrainerInitInfo):  # type: ignore[misc]
     timeout_s: float = 120.0
     #: The data plane's collective: ``"gloo"`` or ``"nccl"`` (:data:`~lora_stream.transfer.protocol.TRANSPORTS`).
     transport: str = "gloo"
+
+
+def _listen(address: str, port: int) -> socket.socket:
+    """The store's listening socket on ``(address, port)``; a given port that is taken (another job, or this rank's
+    previous group whose store is not closed yet) gives way to an ephemeral one, with a warning: the rendezvous
+    still forms wherever the server reaches this address on any port."""
+    try:
+        return TransferGroup.listen(address, port)
+    except OSError as exc:
+        if not port or exc.errno != errno.EADDRINUSE:
+            raise
+        warnings.warn(
+            f"lora_stream: port {port} on {address} is taken, so the weight-transfer store listens on an ephemeral "
+            f"port instead ({exc.strerror}); if a firewall admits only port {port}, free it or choose another "
+            "master_port",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return TransferGroup.listen(address, 0)
 
 
 def _ending(source: Any) -> AbstractContextManager[Any]:
@@ -145,7 +167,7 @@ class TrainerTransferEngine(TrainerWeightTransferEngine[TrainerTransferInitInfo]
         secret = secrets.token_hex(16)
         # The store's socket is bound (and its port read) before the server is told the port, and handed to the
         # store as it is: never closed and re-bound, so no other process can take the port in between.
-        listener = TransferGroup.listen(init_info.master_address, init_info.master_port)
+        listener = _listen(init_info.master_address, init_info.master_port)
         port = int(listener.getsockname()[1])
         engine.init_info = dataclasses.replace(init_info, master_port=port)
         payload = {
