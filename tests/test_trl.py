@@ -92,15 +92,28 @@ def test_rloo_trainer_syncs_through_the_hook_and_each_sync_is_verified(tmp_path:
     assert len(verified) == 2 and all(v["max_abs_diff"] <= v["tolerance"] for v in verified), verified
 
 
-@pytest.mark.parametrize("how", ["zero3", "ddp"])
-def test_two_ranks_each_with_its_engine_sync_the_merged_model(how: str, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def zero3_hooked(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
+    """2 ZeRO-3 ranks, one colocated engine each, the hook installed: its first sync measured against TRL's own
+    gather first (the worker's ``measured``), every sync checked against the trainer's forward. Shared by the two
+    tests below (one launch)."""
+    require("deepspeed")
+    env = {"LORA_STREAM_TEST_ZERO3": "1"}
+    return launch("trl_grpo", "hook", str(tmp_path_factory.mktemp("zero3")), world=2, timeout=400, env=env)
+
+
+# DDP: the hook on DistributedDataParallel's module in TRL's two-engine setup; DDP into external_launcher engines is
+# CI's in test_vllm_colocated_dist.py, TRL on two ranks is CI's under ZeRO-3 here.
+@pytest.mark.parametrize("how", ["zero3", pytest.param("ddp", marks=pytest.mark.matrix)])
+def test_two_ranks_each_with_its_engine_sync_the_merged_model(
+    how: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     """2 processes, one colocated engine per rank (external_launcher, as TRL sets it up): under DeepSpeed ZeRO-3 the
     hook streams the DeepSpeedEngine, under DDP the DistributedDataParallel module."""
-    env = {}
     if how == "zero3":
-        require("deepspeed")
-        env["LORA_STREAM_TEST_ZERO3"] = "1"
-    results = launch("trl_grpo", "hook", str(tmp_path), world=2, timeout=400, env=env)
+        results = request.getfixturevalue("zero3_hooked")
+    else:
+        results = launch("trl_grpo", "hook", str(tmp_path), world=2, timeout=400)
     assert_all_ok(results)
     wrapper = {"zero3": "DeepSpeedEngine", "ddp": "DistributedDataParallel"}[how]
     for r in results:
@@ -111,12 +124,10 @@ def test_two_ranks_each_with_its_engine_sync_the_merged_model(how: str, tmp_path
         assert {c["wrapped"] for c in rec["checks"]} == {wrapper}, rec
 
 
-def test_under_zero3_trl_gathers_the_whole_model_and_the_hook_one_layer(tmp_path: Path) -> None:
-    require("deepspeed")
-    results = launch("trl_grpo", "measure", str(tmp_path), world=2, timeout=400, env={"LORA_STREAM_TEST_ZERO3": "1"})
-    assert_all_ok(results)
-    for r in results:
-        (m,) = _outcome(r.output)["checks"]
+def test_under_zero3_trl_gathers_the_whole_model_and_the_hook_one_layer(zero3_hooked: list[Any]) -> None:
+    assert_all_ok(zero3_hooked)
+    for r in zero3_hooked:
+        m = _outcome(r.output)["measured"]
         assert m["trl_peak_gathered"] == m["total_bytes"], m  # TRL: every parameter at once
         assert m["hook_peak_gathered"] <= m["hook_bound"] == m["record_peak_gathered"] < m["total_bytes"], m
 

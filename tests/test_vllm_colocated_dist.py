@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from helpers import clear_cpu_shm, event, require, results_of, run_child_engine_script, save_for_vllm, vllm_llama
 from launch import assert_all_ok, describe, launch
@@ -84,9 +82,17 @@ def test_a_verified_sync_failing_on_rank_1_before_or_in_the_pass_raises_everywhe
     assert all(event(r.output, "recovered")["version"] == "v2" for r in results), describe(results)
 
 
-def test_engine_in_a_child_process_through_the_worker_extension(tmp_path: Path) -> None:
-    path = save_for_vllm(vllm_llama(tie=True), str(tmp_path / "m"))
-    stdout = run_child_engine_script("vllm_child_engine.py", path)
+@pytest.fixture(scope="module")
+def child_engine(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One engine in a child process for the module: a merged sync, a rolled-back one, a partial one, then the
+    engine-side merge's syncs into the same engine (tied checkpoint: lm_head travels, or is computed, as the
+    embedding's alias). Its output."""
+    path = save_for_vllm(vllm_llama(tie=True), str(tmp_path_factory.mktemp("child") / "m"))
+    return run_child_engine_script("vllm_child_engine.py", path, timeout=420)
+
+
+def test_engine_in_a_child_process_through_the_worker_extension(child_engine: str) -> None:
+    stdout = child_engine
     assert event(stdout, "child-engine-match")["tensors"] > 0
     assert event(stdout, "child-engine-rollback") == {"event": "child-engine-rollback", "equal": True, "version": "v1"}
     partial = event(stdout, "child-engine-partial")
@@ -95,9 +101,8 @@ def test_engine_in_a_child_process_through_the_worker_extension(tmp_path: Path) 
     assert "worker_extension_cls" in event(stdout, "no-extension-error")["message"]
 
 
-def test_the_engine_side_merge_into_an_engine_in_a_child_process(tmp_path: Path) -> None:
-    path = save_for_vllm(vllm_llama(tie=True), str(tmp_path / "m"))  # tied: lm_head computed as the alias
-    stdout = run_child_engine_script("vllm_child_engine_merge.py", path)
+def test_the_engine_side_merge_into_an_engine_in_a_child_process(child_engine: str) -> None:
+    stdout = child_engine
     equal = event(stdout, "child-merge-equal")
     assert equal["equal"] is True and equal["first_full_because"] and equal["partial_full_because"] is None, equal
     assert equal["partial_bytes"] <= 1.1 * equal["adapter_bytes"], equal

@@ -284,16 +284,18 @@ def main(scenario: str, workdir: str) -> None:
 
                 served.load_weights = dropped  # type: ignore[union-attr]
     checks: list[dict[str, object]] = []
-    if scenario == "measure":
-        synced = gen.sync_weights
+    measured: dict[str, object] = {}
+    if scenario == "measure" or (scenario == "hook" and zero3):
+        # Under ZeRO-3, the first sync is measured first (TRL's own gather against the hook's), then synced.
+        first = gen.sync_weights
 
-        def measured() -> None:
-            if not checks:
-                checks.append(measure(trainer, gen, synced))
+        def measuring() -> None:
+            if not measured:
+                measured.update(measure(trainer, gen, first))
             else:
-                synced()
+                first()
 
-        gen.sync_weights = measured
+        gen.sync_weights = measuring
     via_server = scenario == "server" or (adapter and server_url is not None)
     if scenario in ("hook", "server", "adapter", "rloo"):
         synced = gen.sync_weights
@@ -357,6 +359,7 @@ def main(scenario: str, workdir: str) -> None:
         via_server=via_server,
         logged_metrics=logged,
         unlogged_metrics=unlogged,
+        measured=measured or None,
     )
     finish(0)
 

@@ -1,4 +1,6 @@
-"""An engine in a child process (VLLM_ENABLE_V1_MULTIPROCESSING=1): the sink reaches it through collective_rpc."""
+"""An engine in a child process (VLLM_ENABLE_V1_MULTIPROCESSING=1): the sink reaches it through collective_rpc. One
+engine takes a merged sync, a rolled-back one, a partial one, then the engine-side merge's syncs
+(``vllm_child_engine_merge.py``)."""
 
 from __future__ import annotations
 
@@ -45,6 +47,10 @@ def main(path: str) -> None:
         partial_full_because=partial.full_because,
         verified=partial.verification.passed,
     )
+    # The same engine then takes the engine-side merge (a base sent by another sink of the same weights' model).
+    from vllm_child_engine_merge import merge_in_the_engine
+
+    merge_in_the_engine(llm, path)
     del llm, sink
 
     from lora_stream import LoraStreamError

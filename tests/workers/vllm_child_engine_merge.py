@@ -1,6 +1,8 @@
 """The engine-side merge into an engine in a child process (VLLMColocatedSink(merge="engine") over collective_rpc):
 served `==` what a trainer-side merged sync of the same weights serves, only the trainable inputs after the first
-sync, and a failed partial sync rolled back by recomputing (bit for bit)."""
+sync, and a failed partial sync rolled back by recomputing (bit for bit). ``vllm_child_engine.py`` runs it on its
+engine after its own syncs (one engine takes the merged, the partial and the engine-side merged syncs in turn);
+run alone, it starts an engine of its own."""
 
 from __future__ import annotations
 
@@ -8,14 +10,21 @@ import sys
 
 
 def main(path: str) -> None:
-    from helpers import lora, perturb_adapters, report, vllm_engine, vllm_generate
+    from helpers import vllm_engine
+
+    from lora_stream.sinks import WORKER_EXTENSION
+
+    merge_in_the_engine(vllm_engine(path, worker_extension_cls=WORKER_EXTENSION), path)
+
+
+def merge_in_the_engine(llm: object, path: str) -> None:
+    """The scenario, on ``llm`` (an engine in a child process, which another sink may have written before)."""
+    from helpers import lora, perturb_adapters, report, vllm_generate
     from transformers import LlamaForCausalLM
 
     from lora_stream import ParamStream, VLLMColocatedSink
-    from lora_stream.sinks import WORKER_EXTENSION
     from lora_stream.testing import set_fault_hook
 
-    llm = vllm_engine(path, worker_extension_cls=WORKER_EXTENSION)
     sink = VLLMColocatedSink(llm, merge="engine")
     trainer_side = VLLMColocatedSink(llm, skip_unchanged=False)
     pm = lora(LlamaForCausalLM.from_pretrained(path), target_modules="all-linear", lora_alpha=16, use_dora=True)
