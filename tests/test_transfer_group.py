@@ -236,6 +236,7 @@ def test_the_sink_binds_the_port_it_sends_and_a_new_secret_for_every_group(monke
     ``repr``."""
     require("vllm")
     from lora_stream.sinks import vllm_server
+    from lora_stream.sinks.server_route import ServerRoute
     from lora_stream.transfer.group import TransferGroup
     from lora_stream.transfer.protocol import TransferInitInfo
 
@@ -274,7 +275,7 @@ def test_the_sink_binds_the_port_it_sends_and_a_new_secret_for_every_group(monke
             sink = vllm_server.VLLMServerSink("http://127.0.0.1:9", rank=0, timeout=30.0)
             replica = sink.replicas[0]
             replica.client = server  # type: ignore[assignment]
-            sink._ensure_engine(replica)
+            ServerRoute(sink, sink._memory)._ensure_engine(replica)  # what a sync's decide step runs
             engines.append(replica.engine)
         for engine, payload, worker in zip(engines, server.payloads, server.workers):
             assert payload["master_port"] == engine.group.port == engine.init_info.master_port != 0

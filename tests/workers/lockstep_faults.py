@@ -124,17 +124,18 @@ def scenario_slow(kind: str) -> None:
 def scenario_fleet() -> None:
     from lora_stream import VLLMServerSink
     from lora_stream.coordination import Coordinator
+    from lora_stream.sinks.server_route import ServerRoute
     from lora_stream.transaction import Transaction
 
     rank = dist.get_rank()
     urls = [f"http://replica-{i:02d}-{'x' * 80}.example.invalid:8000" for i in range(24)]
     sink = VLLMServerSink(urls, rank=rank, on_replica_failure="exclude")
-    mine = [r for r in sink._assign() if r.sender == rank]
-    for r in mine:
+    route = ServerRoute(sink, sink._memory)  # this rank's servers, as a sync's commit step sees them
+    for r in route.mine:
         if r.index % 3 != 2:  # two thirds of each rank's servers failed, with long reasons
             r.failure = RuntimeError(f"server {r.index} failed: " + "y" * 400)
     tx = Transaction(Coordinator(None, "fleet", datetime.timedelta(seconds=30)), "fleet")
-    excluded, _ = sink._agree_on_fleet(tx, mine)
+    excluded, _ = route._agree_on_fleet(tx)
     tx.vote("after the fleet")  # one more agreement: it must pair
     report(
         rank=rank,
