@@ -139,7 +139,7 @@ class LoraStreamFSDPEngine(FSDPEngineWithLMHead):  # type: ignore[misc]  # verl 
 
     #: Seconds a rank waits for its peers at a group boundary before raising (a slow or dead rank).
     sync_timeout: float = 300.0
-    #: How the merged stream is grouped (:class:`~lora_stream.GroupBy`): one decoder layer per gather.
+    #: How the merged stream is grouped (:data:`~lora_stream.grouping.GroupBy`): one decoder layer per gather.
     group_by: GroupBy = "layer"
 
     _stream: ParamStream | None = None
