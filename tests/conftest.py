@@ -101,11 +101,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if item.get_closest_marker("slow") or item.get_closest_marker("distributed"):
             item.add_marker(pytest.mark.slow)
             continue
-        funcs = [getattr(item, "function", None)]
-        info = getattr(item, "_fixtureinfo", None)
-        if info is not None:
-            for defs in info.name2fixturedefs.values():
-                funcs += [d.func for d in defs]
+        funcs = [getattr(item, "function", None), *(d.func for d in _fixture_defs(item))]
         if any(f is not None and _starts_something(f) for f in funcs):
             item.add_marker(pytest.mark.slow)
     _group_for_workers(items)
@@ -125,14 +121,18 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         )
 
 
+def _fixture_defs(item: pytest.Item) -> list[Any]:
+    """Every fixture definition ``item`` uses, as pytest resolved them (directly or through other fixtures)."""
+    info = getattr(item, "_fixtureinfo", None)
+    return [] if info is None else [d for defs in info.name2fixturedefs.values() for d in defs]
+
+
 def _group_of(item: pytest.Item) -> str | None:
     """The xdist group of ``item``: ``None`` (any worker) unless it must share a worker with other tests."""
     module = item.path.stem
     if module in _FIXED_SHM:
         return "fixed_shm"
-    info = getattr(item, "_fixtureinfo", None)
-    shared = [] if info is None else [d for defs in info.name2fixturedefs.values() for d in defs]
-    if any(d.scope in ("module", "package", "session") and _starts_something(d.func) for d in shared):
+    if any(d.scope in ("module", "package", "session") and _starts_something(d.func) for d in _fixture_defs(item)):
         return module
     return None
 
