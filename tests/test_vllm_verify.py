@@ -28,6 +28,7 @@ def bf16_fleet(checkpoint: str):  # type: ignore[no-untyped-def]
         Server(
             checkpoint,
             extra=("--dtype", "bfloat16"),
+            compiled=True,  # vLLM's default mode: the probe runs through the compiled graph requests use
             env={"VLLM_CPU_OMP_THREADS_BIND": str(i % cores), "OMP_NUM_THREADS": "1"},
         )
         for i in range(2)

@@ -37,7 +37,10 @@ class Server:
         port: int | None = None,
         extra: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
+        compiled: bool = False,
     ) -> None:
+        """``compiled``: vLLM's default mode (torch.compile), as users run it; otherwise ``--enforce-eager``, which
+        starts faster."""
         self.port = port or free_port()  # a given port: the same server restarted at the same address
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile("w+")
@@ -51,7 +54,7 @@ class Server:
             "float32",
             "--max-model-len",
             "128",
-            "--enforce-eager",
+            *(() if compiled else ("--enforce-eager",)),
             "--host",
             "127.0.0.1",
             "--port",

@@ -8,6 +8,12 @@ the length of the call, for an exact causal softmax attention computed in float3
 vLLM's kernel reads its KV cache through the scheduler's block tables. The KV cache is neither read nor written (no
 slot mapping), so cached blocks and running requests are untouched.
 
+In vLLM's default mode (torch.compile; CUDA graphs on GPUs) the forward is the graph vLLM compiled, which runs
+without guards: the probe calls it exactly as the model runner does (its input dtypes, :data:`RUNNER_INPUT_IDS_DTYPE`)
+and checks its token ids against the vocabulary first, because the compiled graph checks neither. The runner's
+CUDA-graph wrapper is not part of the probe (vLLM hands the weight-transfer engine the model under it); the graphs
+replay the same parameters, which the held-state digest checks.
+
 Models whose forward this cannot reproduce (ALiBi, attention sinks, cross-attention, MLA, state-space layers,
 multimodal rotary positions, pipeline parallelism) are refused by :func:`probe_refusal`: the worker raises at the
 start of the update, before it loads a byte, so the verified sync fails with that reason and the server keeps what
@@ -27,7 +33,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["probe_logprobs", "probe_refusal", "weight_digests"]
+__all__ = ["RUNNER_INPUT_IDS_DTYPE", "RUNNER_POSITIONS_DTYPE", "probe_logprobs", "probe_refusal", "weight_digests"]
+
+#: The dtype of the token ids vLLM's model runner passes its model (``GPUModelRunner.input_ids``, which the CPU
+#: runner inherits), and of their positions (``GPUModelRunner.positions``). The probe calls the served model as the
+#: runner does, so that a compiled model runs the graph it serves requests with.
+RUNNER_INPUT_IDS_DTYPE = torch.int32
+RUNNER_POSITIONS_DTYPE = torch.int64
 
 
 def _attention_layers(model: torch.nn.Module) -> list[Any]:
@@ -123,10 +135,23 @@ def probe_logprobs(model: torch.nn.Module, vllm_config: Any, ids: list[int], dev
     refusal = probe_refusal(model, vllm_config)
     if refusal is not None:
         raise RuntimeError(f"lora_stream: the verification probe cannot run here: {refusal}")
+    # A compiled graph's embedding does not check its indices: an id past the vocabulary reads (or faults on) memory
+    # outside the table and can take the worker down, where an eager forward would raise IndexError. Checked here.
+    vocab = int(vllm_config.model_config.get_vocab_size())
+    outside = [i for i in ids if not 0 <= int(i) < vocab]
+    if outside:
+        raise ValueError(
+            f"lora_stream: verification probe token id {outside[0]} is outside the served model's vocabulary "
+            f"[0, {vocab}); nothing was run"
+        )
     layers = _attention_layers(model)
     n = len(ids)
-    input_ids = torch.tensor(ids, dtype=torch.long, device=device)
-    positions = torch.arange(n, dtype=torch.long, device=device)
+    # The dtypes of vLLM's model runner's own input buffers (``input_ids`` int32, ``positions`` int64; the contract
+    # test holds every supported release to them). In vLLM's default compiled mode the model's forward is a graph
+    # traced once on the runner's inputs and called without guards: handed int64 ids, it reads their bytes as int32
+    # and embeds the wrong tokens (eager mode would convert them silently, which is why only eager tests passed).
+    input_ids = torch.tensor(ids, dtype=RUNNER_INPUT_IDS_DTYPE, device=device)
+    positions = torch.arange(n, dtype=RUNNER_POSITIONS_DTYPE, device=device)
     patched: list[tuple[Any, str]] = []
     try:
         for layer in layers:
