@@ -24,8 +24,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def fleet(checkpoint: str):  # type: ignore[no-untyped-def]
-    """Two servers of one model, with LoRA serving (merged and adapter syncs both go to them)."""
-    servers = [Server(checkpoint, max_lora_rank=16), Server(checkpoint, max_lora_rank=16)]
+    """Two servers of one model, with LoRA serving (merged and adapter syncs both go to them). A, which is never
+    restarted, runs vLLM's default compiled mode (a restart would compile again); B runs eager."""
+    servers = [Server(checkpoint, max_lora_rank=16, compiled=True), Server(checkpoint, max_lora_rank=16)]
     try:
         for s in servers:
             s.wait_ready()

@@ -15,7 +15,8 @@ def main(path: str) -> None:
     from lora_stream.sinks import WORKER_EXTENSION
     from lora_stream.testing import set_fault_hook
 
-    llm = vllm_engine(path, worker_extension_cls=WORKER_EXTENSION)
+    # vLLM's default compiled mode, as users run it: every sync below goes through the graph it compiled.
+    llm = vllm_engine(path, worker_extension_cls=WORKER_EXTENSION, compiled=True)
     sink = VLLMColocatedSink(llm, verify=True, skip_unchanged=True)
     assert not sink.in_process
     # A tied checkpoint: lm_head travels as the embedding's alias, its own copy (safetensors refuses shared memory).
