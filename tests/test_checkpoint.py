@@ -34,7 +34,8 @@ from helpers import (
 )
 from launch import TESTS
 
-from lora_stream import CheckpointError, ParamStream, SafetensorsSink, StreamAbortedError, save_merged
+from lora_stream import ParamStream, SafetensorsSink, StreamAbortedError, save_merged
+from lora_stream.errors import CheckpointError
 from lora_stream.sinks.durable_files import NO_RENAME_EXCHANGE_ENV
 
 #: The shard size of the kill tests: several shards, so a checkpoint has an index and many files.

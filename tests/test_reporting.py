@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -157,6 +158,22 @@ def test_the_log_level_comes_from_the_environment(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv(reporting.LOG_LEVEL_ENV, "loud")
     with pytest.warns(UserWarning, match="not a logging level"):
         assert reporting._level_from_env() == logging.INFO
+    # 0 would set no level: the root logger's WARNING would hide the sync lines without a word. Refused, loudly.
+    for text in ("0", "NOTSET", "-5"):
+        monkeypatch.setenv(reporting.LOG_LEVEL_ENV, text)
+        with pytest.warns(UserWarning, match="above 0"):
+            assert reporting._level_from_env() == logging.INFO, text
+
+
+def test_log_level_zero_still_shows_the_sync_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """End to end in a fresh interpreter: LORA_STREAM_LOG_LEVEL=0 warns and the INFO line still reaches stderr."""
+    import subprocess
+
+    code = "import logging, lora_stream; logging.getLogger('lora_stream').info('a sync line')"
+    env = {**os.environ, "LORA_STREAM_LOG_LEVEL": "0"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "a sync line" in out.stderr and "above 0" in out.stderr, out.stderr
 
 
 # -- the progress bar --------------------------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ from launch import assert_all_ok, describe, launch
 from peft import LoraConfig
 from torch import nn
 
-from lora_stream import AdapterStream, ParamStream, StalePlanError
+from lora_stream import AdapterStream, ParamStream
+from lora_stream.errors import StalePlanError
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 

@@ -207,7 +207,7 @@ def test_one_pass_reaches_every_group_and_a_group_that_fails_is_dropped_while_th
 
 def test_without_a_failure_policy_a_group_that_fails_ends_the_pass() -> None:
     require("vllm")
-    from lora_stream import TransferError
+    from lora_stream.errors import TransferError
     from lora_stream.transfer.sender import send_to_engines
 
     engines = _engines([_FakeServer(), _FakeServer(die_after=1)])
@@ -236,8 +236,8 @@ def test_fleet_options_are_checked_at_construction_and_servers_are_spread_over_t
 
 def test_what_excludes_a_server_and_what_fails_the_sync_everywhere() -> None:
     require("vllm")
-    from lora_stream import TransferError, VLLMLoadError
-    from lora_stream.errors import UnsupportedAdapterError
+    from lora_stream import VLLMLoadError
+    from lora_stream.errors import TransferError, UnsupportedAdapterError
     from lora_stream.sinks.prefix_cache import PrefixCacheError
     from lora_stream.sinks.vllm_server import ServerError, is_replica_failure
 

@@ -10,13 +10,8 @@ from __future__ import annotations
 
 from .adapter import AdapterStream
 from .errors import (
-    CheckpointError,
     LoraStreamError,
-    ReplicaError,
-    ReplicaExcludedWarning,
-    StalePlanError,
     StreamAbortedError,
-    TransferError,
     UnsupportedAdapterError,
     UnsupportedModelError,
 )
@@ -40,28 +35,24 @@ from .stream import ParamStream, stream_merged_params
 
 __version__ = "0.1.0"
 
-#: What a user calls or catches. Everything else lives in its submodule: ``lora_stream.transaction``,
+#: What a user calls or catches (25 names). Everything else lives in its submodule: the exceptions users rarely catch
+#: apart from :class:`LoraStreamError`, their base, in ``lora_stream.errors``; ``lora_stream.transaction``,
 #: ``lora_stream.changes``, ``lora_stream.stream``, ``lora_stream.gatherers``, ``lora_stream.sinks``, ...; test hooks in
 #: :mod:`lora_stream.testing`. ``tests/test_public_surface.py`` holds this list.
 __all__ = [
     "AdapterLoadError",
     "AdapterStream",
     "AdapterSyncRecord",
-    "CheckpointError",
     "CheckpointMismatchError",
     "Fsdp1Gatherer",
     "Fsdp2Gatherer",
     "LoraStreamError",
     "ParamStream",
     "PlainGatherer",
-    "ReplicaError",
-    "ReplicaExcludedWarning",
     "SafetensorsSink",
     "ServerError",
-    "StalePlanError",
     "StreamAbortedError",
     "SyncRecord",
-    "TransferError",
     "UnsupportedAdapterError",
     "UnsupportedModelError",
     "VLLMColocatedSink",

@@ -10,7 +10,8 @@ That handler steps aside whenever the record reaches another handler (one the ap
 logger -- ``logging.basicConfig``, verl's own, pytest's -- or on the ``lora_stream`` logger itself), so a line is
 never printed twice and an application's own logging format wins.
 
-To change it: ``LORA_STREAM_LOG_LEVEL`` in the environment (a level name or number: ``WARNING`` hides the sync lines,
+To change it: ``LORA_STREAM_LOG_LEVEL`` in the environment (a level name or a number above 0 -- ``0`` and
+``NOTSET`` are refused with a warning, as they would silently hide the lines; ``WARNING`` hides the sync lines,
 ``DEBUG`` shows every rank's; ``off`` installs no handler and sets no level, Python's defaults apply), or after the
 import ``logging.getLogger("lora_stream").setLevel(logging.WARNING)``, or remove :data:`default_handler` from it.
 
@@ -93,13 +94,19 @@ def _level_from_env() -> int | None:
         return logging.INFO
     if text.lower() in ("off", "none"):
         return None
-    if text.lstrip("-").isdigit():
-        return int(text)
-    level = logging.getLevelName(text.upper())
-    if isinstance(level, int):
+    level = int(text) if text.lstrip("-").isdigit() else logging.getLevelName(text.upper())
+    if isinstance(level, int) and level > logging.NOTSET:
         return level
+    # 0 (NOTSET) and below would not set a level at all: the logger would defer to the root logger (WARNING by
+    # default) and silently hide the sync lines, whether "0" was meant as "off" or as "everything".
+    why = (
+        "is NOTSET, which hides the sync lines behind the root logger's level"
+        if isinstance(level, int)
+        else "is not a logging level"
+    )
     warnings.warn(
-        f"{LOG_LEVEL_ENV}={text!r} is not a logging level (DEBUG, INFO, WARNING, ERROR, a number, or off); using INFO",
+        f"{LOG_LEVEL_ENV}={text!r} {why}; set DEBUG, INFO, WARNING, ERROR, a number above 0, or off (no handler, no "
+        "level). Using INFO",
         stacklevel=2,
     )
     return logging.INFO

@@ -381,7 +381,7 @@ class ParamStream:
         return self._witness.changes()
 
     def check_plan(self) -> None:
-        """Raise :class:`~lora_stream.StalePlanError` if the model changed since this stream was planned
+        """Raise :class:`~lora_stream.errors.StalePlanError` if the model changed since this stream was planned
         (:meth:`plan_changes`). Every pass runs it before its first gather, and every sink in its pre-flight, so
         a reused stream never yields a stale merge; the ranks learn of it through their status exchange."""
         self._witness.check(self._where())

@@ -9,7 +9,7 @@ merge the wrong adapter, add a delta twice, or read a parameter the model no lon
 
 The planner therefore records, as it reads them, every such fact together with how to read it again
 (:class:`PlanWitness`). Each pass, and each sink's pre-flight, reads them all again and compares
-(:meth:`PlanWitness.check`): a change raises :class:`~lora_stream.StalePlanError` naming it, before anything is
+(:meth:`PlanWitness.check`): a change raises :class:`~lora_stream.errors.StalePlanError` naming it, before anything is
 gathered or sent. Reading them is attribute access and identity comparison only: no tensor data is read and
 nothing is communicated, so every rank checks on its own and the ranks' status exchange makes them agree. The facts
 that must be the same on every rank (adapter state, structure names; not object identities) are also part of the
@@ -219,7 +219,7 @@ class PlanWitness:
         return out
 
     def check(self, where: str = "") -> None:
-        """Raise :class:`~lora_stream.StalePlanError` if anything the plan read from the model changed since."""
+        """Raise :class:`~lora_stream.errors.StalePlanError` if anything the plan read from the model changed since."""
         changes = self.changes()
         if changes:
             raise StalePlanError(

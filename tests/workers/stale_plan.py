@@ -23,7 +23,8 @@ import torch.distributed as dist
 from helpers import finish, lora, oracle, perturb_adapters, rel_err, report, tiny_llama
 from peft import LoraConfig
 
-from lora_stream import ParamStream, StalePlanError, StreamAbortedError
+from lora_stream import ParamStream, StreamAbortedError
+from lora_stream.errors import StalePlanError
 
 LAYERS = 3
 

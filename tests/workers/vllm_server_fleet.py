@@ -28,14 +28,8 @@ import torch
 import torch.distributed as dist
 from helpers import assert_vllm_serves, finish, lora, report, server_generate, zero3_whole_into
 
-from lora_stream import (
-    AdapterStream,
-    LoraStreamError,
-    ParamStream,
-    ReplicaExcludedWarning,
-    StreamAbortedError,
-    VLLMServerSink,
-)
+from lora_stream import AdapterStream, LoraStreamError, ParamStream, StreamAbortedError, VLLMServerSink
+from lora_stream.errors import ReplicaExcludedWarning
 
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 DS = {

@@ -95,8 +95,8 @@ class VLLMServerSink:
     leave each rank once per sync, whatever the fleet's size. One sync is one transaction across every trainer rank
     and every server: all commit, or all keep serving exactly what they served (``on_replica_failure="abort"``), or
     the servers that failed are excluded and the others commit (``"exclude"``; the record's ``excluded`` and a
-    :class:`~lora_stream.ReplicaExcludedWarning` name them). An excluded server is tried again at the next sync and,
-    once it takes it, serves the full current weights (``record.readmitted``).
+    :class:`~lora_stream.errors.ReplicaExcludedWarning` name them). An excluded server is tried again at the next
+    sync and, once it takes it, serves the full current weights (``record.readmitted``).
 
     Args:
         base_url: the server's address, or a list of them (one sink keeps them all in sync).
