@@ -1,10 +1,10 @@
-"""GRPO with LoRA in TRL, its vLLM weight sync through lora_stream: the one line is marked below.
+"""GRPO with LoRA in TRL, its vLLM weight sync through lora_stream: the one change is marked below.
 
 Runs on a CPU with the test stack (``python3 -m nox -s example``): a tiny random Llama-shaped model and a
-word-level tokenizer are built here, vLLM runs colocated in this process, 3 optimizer steps. Prints one line per
-sync (the ``SyncRecord``) and the hook's records at the end.
+word-level tokenizer are built here, vLLM runs colocated in this process, 3 optimizer steps. lora_stream logs one
+line per sync (the ``SyncRecord``); the hook's records are printed at the end.
 
-    python examples/grpo_trl.py              # the hook on
+    python examples/grpo_trl.py              # the builder: GRPOTrainer(...) becomes use_lora_stream(GRPOTrainer)(...)
     python examples/grpo_trl.py --adapter    # adapter sync: only the LoRA factors, into vLLM's LoRA manager
     python examples/grpo_trl.py --trl-sync   # TRL's own sync, for comparison
     python examples/grpo_trl.py --model DIR --server http://127.0.0.1:8000   # server mode (docs/trl.md)
@@ -12,7 +12,6 @@ sync (the ``SyncRecord``) and the hook's records at the end.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import tempfile
@@ -35,76 +34,62 @@ def option(flag: str) -> str | None:
 def main() -> None:
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    logging.basicConfig(level=logging.WARNING)
-    logging.getLogger("lora_stream").setLevel(logging.INFO)
     workdir = tempfile.mkdtemp(prefix="grpo_trl_")
     model_dir = option("--model") or write_tiny_model(os.path.join(workdir, "model"))
     server_url = option("--server")  # a vLLM server started on model_dir, as docs/trl.md shows
     dataset = Dataset.from_dict({"prompt": [f"t{i} t{i + 7} t{i + 3}" for i in range(3, 43)]})
 
-    def build_trainer() -> GRPOTrainer:
-        # --8<-- [start:trainer]
-        args = GRPOConfig(
-            output_dir=os.path.join(workdir, "out"),
-            use_cpu=True,
-            use_vllm=True,
-            vllm_mode="server" if server_url else "colocate",
-            vllm_server_base_url=server_url,  # None in colocate mode
-            vllm_gpu_memory_utilization=0.5,
-            vllm_max_model_length=128,
-            per_device_train_batch_size=4,
-            num_generations=4,
-            max_completion_length=8,
-            max_steps=3,
-            learning_rate=0.05,
-            logging_steps=1,
-            report_to=[],
-            save_strategy="no",
-        )
-        trainer = GRPOTrainer(
-            model=model_dir,
-            reward_funcs=reward,
-            args=args,
-            train_dataset=dataset,
-            processing_class=AutoTokenizer.from_pretrained(model_dir),
-            peft_config=LoraConfig(r=4, lora_alpha=16, target_modules="all-linear"),
-        )
-        # --8<-- [end:trainer]
-        return trainer
+    # --8<-- [start:config]
+    args = GRPOConfig(
+        output_dir=os.path.join(workdir, "out"),
+        use_cpu=True,
+        use_vllm=True,
+        vllm_mode="server" if server_url else "colocate",
+        vllm_server_base_url=server_url,  # None in colocate mode
+        vllm_gpu_memory_utilization=0.5,
+        vllm_max_model_length=128,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=3,
+        learning_rate=0.05,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+    )
+    peft_config = LoraConfig(r=4, lora_alpha=16, target_modules="all-linear")
+    # --8<-- [end:config]
 
     if "--trl-sync" in sys.argv:
-        build_trainer().train()
+        # --8<-- [start:trl]
+        trainer = GRPOTrainer(
+            model=model_dir, reward_funcs=reward, args=args, train_dataset=dataset, peft_config=peft_config
+        )
+        trainer.train()
+        # --8<-- [end:trl]
         return
     if "--adapter" in sys.argv:
         # --8<-- [start:adapter]
-        from lora_stream.integrations.trl import trl_vllm_with_lora, use_lora_stream
-
-        with trl_vllm_with_lora(max_lora_rank=16):  # TRL's LLM is built with enable_lora=True
-            trainer = build_trainer()
-        hook = use_lora_stream(trainer, adapter=True, lora_name="policy")  # only the LoRA factors, every step
-        trainer.train()
-        # --8<-- [end:adapter]
-    elif server_url:
-        # --8<-- [start:server]
-        from lora_stream.integrations.trl import use_lora_stream, without_trl_transfer_group
-
-        with without_trl_transfer_group():  # required in server mode: lora_stream's sink opens the transfer group
-            trainer = build_trainer()
-        hook = use_lora_stream(trainer)  # nccl on a GPU trainer, gloo on a CPU one; TRL's host and vllm_group_port
-        trainer.train()
-        # --8<-- [end:server]
-    else:
-        # --8<-- [start:hook]
         from lora_stream.integrations.trl import use_lora_stream
 
-        trainer = build_trainer()
-        hook = use_lora_stream(trainer)  # <- the one line
+        # Only the LoRA factors, every step; in colocate mode TRL's engine is built with LoRA (max_lora_rank 8 here)
+        trainer = use_lora_stream(GRPOTrainer, adapter=True, lora_name="policy")(
+            model=model_dir, reward_funcs=reward, args=args, train_dataset=dataset, peft_config=peft_config
+        )
         trainer.train()
-        # --8<-- [end:hook]
-    for i, record in enumerate(hook.records):
+        # --8<-- [end:adapter]
+    else:
+        # --8<-- [start:trainer]
+        from lora_stream.integrations.trl import use_lora_stream
+
+        trainer = use_lora_stream(GRPOTrainer)(  # <- the one change: was GRPOTrainer(...)
+            model=model_dir, reward_funcs=reward, args=args, train_dataset=dataset, peft_config=peft_config
+        )
+        trainer.train()
+        # --8<-- [end:trainer]
+    for i, record in enumerate(trainer.lora_stream.records):
         print(
             f"sync {i}: {record.tensors} tensors, {record.bytes / 2**20:.2f} MiB in {record.groups} groups, "
             f"{record.seconds:.3f} s, peak gathered {record.peak_gathered_bytes / 2**20:.2f} MiB"

@@ -355,7 +355,7 @@ def test_a_record_holds_no_credential(shown: list[Any], caplog: pytest.LogCaptur
     for record in (SyncRecord(**fields), AdapterSyncRecord(**fields, lora_name="policy")):
         caplog.clear()
         record.log()
-        assert caplog.records and "vllm-server/gloo" in caplog.records[-1].getMessage()
+        assert caplog.records and "(vllm-server over gloo)" in caplog.records[-1].getMessage()
         assert_no_secret(record, dataclasses.asdict(record), record.excluded, record.stages, what="SyncRecord")
         assert_no_secret(caplog.records[-1].getMessage(), what="SyncRecord.log()")
         assert record.replicas == (f"http://{REDACTED}@10.0.0.1:8000",) and record.stages["produce_s"] == 0.01

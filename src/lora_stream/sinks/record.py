@@ -101,7 +101,7 @@ class SyncRecord:
             skipped 7 unchanged, 4.0 MiB; partial: only what changed; verified: max |diff| 0.0012 <= 0.0500;
             peak group 4.0 MiB, peak gathered 4.0 MiB
 
-        (one line: wrapped here)."""
+        (one line: wrapped here). A server sink names its data plane's transport: ``(vllm-server over nccl)``."""
         if self.partial:
             how = "partial: only what changed"
         else:
@@ -113,8 +113,12 @@ class SyncRecord:
             verified = f"verified: max |diff| {check.max_abs_diff:.4f} <= {check.tolerance:.4f}"
         else:
             verified = f"verification failed: max |diff| {check.max_abs_diff:.4f} > {check.tolerance:.4f}"
+        # A server sink's name carries its data plane's transport ("vllm-server/nccl"): said in words, because the
+        # TRL hook picks it from the trainer's device and a GPU user should see which one every sync used.
+        sink, _, transport = self.sink.partition("/")
+        where = f"{sink} over {transport}" if transport else sink
         parts = [
-            f"lora_stream sync{f' {self.version}' if self.version else ''} ({self.sink}): {self.seconds:.3f} s",
+            f"lora_stream sync{f' {self.version}' if self.version else ''} ({where}): {self.seconds:.3f} s",
             f"sent {self.tensors} tensors, {self.bytes / 2**20:.1f} MiB in {self.groups} groups ({self.gbps:.2f} GB/s)",
             f"skipped {self.skipped_tensors} unchanged, {self.skipped_bytes / 2**20:.1f} MiB",
             how,
