@@ -22,6 +22,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from helpers import unavailable
 from vllm_contract import CONTRACT, Calls, Class, Function, LoaderChecks, Route, check
 
 #: The CUDA releases checked from their wheels.
@@ -30,10 +31,8 @@ WHEELS = Path(os.environ.get("LORA_STREAM_VLLM_WHEELS", ".nox/vllm-wheels"))
 
 
 def _missing(what: str) -> None:
-    """Skip for a missing input, or fail where every check must run (``LORA_STREAM_REQUIRE_ALL=1``, CI)."""
-    if os.environ.get("LORA_STREAM_REQUIRE_ALL", "") not in ("", "0"):
-        pytest.fail(f"{what} (LORA_STREAM_REQUIRE_ALL=1: `nox -s contract` provides it)")
-    pytest.skip(what)
+    """Skip for a missing input, or fail in CI (``helpers.unavailable``)."""
+    unavailable(f"{what} (`nox -s contract` provides it)")
 
 
 def _wheel(version: str) -> Path:

@@ -269,7 +269,7 @@ class TrlSyncHook:
             else:
                 from ..sinks.vllm_server import VLLMServerSink
 
-                base_url = gen.server_base_url or f"http://{gen.server_host}:{gen.server_port}"
+                base_url = _server_url(gen)
                 options = {**_server_defaults(gen, base_url), **self.sink_options}
                 if self.adapter:
                     options.setdefault("lora_name", self.lora_name)
@@ -381,6 +381,12 @@ def _add_to_trainer_metrics(trainer: Any, record: SyncRecord) -> None:
         bucket.setdefault(name, []).append(value)
 
 
+def _server_url(gen: Any) -> str:
+    """The server TRL's ``VLLMGeneration`` generates from, as TRL addresses it: ``vllm_server_base_url``, else
+    ``http://{vllm_server_host}:{vllm_server_port}``."""
+    return str(gen.server_base_url or f"http://{gen.server_host}:{gen.server_port}")
+
+
 def _server_defaults(gen: Any, base_url: str) -> dict[str, Any]:
     """The server sink's options taken from TRL's own arguments (``sink_options`` override each): TRL's
     ``vllm_server_timeout``; the transport TRL's device calls for (``nccl`` on CUDA, ``gloo`` otherwise); the store
@@ -471,8 +477,9 @@ def _decide_send_dtype(hook: TrlSyncHook, timeout: float) -> None:
     gen = hook.generation
     served = ""
     if getattr(gen, "vllm_client", None) is not None:
-        base_url = gen.server_base_url or f"http://{gen.server_host}:{gen.server_port}"
-        client = VLLMServerClient(base_url, api_key=hook.sink_options.get("api_key"), timeout=gen.server_timeout)
+        client = VLLMServerClient(
+            _server_url(gen), api_key=hook.sink_options.get("api_key"), timeout=gen.server_timeout
+        )
         try:
             served = _served_dtype(client.server_config()) or ""
         except (ServerError, OSError, ValueError):
