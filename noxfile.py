@@ -308,6 +308,6 @@ def vllm031(session: nox.Session) -> None:
             "pytest",
             "tests/test_vllm_contract.py",
             "-k",
-            "not test_release_satisfies_the_contract",
+            "not test_release_satisfies_the_contract and not test_every_route_of_the_release_is_classified",
             env={"LORA_STREAM_REQUIRE_ALL": "1"},
         )

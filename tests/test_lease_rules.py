@@ -11,6 +11,8 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+from starlette.routing import Route, Router, WebSocketRoute
+
 from lora_stream.engine.lease import (
     BUSY,
     COMMIT_HEADER,
@@ -20,6 +22,7 @@ from lora_stream.engine.lease import (
     UpdateLease,
     _committed_version,
 )
+from lora_stream.engine.routes import CONTROL, SERVING, WRITING
 
 
 class _Engine:
@@ -49,15 +52,30 @@ def _server() -> tuple[UpdateLease, _Engine, list[str]]:
     engine = _Engine()
     lease = UpdateLease(app)
     lease._state = SimpleNamespace(engine_client=engine, args=SimpleNamespace(api_server_count=1))
+    lease._app = _APP
     return lease, engine, ran
 
 
-def _call(lease: UpdateLease, path: str, sync: str | None = None, seconds: float = 2.0, **headers: str):
+async def _unused(request: Any) -> None:  # the routes below are only matched, never called
+    raise AssertionError
+
+
+#: A router with every route lora_stream classifies (POST and GET each), as the lease judges requests against the app.
+_APP = SimpleNamespace(
+    router=Router(
+        [Route(p, _unused, methods=["GET", "POST"]) for p in sorted(SERVING | CONTROL | WRITING)]
+        + [Route("/brand_new_route", _unused, methods=["POST"])]  # a route nobody classified
+        + [WebSocketRoute("/brand_new_socket", _unused), WebSocketRoute("/v1/realtime", _unused)]
+    )
+)
+
+
+def _call(lease: UpdateLease, path: str, sync: str | None = None, seconds: float = 2.0, root: str = "", **headers: str):
     """One request; returns ``(status, body)``."""
     raw = [(k.encode(), v.encode()) for k, v in headers.items()]
     if sync is not None:
         raw += [(SYNC_HEADER.encode(), sync.encode()), (LEASE_HEADER.encode(), str(seconds).encode())]
-    scope = {"type": "http", "path": path, "headers": raw}
+    scope = {"type": "http", "method": "POST", "path": path, "root_path": root, "headers": raw}
     out: dict[str, Any] = {}
 
     async def receive() -> dict[str, Any]:
@@ -146,3 +164,71 @@ def test_the_workers_refusal_names_the_committed_version() -> None:
         text = f"{NOTHING_KEPT}: this update was committed by sync s as version {json.dumps(version)}: final"
         assert _committed_version(text) == {"version": version}
     assert _committed_version("some other error") is None
+
+
+def test_while_a_sync_holds_the_server_only_serving_routes_run_for_anyone_else() -> None:
+    """Allow, don't deny: a route that writes (``/weight_checker``'s reset zeroes every parameter), changes generation's
+    state, or that nobody classified, is refused to anyone but the holder; generation and reports run."""
+    lease, engine, ran = _server()
+    assert _call(lease, "/start_weight_update", "A")[0] == 200 and lease.lease.holding
+    for path in ("/weight_checker", "/brand_new_route", "/collective_rpc", "/reset_mm_cache", "/adapters/x"):
+        status, body = _call(lease, path)
+        assert status == 409 and body["marker"] == BUSY and body["holder"] == "A", (path, body)
+    for path in ("/v1/completions", "/v1/responses/r-1", "/health", "/metrics", "/weight_info"):
+        assert _call(lease, path)[0] == 200, path
+    assert ran == [
+        "/start_weight_update",
+        "/v1/completions",
+        "/v1/responses/r-1",
+        "/health",
+        "/metrics",
+        "/weight_info",
+    ]
+    assert lease.lease.sync == "A" and lease.lease.weights_by == "A" and not engine.calls
+
+
+def test_a_root_path_prefix_is_judged_as_the_app_routes_it() -> None:
+    """vLLM's ``--root-path /api``: the router serves ``/api/X`` as ``/X``, so the lease judges it as ``/X`` (a raw
+    comparison let ``/api/finish_weight_update`` through a held sync), and its status answers there too."""
+    lease, _, ran = _server()
+    assert _call(lease, "/api/start_weight_update", "A", root="/api")[0] == 200 and lease.lease.holding
+    for path in ("/api/finish_weight_update", "/finish_weight_update", "/api/weight_checker"):
+        status, body = _call(lease, path, root="/api")
+        assert status == 409 and body["marker"] == BUSY, (path, body)
+    status, body = _call(lease, "/api/lora_stream/lease", "A", root="/api")
+    assert (
+        status == 200
+        and body["yours"]["holding"]
+        and body["unclassified_routes"] == ["/brand_new_route", "/brand_new_socket"]
+    )
+    assert ran == ["/api/start_weight_update"]
+
+
+def test_every_route_that_may_write_moves_weights_by() -> None:
+    """Between syncs, a request to any route not proven to leave the weights alone -- known to write, or not
+    classified -- tells the next sync that someone else wrote (``weights_by``); serving and control routes do not."""
+    lease, _, _ = _server()
+    assert _call(lease, "/start_weight_update", "A")[0] == 200
+    assert _call(lease, "/finish_weight_update", "A")[0] == 200 and not lease.lease.holding
+    assert lease.lease.weights_by == "A"
+    for path in ("/v1/completions", "/pause", "/resume", "/reset_prefix_cache", "/start_profile"):
+        assert _call(lease, path)[0] == 200 and lease.lease.weights_by == "A", path
+    for path in ("/weight_checker", "/brand_new_route", "/wake_up", "/collective_rpc"):
+        lease.lease.weights_by = "A"
+        assert _call(lease, path)[0] == 200 and lease.lease.weights_by is None, path
+
+
+def test_a_websocket_to_a_route_that_is_not_serving_waits_for_the_holder() -> None:
+    lease, _, ran = _server()
+    assert _call(lease, "/start_weight_update", "A")[0] == 200
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "websocket.connect"}
+
+    for path in ("/brand_new_socket", "/v1/realtime"):
+        asyncio.run(lease({"type": "websocket", "path": path, "headers": [], "root_path": ""}, receive, send))
+    assert sent[0]["type"] == "websocket.close" and ran == ["/start_weight_update", "/v1/realtime"]

@@ -23,7 +23,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from helpers import unavailable
-from vllm_contract import CONTRACT, Calls, Class, Function, LoaderChecks, Route, check
+from vllm_contract import CONTRACT, Calls, Class, Function, LoaderChecks, Route, Source, _routes, check
 
 #: The CUDA releases checked from their wheels.
 RELEASES = ("0.33.0", "0.34.0")
@@ -213,3 +213,22 @@ def test_a_protocol_route_is_required_only_with_its_protocol(tmp_path: Path) -> 
     text = (tmp_path / base).read_text().replace("def shutdown_weight_transfer_engine(", "def other_method(")
     (tmp_path / base).write_text(text)
     assert check(tmp_path, [entry]) == []
+
+
+def _unclassified_routes(src: Source) -> list[str]:
+    from lora_stream.engine.routes import route_class
+
+    return sorted({f"{m} {p}" for m, p in _routes(src) if route_class(p) == "unclassified"})
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_every_route_of_the_release_is_classified(version: str) -> None:
+    """Every route this release's API server declares is classified by lora_stream (serving, control or writing):
+    a route vLLM adds is refused during a sync until someone reads its handler and decides."""
+    unknown = _unclassified_routes(Source(_wheel(version)))
+    assert not unknown, f"vllm {version} has routes lora_stream.engine.routes does not classify: {unknown}"
+
+
+def test_every_route_of_the_installed_vllm_is_classified() -> None:
+    unknown = _unclassified_routes(Source(_installed_root()))
+    assert not unknown, f"the installed vLLM has routes lora_stream.engine.routes does not classify: {unknown}"

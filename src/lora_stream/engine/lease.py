@@ -27,10 +27,15 @@ that a dead sink left paused or in an open update.
 An adapter sync swaps the new adapter in (vLLM's ``/v1/load_lora_adapter``) before the vote; its request names what
 to put back (``X-Lora-Stream-Restore``), and a heal puts it back too.
 
-Only requests to the weight-sync routes (:data:`LEASED_PATHS`) take part; vLLM's public probes never do.
+Only the holding sync's requests to the weight-sync routes (:data:`LEASED_PATHS`) take part. **Every other route
+is judged by what it may do** (:mod:`lora_stream.engine.routes`, derived from the running app's own routes and matched
+as the app routes the request, ``--root-path`` included): while a sync holds the server, anyone else's request to a
+route not proven harmless -- one that may write the weights, change generation's state, or one lora_stream does not
+know -- is refused with ``409`` (:data:`BUSY`); serving routes (generation, probes, reports) always run.
 ``GET /lora_stream/lease`` reports the state (:data:`STATUS_PATH`), with this API process's ``boot`` id and the
-sync whose request last reached a route that may write the weights (``weights_by``, :data:`WRITE_PATHS`): what a
-sink that sends only what changed checks before it trusts the server to hold its last commit.
+sync whose request last reached a route that may write the weights (``weights_by``: any route not proven to leave
+them alone, whoever sent it): what a sink that sends only what changed checks before it trusts the server to hold
+its last commit; and the app's routes lora_stream has not classified (``unclassified_routes``).
 
 Installed automatically in the API server by lora_stream's vLLM plugin (:func:`lora_stream.engine.plugin.register`),
 innermost, so that :class:`~lora_stream.engine.guard.WeightRoutesGuard` and vLLM's own key check run first: an
@@ -52,13 +57,14 @@ import time
 import uuid
 from typing import Any
 
+from .routes import RouteTable, log_unclassified
+
 logger = logging.getLogger("lora_stream")
 
 __all__ = [
     "BUSY",
     "COMMIT_HEADER",
     "EXPIRED",
-    "GUARDED_PATHS",
     "LEASED_PATHS",
     "LEASE_HEADER",
     "NOTHING_KEPT",
@@ -96,41 +102,6 @@ LEASED_PATHS = frozenset(
         "/v1/models",
         "/v1/load_lora_adapter",
         "/v1/unload_lora_adapter",
-    }
-)
-#: Routes that may write the served weights: a request to one (lora_stream's or anyone's) is remembered as the
-#: latest writer (``weights_by`` in the status), which a sink that sends only what changed checks first.
-WRITE_PATHS = frozenset(
-    {
-        "/start_weight_update",
-        "/init_weight_transfer_engine",
-        "/collective_rpc",
-        "/reload_weights",
-        "/load_weights",
-        "/sleep",  # level 2 discards the weights (waking maps their memory again, not their bytes)
-    }
-)
-#: Routes that change the weights or generation. While a sync holds the server, a request to one of them from
-#: anyone else (no lora_stream headers: an operator, a health script, another tool; or another sync's id on a route
-#: that does not start an update, :data:`START_PATHS`) is refused with ``409`` (:data:`BUSY`, naming the holder and
-#: when its lease ends) until the holder's lease ends; then the server heals first, and the request runs.
-GUARDED_PATHS = frozenset(
-    {
-        "/pause",
-        "/resume",
-        "/start_weight_update",
-        "/update_weights",
-        "/finish_weight_update",
-        "/init_weight_transfer_engine",
-        "/shutdown_weight_transfer_engine",
-        "/update_weight_version",
-        "/v1/load_lora_adapter",
-        "/v1/unload_lora_adapter",
-        "/collective_rpc",
-        "/reload_weights",
-        "/load_weights",
-        "/sleep",
-        "/wake_up",
     }
 )
 #: The routes that start an update: another sync's request to one of them supersedes the holder (healing it first),
@@ -191,7 +162,9 @@ class _Lease:
     def expires_in(self) -> float | None:
         return round(self.expires - time.monotonic(), 3) if self.holding else None
 
-    def status(self, disabled: str | None, asking: str | None = None) -> dict[str, Any]:
+    def status(
+        self, disabled: str | None, asking: str | None = None, unclassified: list[str] | None = None
+    ) -> dict[str, Any]:
         yours = None
         if asking is not None:
             yours = {
@@ -213,6 +186,7 @@ class _Lease:
             "disabled": disabled,
             "boot": self.boot,
             "weights_by": self.weights_by,
+            "unclassified_routes": unclassified or [],
         }
 
 
@@ -227,25 +201,45 @@ class UpdateLease:
         self._lock: asyncio.Lock | None = None
         self._watcher: asyncio.Task[None] | None = None
         self._state: Any = None
+        self._app: Any = None
+        self._routes: RouteTable | None = None
         self._last_tick = time.monotonic()
         #: Why this lease heals nothing (several API processes), or ``None``.
         self.disabled: str | None = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope.get("type") != "http":
+        kind = scope.get("type")
+        if kind not in ("http", "websocket"):
+            if kind == "lifespan":
+                self._bind(scope)  # at start-up: the app's routes, classified (unknown ones named in the log)
             await self.app(scope, receive, send)
             return
-        path = scope.get("path", "")
         self._bind(scope)
         sync, lease_s = _lease_headers(scope)
         lease = self.lease
-        if path == STATUS_PATH:
+        if kind == "http" and _route_path(scope) == STATUS_PATH:
             if sync is not None and sync == lease.sync and self.disabled is None:  # the holder's heartbeat
                 await self._renew(sync)
-            await _respond(send, 200, lease.status(self.disabled, sync))
+            await _respond(send, 200, lease.status(self.disabled, sync, self._table().unclassified()))
             return
-        if self.disabled is not None or (path not in LEASED_PATHS and path not in GUARDED_PATHS):
-            if path in WRITE_PATHS:
+        judged = self._table().judge(scope)
+        if judged is None:  # no route takes it: the router answers 404 or 405, and nothing runs
+            await self.app(scope, receive, send)
+            return
+        path, klass = judged  # the route's template, as the app routes the request (--root-path stripped)
+        writes = klass == "writing"
+        if kind == "websocket":
+            # lora_stream never opens one; a websocket to a route that is not proven harmless waits like any other
+            # request without the holder's headers.
+            if lease.holding and klass != "serving" and self.disabled is None:
+                await send({"type": "websocket.close", "code": 1013, "reason": "lora_stream: a sync holds the server"})
+                return
+            if writes:
+                lease.weights_by = None
+            await self.app(scope, receive, send)
+            return
+        if self.disabled is not None or (klass == "serving" and path not in LEASED_PATHS):
+            if writes:
                 lease.weights_by = sync  # whoever it is: a partial sync then finds the weights written by another
             await self.app(scope, receive, send)
             return
@@ -281,11 +275,11 @@ class UpdateLease:
                     return
                 await self._heal(f"sync {lease.sync} was superseded by sync {sync}")
             if lease.holding and lease.sync != sync:
-                if path in GUARDED_PATHS:
-                    # Only the holding sync writes. Healing the holder's update on the word of a request that does
-                    # not start an update would let any client end a live sync, and a resume would serve an update
-                    # nobody committed; so it waits for the holder's lease, which heals the server if the holder is
-                    # gone.
+                if klass != "serving":
+                    # Only the holding sync writes, or changes generation's state. Healing the holder's update on
+                    # the word of a request that does not start an update would let any client end a live sync,
+                    # and a resume would serve an update nobody committed; so it waits for the holder's lease,
+                    # which heals the server if the holder is gone.
                     who = "a request without lora_stream's headers" if sync is None else f"sync {sync}"
                     await _respond(
                         send,
@@ -302,12 +296,12 @@ class UpdateLease:
                     return
                 sync = None  # someone else's read-only request: it runs, and touches nothing of the lease
             if sync is None:
-                if path in WRITE_PATHS:
+                if writes:
                     lease.weights_by = None
                 passing = True
             else:
                 passing = False
-                if path in WRITE_PATHS:
+                if writes:
                     lease.weights_by = sync
                 now = time.monotonic()
                 # A sync taking a free server starts its own lease: the previous holder's expiry is not its own.
@@ -369,12 +363,23 @@ class UpdateLease:
         if not lease.holding and lease.inflight == 0:
             lease.sync = None
 
+    def _table(self) -> RouteTable:
+        """The app's routes, classified; built again if the app gained a route since (a plugin adding one late)."""
+        app = self._app
+        routes = getattr(getattr(app, "router", None), "routes", None) or []
+        if self._routes is None or len(routes) != self._routes.count:
+            self._routes = RouteTable.of(app)
+            log_unclassified(self._routes)
+        return self._routes
+
     def _bind(self, scope: Any) -> None:
         if self._state is not None:
             return
         app = scope.get("app")
         if app is None:
             return
+        self._app = app
+        self._table()
         self._state = app.state
         args = getattr(app.state, "args", None)
         count = getattr(args, "api_server_count", None) or 1
@@ -548,6 +553,16 @@ async def _restore_adapter(state: Any, restore: dict[str, Any], steps: list[str]
         return False
     steps.append("adapter put back" if path else "adapter unloaded")
     return True
+
+
+def _route_path(scope: Any) -> str:
+    """The request's path as the app's router reads it: the app's ``root_path`` (vLLM's ``--root-path``) stripped
+    when the path starts with it (Starlette's rule), so ``/api/lora_stream/lease`` is the status route too."""
+    path = str(scope.get("path", ""))
+    root = str(scope.get("root_path", "") or "")
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root) :] or "/"
+    return path
 
 
 def _header(scope: Any, name: str) -> str | None:
