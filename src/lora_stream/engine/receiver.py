@@ -10,6 +10,7 @@ finish) over a :class:`~lora_stream.transfer.group.TransferGroup` between the tr
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from typing import Any
 
@@ -25,6 +26,8 @@ from .adapter_staging import StagedAdapter, prune, stage
 from .reload import ReloadBracket, VLLMLoadError
 
 __all__ = ["WorkerTransferEngine"]
+
+logger = logging.getLogger("lora_stream")
 
 
 class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdateInfo]):  # type: ignore[misc]
@@ -66,6 +69,9 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
         self._merge: Any = None
         #: This session's update was committed (``{"sync", "version"}``): final, never rolled back.
         self._committed: dict[str, Any] | None = None
+        #: An update loaded into the bracket and not decided yet: whether it kept what a rollback restores
+        #: (``rollback=True``); ``None``: none pending.
+        self._pending: bool | None = None
 
     def init_transfer_engine(self, init_info: TransferInitInfo) -> None:
         self.shutdown()  # a new trainer (after a failed one) starts a new group
@@ -88,7 +94,12 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
         # new bracket opens with the update, which says whether it loads weights at all (an adapter sync only
         # stages tensors). A committed one was final, and its copy is gone: nothing to roll back.
         if self._committed is None:
-            self._rollback()
+            stale = self._pending
+            if not self._rollback() and stale:
+                logger.error(
+                    "lora_stream: an undecided update a vanished trainer left could not be restored (nothing was "
+                    "kept): layers that received their weights serve the new ones"
+                )
         self._committed = None
 
     def finish_weight_update(self) -> None:
@@ -101,16 +112,39 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
 
     def _commit_merge(self) -> None:
         update, self._merge = self._merge, None
+        self._pending = None
         if update is not None:
             from .merger import EngineMerger
 
-            EngineMerger.of(self.model).commit(update)
+            EngineMerger.of(self.model).commit(update)  # after the vote: swaps references, cannot fail
 
-    def _rollback(self) -> None:
-        from .merger import rolled_back
+    def _rollback(self) -> bool:
+        """Put back what the pending update replaced; returns whether anything was restored (``False`` also when
+        no update was pending). The caller says so when a pending update that kept a copy was not restored."""
+        from .merger import EngineMerger, rolled_back
 
-        self._merge = None
-        rolled_back(self._bracket)
+        update, self._merge = self._merge, None
+        self._pending = None
+        EngineMerger.of(self.model).drop(update)  # the base file it prepared, if any
+        return rolled_back(self._bracket)
+
+    def _not_restored(self, kept: bool | None) -> str | None:
+        """Why a rollback that restored nothing leaves the engine serving new weights (``None``: nothing was
+        loaded, so nothing needed restoring)."""
+        if kept is None:
+            return None
+        from .lease import NOTHING_KEPT
+
+        if kept:
+            return (
+                f"{NOTHING_KEPT}: this worker was asked to roll back an update that kept the previous weights, but "
+                "found nothing to restore: it was not rolled back, layers that received their weights serve the new "
+                "ones; run a full sync before relying on the server"
+            )
+        return (
+            f"{NOTHING_KEPT}: the update kept no copy (rollback=False): layers that received their weights serve the "
+            "new ones"
+        )
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class calls torch.accelerator.synchronize() afterwards, which has no meaning on CPU.
@@ -186,6 +220,8 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
                     optional=update_info.optional_names,
                 )
             self._merge = merge
+            if adapter is None:
+                self._pending = bool(update_info.rollback)  # loaded weights from here on
 
             def post(c: int) -> tuple[torch.Tensor, Any]:
                 # A fresh buffer per chunk: the reload bracket may keep views until the layer is complete.
@@ -244,6 +280,15 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
                     raise error
                 # Which checkpoint names this worker's modules read together (for the trainer's next partial sync).
                 self._units = report.units
+                if merge is not None:
+                    from .merger import EngineMerger
+
+                    # Before the vote: the base this update brings is written, verified and mapped now, so that the
+                    # commit only swaps references. A failure fails this update (VLLMLoadError naming the path),
+                    # on every trainer rank, and it is rolled back below.
+                    t_base = clock()
+                    EngineMerger.of(self.model).prepare(merge)
+                    timing["base_file_s"] = clock() - t_base
             timing["finish_s"] += clock() - t
             if hasher is not None:
                 self._received_digest = hasher.hexdigest()
@@ -255,11 +300,17 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
                 merger = EngineMerger.of(self.model)
                 timing["base_bytes"] = float(merger.base_bytes if merge.partial else merge.kept_bytes)
             self._report({**timing, "units": self._units if adapter is None else None})
-        except BaseException:
+        except BaseException as exc:
             # Never leave layers on the meta device (the next forward would kill the engine), and put back what the
             # update replaced: vLLM ends the update session when this raises, so no decision will come.
-            self._rollback()
-            self.shutdown()
+            kept = self._pending
+            try:
+                if not self._rollback():
+                    why = self._not_restored(kept)
+                    if why is not None:
+                        exc.add_note(f"lora_stream (server worker): {why}")
+            finally:
+                self.shutdown()
             raise
 
     def _drain(self, plan: Any) -> None:
@@ -278,17 +329,29 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
         from .lease import NOTHING_KEPT
 
         if command == "commit":
-            self._bracket.abort()  # a no-op after a complete update
-            self._bracket.commit(sync)
-            self._commit_merge()
-            self._committed = {"sync": sync, "version": version}
+            try:
+                self._bracket.abort()  # a no-op after a complete update
+                self._bracket.commit(sync)
+            finally:
+                # Every rank voted for the update and its weights are loaded: it stands whatever the bracket's
+                # bookkeeping raised, so a later rollback is refused as after a commit, never taken for one.
+                self._commit_merge()
+                self._committed = {"sync": sync, "version": version}
         elif command == "rollback":
             if self._committed is not None:
                 raise RuntimeError(
                     f"{NOTHING_KEPT}: this update was committed by sync {self._committed['sync']} as version "
                     f"{json.dumps(self._committed['version'])}: the decision is final, nothing is rolled back"
                 )
-            self._rollback()
+            kept = self._pending
+            if not self._rollback():
+                why = self._not_restored(kept)
+                if kept:
+                    # Never answered as a rollback: the trainer (or the lease) reports the engine as not restored.
+                    raise RuntimeError(why)
+                if why is not None:
+                    # rollback=False, the trainer's documented choice: it notes that new weights are served.
+                    logger.warning("lora_stream: %s", why)
         else:
             raise ValueError(f"unknown weight-update command {command!r} (expected 'commit' or 'rollback')")
 

@@ -94,15 +94,26 @@ class LoraStreamWorkerExtension:
         return self._lora_stream_bracket.load(pairs, optional or ())
 
     def lora_stream_finish(self) -> tuple[list[str], dict[str, list[str]], bool, list[list[str]] | None]:
-        """Close and check the bracket; the update stays undecided (kept for ``commit`` or ``rollback``)."""
+        """Close and check the bracket; the update stays undecided (kept for ``commit`` or ``rollback``).
+
+        For an engine-side merge, the base a full update brings is also kept here, before the trainer ranks vote
+        (:meth:`~lora_stream.engine.merger.EngineMerger.prepare`: written, verified, mapped): a failure raises
+        :class:`~lora_stream.VLLMLoadError` naming the path, the sync fails on every rank and rolls back, and
+        ``lora_stream_commit`` is left with nothing that can fail."""
         bracket = self._lora_stream_bracket
         if bracket is None:
             return ([], {}, True, None)
-        if self._lora_stream_merge is not None and bracket.open:
-            rest = self._lora_stream_merge.rest()
+        update = self._lora_stream_merge
+        if update is not None and bracket.open:
+            rest = update.rest()
             if rest:
                 bracket.load(rest, self._lora_stream_optional)
-        return bracket.finish().to_wire()
+        report = bracket.finish().to_wire()
+        if update is not None:
+            from .merger import EngineMerger
+
+            EngineMerger.of(self.model_runner.model).prepare(update)
+        return report
 
     def lora_stream_abort(self) -> None:
         """Close the bracket unchecked after a failure; the update stays undecided."""
@@ -116,22 +127,29 @@ class LoraStreamWorkerExtension:
         if bracket is None:
             return 0
         kept = bracket.kept_bytes + (update.kept_bytes if update is not None else 0)
-        bracket.abort()  # a no-op after finish; never leave a bracket open
-        bracket.commit(token)
-        if update is not None:
-            from .merger import EngineMerger
+        try:
+            bracket.abort()  # a no-op after finish; never leave a bracket open
+            bracket.commit(token)
+        finally:
+            if update is not None:
+                from .merger import EngineMerger
 
-            EngineMerger.of(self.model_runner.model).commit(update)
+                # After the vote, the weights loaded: the update stands. This only swaps references (the base was
+                # kept in lora_stream_finish, before the vote).
+                EngineMerger.of(self.model_runner.model).commit(update)
         return kept
 
     def lora_stream_rollback(self) -> bool:
-        """Undo the update (bit for bit, when ``begin`` kept the previous weights); returns whether it was undone."""
+        """Undo the update (bit for bit, when ``begin`` kept the previous weights); returns whether it was undone:
+        ``True`` when nothing was open, ``False`` when an update was loaded and nothing could be restored (it kept
+        no copy: ``rollback=False``), which the sink reports. A base file the update prepared is dropped."""
+        from .merger import EngineMerger, rolled_back
+
         bracket, self._lora_stream_bracket = self._lora_stream_bracket, None
-        self._lora_stream_merge = None
+        update, self._lora_stream_merge = self._lora_stream_merge, None
+        EngineMerger.of(self.model_runner.model).drop(update)
         if bracket is None:
             return True
-        from .merger import rolled_back
-
         return rolled_back(bracket)
 
     # -- adapter sync (VLLMLoRASink): stage in this process, then the sink calls vLLM's own add_lora -------------------

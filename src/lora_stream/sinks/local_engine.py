@@ -79,16 +79,26 @@ def engine_checkpoint(engine: Any, checkpoint: str | bool | None) -> EngineCheck
 
 
 def engine_rpc(llm: Any, method: str, *args: Any) -> list[Any]:
-    """Call lora_stream's worker extension ``method`` on every worker of an engine that runs in a child process."""
+    """Call lora_stream's worker extension ``method`` on every worker of an engine that runs in a child process.
+
+    vLLM hands a worker's error back as a bare ``Exception`` carrying its text: a
+    :class:`~lora_stream.engine.reload.VLLMLoadError` the worker raised (its text carries ``LOAD_ERROR_TAG``) is
+    raised here as one again, so that the trainer sees the same :class:`~lora_stream.LoraStreamError` as from an
+    engine in its own process."""
+    from ..engine.reload import LOAD_ERROR_TAG, VLLMLoadError
+
     try:
         return list(llm.collective_rpc(method, args=args))
     except Exception as exc:
-        if "has no attribute" in str(exc) and method in str(exc):
+        text = str(exc)
+        if "has no attribute" in text and method in text:
             raise LoraStreamError(
                 f"the vLLM engine runs in a child process and its workers lack lora_stream's extension; start it "
                 f"with LLM(..., worker_extension_cls={WORKER_EXTENSION!r}) (or set "
                 "VLLM_ENABLE_V1_MULTIPROCESSING=0 to keep the engine in this process)"
             ) from exc
+        if LOAD_ERROR_TAG in text and not isinstance(exc, LoraStreamError):
+            raise VLLMLoadError(f"{text[text.index(LOAD_ERROR_TAG) :]} (child-process engine)") from exc
         raise
 
 

@@ -357,12 +357,25 @@ class _EngineRoute(LocalEngineChecks):
         The next sync sends every output (a rolled-back engine is not trusted to hold the last commit)."""
         sink = self.sink
         if self.opened:
-            restored = sink._bracket.rollback() if sink._bracket is not None else all(sink._rpc("lora_stream_rollback"))
-            if not restored:
-                error.add_note(
-                    "lora_stream: rollback=False, so the engine was not put back: layers that received all their "
-                    "weights serve the new ones; run another sync before relying on it"
-                )
+            # Each worker says whether it put its weights back: a worker that could not is reported, never taken
+            # for rolled back.
+            if sink._bracket is not None:
+                restored = [bool(sink._bracket.rollback())]
+            else:
+                restored = [bool(r) for r in sink._rpc("lora_stream_rollback")]
+            if not all(restored):
+                if sink.rollback:
+                    failed = [i for i, r in enumerate(restored) if not r]
+                    error.add_note(
+                        f"lora_stream: the engine was NOT rolled back: worker(s) {failed} found nothing to restore; "
+                        "layers that received all their weights serve the new ones; the next sync sends every "
+                        "output, run it before relying on the engine"
+                    )
+                else:
+                    error.add_note(
+                        "lora_stream: rollback=False, so the engine was not put back: layers that received all their "
+                        "weights serve the new ones; run another sync before relying on it"
+                    )
         self.reset_prefix_cache()
 
     def forget(self, why: str) -> None:
