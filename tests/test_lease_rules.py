@@ -16,13 +16,17 @@ from starlette.routing import Route, Router, WebSocketRoute
 from lora_stream.engine.lease import (
     BUSY,
     COMMIT_HEADER,
+    DECIDE_PATH,
+    EXPIRED,
     LEASE_HEADER,
     NOTHING_KEPT,
+    ROLLBACK_HEADER,
     SYNC_HEADER,
     UpdateLease,
     _committed_version,
 )
 from lora_stream.engine.routes import CONTROL, SERVING, WRITING
+from lora_stream.sinks.server_replica import lease_lost
 
 
 class _Engine:
@@ -30,12 +34,31 @@ class _Engine:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any]] = []
+        self.version: str | None = "v1"
+        #: The workers already ended vLLM's session (vLLM ends it when a worker raises): finishing finds none.
+        self.no_session = False
+        #: What the workers' next command raises.
+        self.fails: str | None = None
 
     async def update_weights(self, request: Any) -> None:
         self.calls.append(("update_weights", request.update_info))
+        if self.fails is not None:
+            error, self.fails = self.fails, None
+            raise RuntimeError(error)
 
     async def finish_weight_update(self, version: Any) -> None:
         self.calls.append(("finish", version))
+        if self.no_session:
+            raise RuntimeError("finish_weight_update must be called before ...")
+        if version is not None:
+            self.version = version
+
+    async def update_weight_version(self, version: str) -> None:
+        self.calls.append(("label", version))
+        self.version = version
+
+    async def get_weight_version(self) -> str | None:
+        return self.version
 
     async def resume_generation(self) -> None:
         self.calls.append(("resume", None))
@@ -232,3 +255,83 @@ def test_a_websocket_to_a_route_that_is_not_serving_waits_for_the_holder() -> No
     for path in ("/brand_new_socket", "/v1/realtime"):
         asyncio.run(lease({"type": "websocket", "path": path, "headers": [], "root_path": ""}, receive, send))
     assert sent[0]["type"] == "websocket.close" and ran == ["/start_weight_update", "/v1/realtime"]
+
+
+def _decide(lease: UpdateLease, sync: str, version: str | None) -> tuple[int, dict]:
+    return _call(lease, DECIDE_PATH, sync, **{COMMIT_HEADER: json.dumps({"version": version})})
+
+
+def test_a_decision_is_recorded_only_by_a_server_the_sync_holds() -> None:
+    """Not lost is not held: a server that restarted (a fresh lease: ``holding`` false, ``expired`` false) and one
+    whose lease ran out both refuse the decision, so the sync cannot commit elsewhere while they serve the old
+    weights."""
+    restarted, _, _ = _server()
+    status, body = _decide(restarted, "A", "v2")
+    assert status == 409 and body["marker"] == EXPIRED and "restarted" in body["error"], body
+    status, body = _call(restarted, "/lora_stream/lease", "A")
+    assert body["yours"] == {"holding": False, "expired": False, "forwarded": False}
+    assert lease_lost(body["yours"]) is not None  # what the sink reads before the vote: lost, not "not lost"
+    expired, engine, _ = _server()
+    for path in ("/pause", "/start_weight_update", "/update_weights"):
+        assert _call(expired, path, "A")[0] == 200
+    expired.lease.expires = time.monotonic() - 1  # the feeding rank stopped inside the vote, past its lease
+    status, body = _decide(expired, "A", "v2")
+    assert status == 409 and "rolled the update back" in body["error"], body
+    assert engine.calls[0] == ("update_weights", {"command": "rollback"}) and engine.version == "v1"
+
+
+def test_a_recorded_decision_rolls_forward_whatever_stops_after_it() -> None:
+    """The feeding rank stopped after recording the decision, before its commit: the heal has the workers commit
+    and finishes under the decided version; the rank's late commit, finish and resume are answered as done."""
+    lease, engine, _ = _server()
+    for path in ("/pause", "/start_weight_update", "/update_weights"):
+        assert _call(lease, path, "A")[0] == 200
+    assert _decide(lease, "A", "v2") == (200, {"recorded": True, "version": "v2"})
+    lease.lease.expires = time.monotonic() - 1
+    asyncio.run(lease._heal("test"))
+    assert engine.calls[0] == ("update_weights", {"command": "commit", "sync": "A", "version": "v2"}), engine.calls
+    assert ("finish", "v2") in engine.calls and engine.version == "v2" and not lease.lease.holding
+    assert "rolled back" not in (lease.lease.last_heal or "")
+    commit = {COMMIT_HEADER: json.dumps({"version": "v2"})}
+    for path, headers in (("/update_weights", commit), ("/finish_weight_update", {}), ("/resume", {})):
+        assert _call(lease, path, "A", **headers)[0] == 200, path
+
+
+def test_the_holders_rollback_withdraws_its_decision_before_the_workers_act() -> None:
+    lease, engine, _ = _server()
+    for path in ("/pause", "/start_weight_update", "/update_weights"):
+        assert _call(lease, path, "A")[0] == 200
+    assert _decide(lease, "A", "v2")[0] == 200
+    assert _call(lease, "/update_weights", "A", **{ROLLBACK_HEADER: "1"})[0] == 200  # another server did not record
+    lease.lease.expires = time.monotonic() - 1  # and the rank stopped before its finish
+    asyncio.run(lease._heal("test"))
+    assert ("update_weights", {"command": "rollback"}) in engine.calls and engine.version == "v1"
+    assert not any(c[1] and c[1].get("command") == "commit" for c in engine.calls if c[0] == "update_weights")
+
+
+def test_a_decided_commit_the_workers_could_not_take_is_neither_rolled_back_nor_resumed() -> None:
+    lease, engine, _ = _server()
+    for path in ("/pause", "/start_weight_update", "/update_weights"):
+        assert _call(lease, path, "A")[0] == 200
+    assert _decide(lease, "A", "v2")[0] == 200
+    lease.lease.expires = time.monotonic() - 1
+    engine.fails = "a worker is busy"
+    asyncio.run(lease._heal("test"))
+    assert lease.lease.holding and lease.lease.paused and engine.version == "v1"
+    assert [c[0] for c in engine.calls] == ["update_weights"], engine.calls
+    asyncio.run(lease._heal("retry"))  # the next tick
+    assert engine.version == "v2" and not lease.lease.holding and ("resume", None) in engine.calls
+
+
+def test_a_roll_forward_that_finds_no_session_still_labels_the_version_it_checks() -> None:
+    """vLLM ends its update session when a worker raises (as on the refusal to roll back a commit): the heal's
+    ``finish_weight_update(version)`` then finds none, and the version never moved. The heal asks the engine which
+    version it serves, labels it, and records the sync as forwarded only once the engine says so."""
+    lease, engine, _ = _server()
+    for path in ("/pause", "/start_weight_update"):
+        assert _call(lease, path, "A")[0] == 200
+    assert _call(lease, "/update_weights", "A", **{COMMIT_HEADER: json.dumps({"version": "v2"})})[0] == 200
+    engine.no_session = True
+    lease.lease.expires = time.monotonic() - 1
+    asyncio.run(lease._heal("test"))
+    assert ("label", "v2") in engine.calls and engine.version == "v2" and lease.lease.forwarded == {"A": "v2"}

@@ -68,7 +68,7 @@ def test_one_sink_keeps_two_servers_in_sync_and_a_server_dying_mid_transfer_is_h
 
     def drive_b() -> None:
         """Kill and restart server B when the trainer asks (marker files)."""
-        for n in (1, 2):
+        for n in (1, 2, 3) if merge == "trainer" else (1, 2):
             for ask, done, act in ((f"kill{n}", f"killed{n}", b.kill), (f"restart{n}", f"restarted{n}", b.restart)):
                 while not stop.is_set() and not (tmp_path / ask).exists():
                     time.sleep(0.1)
@@ -109,6 +109,25 @@ def test_one_sink_keeps_two_servers_in_sync_and_a_server_dying_mid_transfer_is_h
         # Then both hold v3, and v4 sends only what changed to both (the worker checked both serve v4).
         for e in events["partial"]:
             assert e["replicas"] == [a.url, b.url] and e["full_because"] is None and e["skipped"] > 0, e
+        # Decided once, for every server (workers/vllm_server_fleet.py, decided_once): a rank stopped inside the vote
+        # past its lease fails the sync on every rank, and both servers serve what they served.
+        lost = events["lost_in_vote"]
+        assert len(lost) == 2 and all(e["error"] is not None for e in lost), lost
+        assert any("after the vote to commit" in e["message"] for e in lost), lost
+        assert [e["same"] for e in lost if e["rank"] == 0] == [True], lost
+        # A rank stopped after recording the decision: its server's lease rolls it forward; every rank commits.
+        forward = events["forward_after_record"]
+        assert all(e["error"] is None for e in forward), forward
+        a_heal = next(e for e in forward if e["rank"] == 0)
+        assert a_heal["versions"] == ["v5", "v5"] and "workers committed the decided update" in a_heal["last_heal"]
+        if merge == "trainer":
+            # A server restarted between its load and the vote counts as lost: every rank raises, A serves what it
+            # served, B never says v6; the next sync serves both.
+            restarted = events["restarted_before_vote"]
+            assert len(restarted) == 2 and all(e["error"] is not None for e in restarted), restarted
+            a_side = next(e for e in restarted if e["rank"] == 0)
+            assert a_side["a_same"] is True and a_side["b_version"] != "v6", a_side
+            assert all(e["error"] is None for e in events["after_restart"]), events["after_restart"]
     finally:
         stop.set()
         if not b.healthy():

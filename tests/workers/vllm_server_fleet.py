@@ -11,6 +11,8 @@ One run, in order (the test drives the servers through marker files in MARKER_DI
      serves v2, the record and a warning name B.
   5. ``restart2`` / ``restarted2`` (B is back, serving its checkpoint): v3 readmits B, and both serve v3.
   6. a step: v4 sends only what changed to both servers (B's record is its own since v3), and both serve v4.
+  7-9. decided once for every server (``decided_once``): a rank stopped inside the vote, one stopped after the
+     decision's record, and (merge="trainer") B restarted between its load and the vote (``kill3``, ``restart3``).
 Every outcome is printed as one RESULT {json} line. With LORA_STREAM_TEST_MERGE=engine the merged syncs run as
 ``merge="engine"``: the servers merge, the base travels with every full sync (the readmission's included).
 """
@@ -196,8 +198,116 @@ def main() -> None:
         skipped=record.skipped_tensors,
         full_because=record.full_because,
     )
+    decided_once(engine, rank, [url_a, url_b], merge, reference)
     report(rank=rank, outcome="ok")
     finish()
+
+
+def _stop_for(seconds: float, after: float = 0.0) -> None:
+    """SIGSTOP this process ``after`` seconds from now, for ``seconds`` (a GC pause, a preemption), from outside."""
+    import subprocess
+
+    pid = os.getpid()
+    subprocess.Popen(["sh", "-c", f"sleep {after}; kill -STOP {pid}; sleep {seconds}; kill -CONT {pid}"])
+
+
+def decided_once(engine, rank: int, urls: list[str], merge: str, reference) -> None:  # type: ignore[no-untyped-def]
+    """Decided once, for every server: each case with both servers and both ranks, and a lease of 2 s.
+
+    7. rank 0 is stopped for 5 s *inside the vote to commit* (it voted; rank 1 is slow to): A's lease runs out and A
+       rolls back. The vote passes, but A refuses the decision's record, so no server commits: every rank raises
+       and both servers serve v4 (before, B committed v5 while A served v4).
+    8. rank 0 is stopped for 5 s *after recording the decision*, before committing: A's lease has A's workers
+       commit and finishes as v5; rank 0's late commit is answered as done. Both serve v5.
+    9. (merge="trainer") B is restarted at its address between its load and the vote: it answers "not held, not
+       expired", which counts as lost. Every rank raises; A serves v5, B never says v6; the next sync serves both.
+    """
+    import requests
+
+    from lora_stream import transaction
+
+    url_a, url_b = urls
+
+    def state() -> dict[str, object]:
+        return {
+            u: (requests.get(f"{u}/weight_info", timeout=30).json()["weight_version"], server_generate(u)) for u in urls
+        }
+
+    def sync(version: str, timeout: float = 60) -> tuple[str | None, str]:
+        sink = VLLMServerSink(urls, rank=rank, timeout=timeout, lease=2, merge=merge, skip_unchanged=False)
+        try:
+            sink.sync(ParamStream(engine, group_by="layer"), version=version)
+            return None, "committed"
+        except (LoraStreamError, StreamAbortedError) as exc:
+            return type(exc).__name__, str(exc)[:600]
+
+    def at(point: str, act) -> None:  # type: ignore[no-untyped-def]
+        def hook(p: str) -> None:
+            if p == point:
+                act()
+
+        transaction.set_fault_hook(hook)
+
+    before = state() if rank == 0 else None
+    engine.backward(engine(input_ids=IDS, labels=IDS).loss)
+    engine.step()
+    # 7: rank 0 enters the vote and is stopped there; rank 1 reaches it 1.5 s later.
+    at("commit", (lambda: _stop_for(5.0, after=0.5)) if rank == 0 else (lambda: time.sleep(1.5)))
+    try:
+        error, message = sync("v5-lost-in-vote")
+    finally:
+        transaction.set_fault_hook(None)
+    report(rank=rank, event="lost_in_vote", error=error, message=message, same=state() == before if rank == 0 else None)
+    # 8: rank 0 is stopped after recording the decision at A, before committing.
+    at("decision-recorded", (lambda: (_stop_for(5.0), time.sleep(1.0))) if rank == 0 else (lambda: None))
+    try:
+        error, message = sync("v5")
+    finally:
+        transaction.set_fault_hook(None)
+    expected = reference()
+    for url in urls:
+        assert_vllm_serves(server_generate(url), expected)
+    heal = requests.get(f"{url_a}/lora_stream/lease", timeout=30).json()["last_heal"] if rank == 0 else None
+    report(
+        rank=rank,
+        event="forward_after_record",
+        error=error,
+        message=message,
+        last_heal=heal,
+        versions=[v for v, _ in state().values()] if rank == 0 else None,
+    )
+    if merge != "trainer":
+        return
+    # 9: B restarted between its load and the vote (rank 1 feeds B).
+    engine.backward(engine(input_ids=IDS, labels=IDS).loss)
+    engine.step()
+    before = state() if rank == 0 else None
+
+    def restart_b() -> None:
+        signal("kill3")
+        wait_for("killed3")
+        signal("restart3")
+        wait_for("restarted3")
+
+    at("commit", restart_b if rank == 1 else (lambda: None))
+    try:
+        error, message = sync("v6", timeout=240)
+    finally:
+        transaction.set_fault_hook(None)
+    after = state() if rank == 0 else None
+    report(
+        rank=rank,
+        event="restarted_before_vote",
+        error=error,
+        message=message,
+        a_same=after[url_a] == before[url_a] if rank == 0 else None,
+        b_version=after[url_b][0] if rank == 0 else None,
+    )
+    error, message = sync("v6")
+    expected = reference()
+    for url in urls:
+        assert_vllm_serves(server_generate(url), expected)
+    report(rank=rank, event="after_restart", error=error)
 
 
 if __name__ == "__main__":

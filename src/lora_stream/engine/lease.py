@@ -64,11 +64,13 @@ logger = logging.getLogger("lora_stream")
 __all__ = [
     "BUSY",
     "COMMIT_HEADER",
+    "DECIDE_PATH",
     "EXPIRED",
     "LEASED_PATHS",
     "LEASE_HEADER",
     "NOTHING_KEPT",
     "RESTORE_HEADER",
+    "ROLLBACK_HEADER",
     "STATUS_PATH",
     "SYNC_HEADER",
     "UpdateLease",
@@ -83,6 +85,15 @@ RESTORE_HEADER = "x-lora-stream-restore"
 #: On the ``/update_weights`` request that carries the trainer's commit: JSON ``{"version": ...}``. Once the workers
 #: answered it, the update is decided: a heal finishes it with that version instead of rolling it back.
 COMMIT_HEADER = "x-lora-stream-commit"
+#: On the holder's ``/update_weights`` rollback command: the decision recorded at this server (:data:`DECIDE_PATH`) is
+#: withdrawn as the request arrives, before the workers roll back, so a heal can never commit what they rolled back.
+ROLLBACK_HEADER = "x-lora-stream-rollback"
+#: ``POST`` with the holder's headers and :data:`COMMIT_HEADER`: the sync's decision to commit, recorded at this
+#: server before any server of the sync commits. From then on a heal rolls the update forward (the workers commit,
+#: the session ends with the decided version) instead of back; the holder's rollback command withdraws it. Answered
+#: ``200`` only while the sync holds this server; otherwise ``409`` (:data:`EXPIRED`): a server that restarted, or
+#: whose lease ran out and rolled back, never takes a decision it can no longer carry out.
+DECIDE_PATH = "/lora_stream/decide"
 #: The route that reports the lease's state (JSON); with the holder's headers it renews the lease (the heartbeat),
 #: and its ``yours`` field says whether the asking sync still holds the server.
 STATUS_PATH = "/lora_stream/lease"
@@ -141,6 +152,9 @@ class _Lease:
         #: The holding sync's commit, once the workers acknowledged it: ``{"version": ...}`` (``None``: undecided).
         #: From then on the update is final, and a heal rolls it forward.
         self.committed: dict[str, Any] | None = None
+        #: The holding sync's decision to commit, recorded before any server commits (:data:`DECIDE_PATH`):
+        #: ``{"version": ...}``, or ``None``. A heal then has the workers commit and rolls forward.
+        self.decided: dict[str, Any] | None = None
         #: The holding sync's lease ran out: it is being healed (a step that failed is retried every tick).
         self.expiring = False
         self.expired: list[str] = []
@@ -157,7 +171,10 @@ class _Lease:
 
     @property
     def holding(self) -> bool:
-        return self.sync is not None and (self.paused or self.session or self.restore is not None)
+        # A committed update not yet finished under its version still holds the server: its heal must finish it.
+        return self.sync is not None and (
+            self.paused or self.session or self.restore is not None or self.committed is not None
+        )
 
     def expires_in(self) -> float | None:
         return round(self.expires - time.monotonic(), 3) if self.holding else None
@@ -178,6 +195,7 @@ class _Lease:
             "holding": self.holding,
             "paused": self.paused,
             "session": self.session,
+            "decided": self.decided is not None or self.committed is not None,
             "adapter_restore": self.restore is not None,
             "inflight": self.inflight,
             "expires_in": self.expires_in(),
@@ -222,6 +240,9 @@ class UpdateLease:
                 await self._renew(sync)
             await _respond(send, 200, lease.status(self.disabled, sync, self._table().unclassified()))
             return
+        if kind == "http" and _route_path(scope) == DECIDE_PATH:
+            await self._record_decision(scope, sync, send)
+            return
         judged = self._table().judge(scope)
         if judged is None:  # no route takes it: the router answers 404 or 405, and nothing runs
             await self.app(scope, receive, send)
@@ -247,7 +268,8 @@ class UpdateLease:
             self._account_stall()
             if lease.holding and lease.inflight == 0 and time.monotonic() > lease.expires:
                 await self._heal(f"sync {lease.sync}'s lease of {lease.lease_s:g} s expired")
-            if sync is not None and sync in lease.forwarded and path in _FORWARDED_OK:
+            late_commit = path == "/update_weights" and _json_header(scope, COMMIT_HEADER) is not None
+            if sync is not None and sync in lease.forwarded and (path in _FORWARDED_OK or late_commit):
                 # Its commit was final: the heal finished the update with its version and resumed generation.
                 version = lease.forwarded[sync]
                 await _respond(send, 200, {"lora_stream": f"committed; the lease finished it as {version!r}"})
@@ -303,6 +325,8 @@ class UpdateLease:
                 passing = False
                 if writes:
                     lease.weights_by = sync
+                if path == "/update_weights" and _header(scope, ROLLBACK_HEADER) is not None:
+                    lease.decided = None  # the holder rolls back: withdrawn before the workers act on it
                 now = time.monotonic()
                 # A sync taking a free server starts its own lease: the previous holder's expiry is not its own.
                 lease.expires = now + lease_s if lease.sync != sync else max(lease.expires, now + lease_s)
@@ -327,6 +351,38 @@ class UpdateLease:
         finally:
             self._completed(sync, path, int(answer["status"]), bool(answer["answered"]), _restore_header(scope), commit)
 
+    async def _record_decision(self, scope: Any, sync: str | None, send: Any) -> None:
+        """:data:`DECIDE_PATH`: record the holding sync's decision to commit, if it still holds this server; judged
+        under the lock, after any heal that is due, so that a sync whose lease ran out meanwhile is told so."""
+        lease = self.lease
+        decision = _json_header(scope, COMMIT_HEADER)
+        async with self._lock_():
+            self._account_stall()
+            if lease.holding and lease.inflight == 0 and time.monotonic() > lease.expires:
+                await self._heal(f"sync {lease.sync}'s lease of {lease.lease_s:g} s expired")
+            held = (
+                sync is not None
+                and self.disabled is None
+                and lease.sync == sync
+                and lease.holding
+                and lease.session
+                and not lease.expiring
+            )
+            if not held or decision is None:
+                why = (
+                    "no decision in the request"
+                    if held
+                    else "its lease expired and the server rolled the update back"
+                    if sync in lease.expired
+                    else "the server holds no update of this sync (it restarted, or another sync took it)"
+                )
+                error = f"lora_stream: sync {sync} cannot record its decision: {why}"
+                await _respond(send, 409, {"error": error, "marker": EXPIRED})
+                return
+            lease.decided = {"version": decision.get("version")}
+            lease.expires = max(lease.expires, time.monotonic() + lease.lease_s)
+        await _respond(send, 200, {"recorded": True, "version": lease.decided["version"]})
+
     def _completed(
         self,
         sync: str,
@@ -347,14 +403,14 @@ class UpdateLease:
             elif path == "/resume":
                 lease.paused = False
             elif path == "/start_weight_update":
-                lease.session, lease.committed = True, None
+                lease.session, lease.committed, lease.decided = True, None, None
             elif path == "/update_weights" and commit is not None:
                 lease.committed = commit  # the workers committed: every rank voted, the decision is final
             elif path == "/finish_weight_update":
                 # The update is decided: committed, or rolled back after the sync put its adapter back itself.
                 lease.session = False
                 lease.restore = None
-                lease.committed = None
+                lease.committed = lease.decided = None
             elif path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
                 # The sync swapped its adapter in (and said what to put back), or put the previous one back itself.
                 lease.restore = restore
@@ -445,28 +501,53 @@ class UpdateLease:
         await asyncio.shield(self._heal_steps(why))
 
     async def _roll_forward(self, engine: Any, steps: list[str]) -> None:
-        """Every rank voted to commit and the workers committed: the decision is final, so the heal finishes the
-        update with its version (rolling back would leave the new weights under the old version: the workers keep
-        no copy once committed); the sync's late ``/finish_weight_update`` and ``/resume`` are answered as done."""
+        """The workers committed (the decision was final): the heal finishes the update with its version (rolling back
+        would leave the new weights under the old version: the workers keep no copy once committed), and checks that
+        the engine serves under that version before it records the sync as forwarded; the sync's late commit,
+        ``/finish_weight_update`` and ``/resume`` are then answered as done."""
         lease = self.lease
         version = (lease.committed or {}).get("version")
-        try:
-            await engine.finish_weight_update(version)
-            lease.session = False
-            steps.append(f"its committed update rolled forward, the session ended as version {version!r}")
-        except Exception as exc:
-            if any(m in str(exc) for m in _NO_SESSION):
+        if lease.session:
+            try:
+                await engine.finish_weight_update(version)
                 lease.session = False
-                steps.append("its committed update already ended")
-            else:
-                steps.append(f"finish failed ({type(exc).__name__}: {str(exc)[:200]})")
-        if not lease.session:
-            lease.restore = None  # an adapter the committed sync swapped in stands too
-        if not lease.session and lease.sync is not None:
+                steps.append(f"its committed update rolled forward, the session ended as version {version!r}")
+            except Exception as exc:
+                if any(m in str(exc) for m in _NO_SESSION):
+                    lease.session = False
+                    steps.append("its committed update already ended")
+                else:
+                    steps.append(f"finish failed ({type(exc).__name__}: {str(exc)[:200]})")
+        if lease.session:
+            return
+        if version is not None and not await _labelled(engine, version, steps):
+            # The session ended without the version (vLLM ends it when a worker raises, as on the refusal to roll
+            # back a commit): the weights are the committed ones, the label not yet. Held, and retried.
+            return
+        lease.restore = None  # an adapter the committed sync swapped in stands too
+        if lease.sync is not None:
             lease.forwarded[lease.sync] = version
             while len(lease.forwarded) > _MAX_EXPIRED:
                 lease.forwarded.pop(next(iter(lease.forwarded)))
-            lease.committed = None
+        lease.committed = lease.decided = None
+
+    async def _commit_decided(self, engine: Any, steps: list[str]) -> None:
+        """The sync recorded its decision to commit here, then fell silent before its workers committed: have them
+        commit as the sync would have (every server of the sync learned the same decision before any committed)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        lease = self.lease
+        decided = lease.decided or {}
+        info = {"command": "commit", "sync": lease.sync, "version": decided.get("version")}
+        try:
+            await engine.update_weights(request=WeightTransferUpdateRequest(update_info=info))
+        except Exception as exc:
+            committed = _committed_version(str(exc))
+            if committed is None:
+                steps.append(f"the decided commit failed ({type(exc).__name__}: {str(exc)[:200]})")
+                return
+        lease.committed = dict(decided)
+        steps.append("the workers committed the decided update")
 
     async def _heal_steps(self, why: str) -> None:
         """Roll the holding sync's update back, end vLLM's session, put its adapter back, resume generation. Each
@@ -479,8 +560,16 @@ class UpdateLease:
         if lease.sync is not None and lease.sync not in lease.expired:
             lease.expired = [*lease.expired, lease.sync][-_MAX_EXPIRED:]
         lease.expiring = True
-        if engine is not None and lease.session and lease.committed is not None:
+        if engine is not None and lease.session and lease.committed is None and lease.decided is not None:
+            await self._commit_decided(engine, steps)
+        if engine is not None and lease.committed is not None:
             await self._roll_forward(engine, steps)
+        if lease.committed is not None or (lease.decided is not None and lease.session):
+            # Decided, and not yet finished under its version: never rolled back, never resumed half-way; retried
+            # at the next tick.
+            lease.last_heal = f"{why}: {', '.join(steps)}"
+            logger.warning("lora_stream: healing the server is not done, retrying: %s", lease.last_heal)
+            return
         if engine is not None and lease.session:
             from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
@@ -527,6 +616,21 @@ class UpdateLease:
             logger.warning("lora_stream: healed the server: %s", lease.last_heal)
         else:
             logger.warning("lora_stream: healing the server is not done, retrying: %s", lease.last_heal)
+
+
+async def _labelled(engine: Any, version: str, steps: list[str]) -> bool:
+    """Whether the engine serves under ``version`` (asked, not assumed); if not, label it so and ask again."""
+    try:
+        if await engine.get_weight_version() == version:
+            return True
+        await engine.update_weight_version(version)
+        if await engine.get_weight_version() == version:
+            steps.append(f"the version set to {version!r}")
+            return True
+        steps.append(f"the version is not {version!r} after setting it")
+    except Exception as exc:
+        steps.append(f"setting the version failed ({type(exc).__name__}: {str(exc)[:200]})")
+    return False
 
 
 async def _restore_adapter(state: Any, restore: dict[str, Any], steps: list[str]) -> bool:

@@ -164,6 +164,11 @@ class VLLMServerClient:
         # An update that carries tensors answers only once every chunk arrived: it takes as long as the transfer,
         # which the data plane's own timeouts bound, so the budget between agreements does not apply to it.
         headers = None
+        if update_info.get("command") == "rollback":
+            from ..engine.lease import ROLLBACK_HEADER
+
+            # Withdraws a decision this sync recorded at the server (record_decision) before the workers roll back.
+            headers = {ROLLBACK_HEADER: "1"}
         if update_info.get("command") == "commit":
             from ..engine.lease import COMMIT_HEADER
 
@@ -173,6 +178,15 @@ class VLLMServerClient:
         self._request(
             "POST", "update_weights", {"update_info": update_info}, budgeted="command" in update_info, headers=headers
         )
+
+    def record_decision(self, version: str | None) -> None:
+        """Record this sync's decision to commit as ``version`` at the server (``POST /lora_stream/decide``), before
+        any server of the sync commits: from then on its lease rolls the update forward, never back. Raises
+        :class:`~lora_stream.errors.LeaseExpiredError` when the sync no longer holds the server (its lease ran out
+        meanwhile, or the server restarted)."""
+        from ..engine.lease import COMMIT_HEADER, DECIDE_PATH
+
+        self._request("POST", DECIDE_PATH.lstrip("/"), headers={COMMIT_HEADER: json.dumps({"version": version})})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._request(

@@ -196,8 +196,12 @@ class LeaseKeeper:
                     yours = r.client.heartbeat(timeout=self.period)
                 except Exception:  # the sync's own calls find out what is wrong with the server
                     continue
-                # The server healed: this sync's update there is gone. Read before the vote to commit.
-                r.state.lease_lost = r.state.lease_lost or lease_lost(yours)
+                # The server healed (or restarted): this sync's update there is gone. Read before the vote to
+                # commit. Judged only while this rank knows the server holds its update (paused, or loaded and
+                # waiting), and not once committed: before its pause, or after its commit, holding nothing is right.
+                st = r.state
+                if (st.paused or st.session or st.adapter_loaded) and not st.committed:
+                    st.lease_lost = st.lease_lost or lease_lost(yours)
 
     def stop(self) -> None:
         self._stop.set()
@@ -207,11 +211,17 @@ class LeaseKeeper:
 
 
 def lease_lost(yours: dict[str, Any] | None) -> str | None:
-    """Why the server's answer about this sync (``yours`` in ``GET /lora_stream/lease``) says the sync lost it, or
-    ``None``: a heal rolled its update back (one that rolled a committed update forward is not a loss)."""
-    if yours and yours.get("expired") and not yours.get("forwarded"):
+    """Why the server's answer about this sync (``yours`` in ``GET /lora_stream/lease``) says the sync does not hold
+    it, or ``None`` when it does (``holding``), or when a heal rolled its committed update forward. "Not lost" is not
+    "held": a server restarted at the same address answers ``{holding: false, expired: false}``, and serves its
+    checkpoint. ``None`` for no answer at all (a server without lora_stream's lease, which the sink warned about)."""
+    if yours is None:
+        return None
+    if yours.get("forwarded") or yours.get("holding"):
+        return None
+    if yours.get("expired"):
         return "its lease expired and the server rolled the update back"
-    return None
+    return "the server holds no update of this sync (it restarted, or another sync took it)"
 
 
 def load_error(exc: BaseException) -> BaseException:

@@ -207,16 +207,18 @@ class ServerRoute:
             self._on(r, lambda r=r: self._reset_prefix_cache(r))
 
     def before_vote(self) -> None:
-        """Every server this rank fed must still be held by this sync. A rank stopped longer than the lease (a GC
-        pause, a preemption), or a server stalled longer than it, finds here that the server healed and rolled the
-        update back; its vote then fails the sync on every rank, instead of the others committing while that server
-        stays on the old version. What remains is the window between this check and the commit request."""
+        """Every server this rank fed must still be held by this sync, by the server's positive answer. A rank
+        stopped longer than the lease (a GC pause, a preemption), or a server stalled longer than it, finds here that
+        the server healed and rolled the update back; a server restarted at its address holds nothing of this sync.
+        Its vote then fails the sync on every rank. A lease that runs out later, while this rank waits in the vote,
+        is caught by the decision's record (:meth:`commit`)."""
         for r in self._live():
 
             def confirm(r: Replica = r) -> None:
                 lost = r.state.lease_lost
                 if lost is None:
-                    lost = lease_lost((r.client.lease_status() or {}).get("yours"))  # with this sync's headers
+                    status = r.client.lease_status()  # with this sync's headers
+                    lost = lease_lost(status.get("yours")) if status is not None and _keeps_lease(status) else None
                 if lost is not None:
                     raise LeaseExpiredError(f"vLLM server at {r.url}: before the vote to commit, {lost}")
 
@@ -224,10 +226,21 @@ class ServerRoute:
 
     # -- step 4: commit or roll back (and, on every path, resume generation) -----------------------------------
     def commit(self, tx: Transaction, decision: Decision) -> None:
-        """Each feeding rank commits on its servers; a second vote carries the outcome of those calls; under
-        ``"exclude"``, every rank then learns which servers were excluded."""
+        """Every server learns the decision before any server commits: each feeding rank records it at its servers
+        (``POST /lora_stream/decide``, answered only while this sync holds the server), and a vote carries the
+        outcome. Only then does each rank commit; a server whose lease runs out after recording rolls forward, never
+        back. A server that could not record (its lease ran out while its rank waited in the vote to commit, or it
+        restarted) fails the sync on every rank, which rolls every server back (the holder's rollback withdraws the
+        recorded decision first), or, under ``"exclude"``, excludes it. A second vote carries the outcome of the
+        commits; under ``"exclude"``, every rank then learns which servers were excluded."""
         self._phase()
         version = decision.source.weight_version
+        with tx.attempt():
+            for r in self._live():
+                self._on(r, lambda r=r: self._record_decision(r, version))
+            fault_point("decision-recorded")
+        if not tx.vote("after recording the decision"):
+            return
         with tx.attempt():
             for r in self._live():
                 self._on(r, lambda r=r: self._commit(r, version, decision.adapter))
@@ -347,6 +360,15 @@ class ServerRoute:
         replica.state.adapter_loaded = True
         replica.state.adapter_path = path
         replica.client.load_lora_adapter(self.sink.lora_name, path, restore=replica.serving_path)
+
+    def _record_decision(self, replica: Replica, version: str | None) -> None:
+        if not _keeps_lease(replica.status):
+            return  # a server without lora_stream's lease (warned at its first sync): nothing to record at
+        try:
+            replica.client.record_decision(version)
+        except LeaseExpiredError as exc:
+            replica.state.lease_lost = str(exc)
+            raise LeaseExpiredError(f"vLLM server at {replica.url}: after the vote to commit, {exc}") from exc
 
     def _commit(self, replica: Replica, version: str | None, adapter: dict[str, Any] | None) -> None:
         replica.state.version = version
@@ -574,3 +596,10 @@ class ServerRoute:
         engine.deferred = True  # the sink concludes vLLM's update session after the ranks voted
         engine.keep_previous = self.sink.rollback
         replica.engine = engine
+
+
+def _keeps_lease(status: dict[str, Any] | None) -> bool:
+    """Whether a server's lease status (``GET /lora_stream/lease``) comes from a lease that holds syncs: ``None`` is a
+    server without lora_stream's lease, ``disabled`` one with several API processes, where it only reports (the
+    sink warned about both at the server's first sync)."""
+    return status is not None and not status.get("disabled")
