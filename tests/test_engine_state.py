@@ -250,3 +250,36 @@ def test_a_rollback_by_recomputation_is_recorded_so_the_next_sync_stays_partial(
     assert partial.full_because is None and partial.skipped_tensors > 0, partial
     served = vllm_generate(llm)
     assert _full_sync_serves(llm, pm) == served
+
+
+def test_an_in_place_write_into_an_unaligned_view_is_found(engine: tuple[str, Any]) -> None:
+    """A weight held as a view whose bytes start 2 bytes into its storage (``int64`` cannot view it): the digest
+    used to take its identity (moving the same bytes into such a view read as a replaced weight, and once recorded
+    so, an in-place write into it went unseen: ``tests/test_fingerprint_edges.py``). Now its bytes are read: the
+    same bytes moved into such a view keep syncs partial, a write into it makes the next sync full, naming the
+    module."""
+    path, llm = engine
+    pm = _trainer(path, seed=4)
+    sink = _first_sync_then_step(llm, pm, seed=18)
+
+    def into_an_unaligned_view(model: Any) -> None:
+        w = model.model.layers[0].input_layernorm.weight
+        storage = torch.empty(w.numel() + 1, dtype=w.dtype)
+        storage[1:].copy_(w.data.reshape(-1))
+        w.data = storage[1:].view_as(w.data)
+        assert (w.data.storage_offset() * w.element_size()) % 8 != 0
+
+    llm.apply_model(into_an_unaligned_view)
+    partial = sink.sync(_stream(pm))  # the same bytes, elsewhere: still what the commit left
+    assert partial.full_because is None and partial.skipped_tensors > 0, partial
+    unaligned = llm.apply_model(lambda m: m.model.layers[0].input_layernorm.weight.storage_offset())
+    assert unaligned == [1], unaligned  # the partial sync left the norm (and its view) where it was
+
+    def double_it_in_place(model: Any) -> None:
+        model.model.layers[0].input_layernorm.weight.data.mul_(2)
+
+    llm.apply_model(double_it_in_place)
+    perturb_adapters(pm, seed=19)
+    _assert_full_naming(sink.sync(_stream(pm)), "'model.layers.0.input_layernorm'", "other bytes")
+    served = vllm_generate(llm)
+    assert _full_sync_serves(llm, pm) == served
