@@ -721,3 +721,24 @@ def test_the_default_directory_needs_room_for_one_file(monkeypatch: pytest.Monke
     assert m._base_parent(2 * gib, stem) == tempfile.gettempdir()
     monkeypatch.setattr(m, "_mem_available", lambda: gib // 2)
     assert m._base_parent(gib, stem) == tempfile.gettempdir()
+
+
+def test_a_commit_that_replaces_the_base_lets_go_of_the_previous_file_after_answering(parent: Path) -> None:
+    """The commit swaps references; the previous base's map is dropped and its name removed on a thread of their
+    own (nobody else maps it here), so the commit's answer waits for neither."""
+    import threading
+
+    recipe = _recipe("w", "i0", torch.randn(4))
+    merger = EngineMerger()
+    paths = []
+    for seed in (1, 2):
+        update = merger.begin({"recipes": [recipe], "frozen": ["i0"]}, False)
+        update.feed([("i0", torch.randn(4, generator=torch.Generator().manual_seed(seed)))])
+        merger.prepare(update)
+        merger.commit(update)
+        paths.append(merger.base_file)
+    for t in threading.enumerate():
+        if t.name == "lora_stream-let-go":
+            t.join(timeout=30)
+    first, second = paths
+    assert first != second and not os.path.exists(first) and os.path.exists(second)

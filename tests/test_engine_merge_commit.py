@@ -211,6 +211,8 @@ def test_no_file_system_call_failing_after_the_vote_fails_the_commit(
     sink.sync(ParamStream(pm, group_by="layer"), version="v0")
     merger = EngineMerger.of(child.worker.model_runner.model)
     norm = pm.get_parameter("base_model.model.model.norm.weight")
+    # The previous base's name goes on a thread of its own; here inline, so that the injected failure meets it.
+    monkeypatch.setattr(m, "_let_go_later", lambda path, views=None: m._let_go(path))
     calls = [
         (os, "open"),
         (os, "unlink"),

@@ -8,8 +8,11 @@ Contract with the trainer's sink (:class:`~lora_stream.VLLMServerSink` with ``me
   (``base_fp``). A partial update whose base this worker does not hold with exactly those fingerprints is refused in
   :meth:`EngineMerger.begin`, before a byte is loaded: merging a new adapter onto another base would serve a model
   the trainer never had.
-* A full update sends the base with it; the worker fingerprints every base tensor on arrival and keeps the new base
-  only when the update commits (a failed full update leaves the previous base, and the previous weights, in place).
+* A full update sends the base with it; the worker fingerprints every base tensor on arrival, keeps the new base as
+  the host file when the update's load finishes (:meth:`EngineMerger.prepare`: before the trainer ranks vote, so a
+  base that cannot be kept fails the update, on every rank, with the path), and takes it as its base only when the
+  update commits (a swap of references: nothing after the vote can fail). A failed full update leaves the previous
+  base, and the previous weights, in place, and drops the file it prepared.
 * Steps are computed in recipe order as soon as every input they read is there (received, or in the base), so the
   reload bracket sees whole layers in layer order, as with merged tensors.
 * **One host copy per host.** A committed base is written once into a file every worker of the host maps
@@ -34,27 +37,35 @@ Contract with the trainer's sink (:class:`~lora_stream.VLLMServerSink` with ``me
     a file that vanishes before it is opened is written anew. Bytes are never used before their digest matched,
     the writer's own included.
   - *Written once per host.* The first worker takes an exclusive ``flock`` on ``<name>.lock`` (0600,
-    ``O_NOFOLLOW``), writes ``<name>.<pid>.<pid namespace>.<random>.tmp`` (``O_CREAT|O_EXCL|O_NOFOLLOW``, 0600),
-    fsyncs it and publishes it with a hard link; the others wait on the lock, then map the published file and
-    check it. At most one temporary file per base exists at a time: the host holds the received tensors plus one
-    file.
+    ``O_NOFOLLOW``), writes ``<name>.<random>.tmp`` (``O_CREAT|O_EXCL|O_NOFOLLOW``, 0600, locked shared from
+    before its first byte), fsyncs it and publishes it with a hard link; the others wait on the lock, then map the
+    published file and check it. At most one temporary file per base exists at a time: the host holds the received
+    tensors plus one file.
   - *Read-only.* The file is mapped ``PROT_READ`` (a write into a view faults), and the merge reads the map
     itself. vLLM's loaders may write into what they are given (the gpt-oss loader zeroes ``w2_bias`` on
     tensor-parallel ranks > 0), so every output that is a merge input itself or a view of one (the base, a
     received base tensor about to become the base, a trained input kept for rollbacks) is copied before it is
     loaded (:func:`_unshared`), one step at a time, in updates and in rollbacks alike.
-  - *Collected.* A name is removed when its owner takes a new base or exits; at every full sync, base files no
-    living process maps (older than a minute), temporary files of writers that are dead (their pid, checked in
-    their pid namespace; another namespace's after ten idle minutes) and lock files nobody holds are removed.
+  - *Collected, by locks.* Liveness is what the owner holds, never a pid or a process list (both are one pid
+    namespace's, one host's view): a writer holds a shared ``flock`` on its temporary file, and every process that
+    maps a base holds one on that file for as long as it maps it (:class:`_BaseMap`). A file is removed only by a
+    process that takes its lock exclusively (:func:`_remove_unheld`): at every full sync (the collector), when a
+    commit replaces a base or a rollback drops a prepared one, and at exit. This holds across pid namespaces of
+    one kernel (a container sharing ``/dev/shm``). The directory must be on a local file system whose ``flock``
+    the kernel itself keeps (tmpfs, ext4, xfs, btrfs, ...: :data:`_LOCAL_FS`); any other (NFS, SMB, FUSE, Ceph,
+    Lustre, GPFS, 9p, cluster file systems: a directory two hosts may share) is refused with the path.
 
   Cost per GiB of base, measured on the development machine (2 AMD EPYC cores shared with other jobs, SHA-NI,
   ``/dev/shm``; timing ``_digest_of_tensors``, ``_write``, ``_digest_of_map`` and :func:`shared_base` on 2 GiB of
   float32): hashing 0.36 s idle to 0.7 s loaded with 2 threads (sha256 runs at 1.6 GiB/s per thread), writing with
-  fsync and link 0.5 s (one thread: tmpfs serialises writes to one file). A commit costs the writer hash + write +
-  hash, 1.3 to 1.9 s, and every other worker hash + hash, 0.7 to 1.3 s; up to 8 threads hash where there are more
-  cores. Before these checks every worker wrote a whole copy (0.5 s) and nothing was hashed. The copies handed to
-  the loader cost 0.5 s per GiB of outputs that are inputs themselves: in a full update, every base tensor no
-  adapter changes; in a partial one, the few that share a step with a merged one.
+  fsync and link 0.5 s (one thread: tmpfs serialises writes to one file). Keeping a full update's base costs the
+  writer hash + write + hash, 1.3 to 1.9 s (2.2 s with the machine loaded by other jobs), and every other worker
+  hash + hash, 0.7 to 1.3 s; up to 8 threads hash where there are more cores. It runs when the load finishes,
+  before the vote; the commit swaps references (0.02 ms; 0.13 ms when it replaces a base, whose map and name go
+  on a thread of their own: 25 to 55 ms per GiB there). Before these checks every worker wrote a whole copy
+  (0.5 s) and nothing was hashed. The copies handed to the loader cost 0.5 s per GiB of outputs that are inputs
+  themselves: in a full update, every base tensor no adapter changes; in a partial one, the few that share a step
+  with a merged one.
 * **Rollback without a copy.** Once this worker committed a sync whose every output it computed itself, it can
   recompute any output of that sync from the base and the inputs it keeps (adapter-sized), so an update over it
   needs no host copy of the model: :meth:`restorer` gives the reload bracket what to load back on a rollback.
@@ -322,6 +333,22 @@ def _let_go(path: str) -> None:
         _remove_unheld(path)
     except Exception:  # best-effort by contract: a commit must not fail here
         logger.debug("lora_stream: could not remove %s", path, exc_info=True)
+
+
+def _let_go_later(path: str, views: list[Any] | None = None) -> None:
+    """:func:`_let_go` on a thread of its own, which first drops ``views`` (a list holding the last references to the
+    file's views): unmapping a file and removing it from tmpfs take about 25 to 55 ms per GiB measured (loaded),
+    which the commit's answer does not wait for. Inline if no thread can be started."""
+    import threading
+
+    def run(held: list[Any]) -> None:
+        held.clear()  # the views, hence the map and its lock, go here rather than in the commit
+        _let_go(path)
+
+    try:
+        threading.Thread(target=run, args=(views or [],), name="lora_stream-let-go", daemon=True).start()
+    except Exception:
+        run(views or [])
 
 
 def _collect(directory: str, keep: str = "") -> None:
@@ -864,8 +891,8 @@ class EngineMerger:
     def commit(self, update: MergeUpdate) -> None:
         """The update stands (every trainer rank voted for it): its base (a full update, as :meth:`prepare` kept it)
         and inputs are what later updates and rollbacks merge on. Runs after the vote, so nothing here can fail: it
-        swaps references, and removes the previous base file's name if nobody maps it any more (best-effort: the
-        collector removes it otherwise)."""
+        swaps references; the previous base file's name is removed if nobody maps it any more, on a thread of its
+        own (best-effort: the collector removes it otherwise)."""
         if not update.partial:
             prepared, update.prepared = update.prepared, None
             previous = self.base_file
@@ -879,11 +906,13 @@ class EngineMerger:
                     "lora_stream: a full engine-side merge update was committed unprepared; its base is not kept"
                 )
                 return
+            old = [self.base]
             self.base, self.base_file = prepared
             self.base_fp = dict(update.base_fp)
             del prepared
             if previous is not None and previous != self.base_file:
-                _let_go(previous)
+                _let_go_later(previous, old)
+            del old
         self.inputs.update({k: t for k, t in update.received.items() if k not in update.frozen})
         for recipe in update.recipes:
             for name, _, _ in recipe["outputs"]:
