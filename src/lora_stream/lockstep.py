@@ -15,11 +15,22 @@ five minutes rather than the collective's thirty.
 An exchange one rank gave up on is never completed as a success. gloo cannot cancel a posted ``all_reduce``: a rank
 that stops waiting leaves its contribution (its OK) in flight, and a late peer would complete the exchange with it
 and go on to gather alone. So every exchange is numbered (per process group, the same on every rank), and its
-outcome is settled once, first writer wins, in the group's store: a rank whose ``all_reduce`` completed claims it
-``done``; a rank that gave up claims it ``gave up``. A late peer that finds the exchange given up raises
-:class:`~lora_stream.StreamAbortedError` naming the rank that left, and a rank that timed out a moment after every
-peer completed takes the completed result instead of raising alone. The number rides in the exchange too: ranks that
-disagree on it (an exchange issued outside this module) fail there, and number the next one alike again.
+outcome is settled in the group's store, by compare-and-set on one key (:class:`_Outcome`): each rank whose
+``all_reduce`` completed adds its confirmation, and the exchange is *done* only once every rank's is in; a rank that
+timed out before any peer confirmed it settles it *given up*, and so does a rank that completed it but still lacks
+a peer's confirmation when the settlement's bound runs out (:data:`SETTLE_BOUND_S` after the last rank reached the
+exchange, by the wall-clock times the ranks send along). Both outcomes are final, so no rank can take one while
+another takes the other from the store. A late peer that finds the exchange given up raises
+:class:`~lora_stream.StreamAbortedError` naming the rank that left, and a rank that timed out a moment after a peer
+completed it waits for its own completion and confirms it instead of raising alone.
+
+A rank returns only once it learned from the store that the exchange is done, within the bound -- or after it, if
+a peer took it done in time (recorded in the store), which is how a rank that was itself stopped learns that its
+peers went on. A rank that cannot hear the store (its host is stopped or gone) never takes anything on its own: it
+cannot know what the others confirmed, so it raises, and so does every peer, because none of them can learn that
+the exchange is done in time either (see :meth:`_Outcome.confirm` for the one window that remains). The number
+rides in the exchange too: ranks that disagree on it (an exchange issued outside this module) fail there, and
+number the next one alike again.
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ import threading
 import time
 import weakref
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import IntEnum
 
 import torch
@@ -43,13 +54,25 @@ __all__ = ["FLAG_CAPACITY", "REASON_BYTES", "Lockstep", "Status", "describe_erro
 #: ``epoch`` numbers the process group objects built on that store, so that a group built again -- torch may give it
 #: the same name and store -- never reads an outcome of the previous one).
 OUTCOME_PREFIX = "lora_stream/lockstep"
-#: How long a rank that timed out waits more for its own ``all_reduce`` once a peer claimed that exchange completed
+#: How long a rank that timed out waits more for its own ``all_reduce`` once a peer confirmed that it completed
 #: (every contribution had arrived, so it completes at once unless this process is starved).
 COMPLETION_GRACE_S = 10.0
-#: How long a rank waits for the store to settle an exchange (the store's own timeout is 30 minutes): past it, no
-#: answer is taken as the rank's own claim (see :meth:`_Outcome._settle`), so a stopped store host cannot hold a
-#: peer past its deadline.
-SETTLE_BOUND_S = 5.0
+#: The settlement's bound (the store's own timeout is 30 minutes): every rank must have confirmed an exchange in the
+#: group's store within this many seconds after the last rank reached it (confirmations take milliseconds), or it is
+#: given up; a rank that has not learned the outcome by then waits as long again, then raises. So a rank settles
+#: within ``2 x SETTLE_BOUND_S`` after the last rank reached the exchange, and a rank that timed out within
+#: ``3 x SETTLE_BOUND_S`` plus :data:`COMPLETION_GRACE_S` after its timeout, whatever the store's host does.
+SETTLE_BOUND_S = 3.0
+#: How long a rank polls the store back to back once it confirmed, before it sleeps :data:`_POLL_S` between polls:
+#: confirmations normally arrive within this, and a tight poll keeps short the one window the settlement leaves
+#: (see :meth:`_Outcome.confirm`).
+_FAST_POLL_S = 0.05
+_POLL_S = 0.001
+#: Values of an exchange's key in the store: ``c:<hex mask of the ranks that confirmed>``, then ``done`` once every
+#: rank did, or ``gave-up:<rank>``; the last two are final.
+_CLAIMS, _DONE, _GAVE_UP = "c:", "done", "gave-up:"
+#: What :meth:`_Outcome._read` compares with: never a value of the key, so the compare-and-set never writes.
+_ABSENT = "\0absent"
 
 _sequence_lock = threading.Lock()
 #: Per process group object (held weakly: a destroyed group takes its numbering with it): ``[epoch, exchanges
@@ -182,23 +205,26 @@ class Lockstep:
         w = self.world
         pg = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
         epoch, seq = _next_sequence(pg, w)
-        buf = torch.zeros(3 * w + w * _REASON_WORDS, dtype=torch.int64, device=self.device)
+        buf = torch.zeros(4 * w + w * _REASON_WORDS, dtype=torch.int64, device=self.device)
         buf[self.rank] = int(status)
         buf[w + self.rank] = self.digest
         buf[2 * w + self.rank] = seq
+        # When this rank reached the exchange (wall clock, comparable across hosts): the settlement's bound counts
+        # from the last rank's, the same instant on every rank.
+        buf[3 * w + self.rank] = time.time_ns()
         if reason:
             raw = reason.encode("utf-8")[:REASON_BYTES].ljust(REASON_BYTES, b"\0")
             words = torch.frombuffer(bytearray(raw), dtype=torch.int64)
-            start = 3 * w + self.rank * _REASON_WORDS
+            start = 4 * w + self.rank * _REASON_WORDS
             buf[start : start + _REASON_WORDS] = words.to(self.device)
         elif flags:  # packed into the reason's words, which an OK status leaves unused (see exchange)
             packed = [0] * _REASON_WORDS
             for i, flag in enumerate(flags):
                 if flag:
                     packed[i // _FLAG_BITS] |= 1 << (i % _FLAG_BITS)
-            start = 3 * w + self.rank * _REASON_WORDS
+            start = 4 * w + self.rank * _REASON_WORDS
             buf[start : start + _REASON_WORDS] = torch.tensor(packed, dtype=torch.int64, device=self.device)
-        outcome = _Outcome(pg, epoch, self.digest, seq, self.rank)
+        outcome = _Outcome(pg, epoch, self.digest, seq, self.rank, w)
         failure: BaseException | None = None
         work = None
         try:
@@ -207,9 +233,12 @@ class Lockstep:
         except Exception as exc:  # the transport failed: a peer died, or the wait timed out
             ok, failure = False, exc
         if ok is False:
-            # Settle the exchange as given up, unless a peer already completed it: then every contribution had
-            # arrived, and ours completes too; taking it keeps this rank's outcome the same as the peers'.
-            if not (outcome.claim_gave_up() and _completes(work)):
+            # Settle the exchange as given up, unless a peer already confirmed completing it: then every
+            # contribution had arrived, and ours completes too; confirming it keeps this rank's outcome the peers'.
+            state = outcome.give_up()
+            if not (state is not None and state.startswith(_CLAIMS) and _completes(work)):
+                if state is not None and state.startswith(_CLAIMS):
+                    outcome.abandon(state)  # its peers must not wait for a confirmation that never comes
                 self.closed = True
                 if failure is not None and "timed out" not in str(failure).lower():
                     raise StreamAbortedError(
@@ -217,21 +246,41 @@ class Lockstep:
                         "peer rank probably died or stopped iterating without closing its stream",
                         lost=True,
                     ) from failure
+                unheard = state is None and outcome.store is not None
+                unheard_note = " (the group's store did not answer: its host is stopped or gone)" if unheard else ""
                 raise StreamAbortedError(
                     f"rank {self.rank}: status exchange {where} timed out after {self.timeout}; this rank gave it up "
-                    "(a peer that reaches it later raises too)",
+                    f"(a peer that reaches it later raises too){unheard_note}",
                     lost=True,
                 ) from failure
-        else:
-            gave_up = outcome.claim_done()
-            if gave_up is not None:
-                self.closed = True
+        posted = buf[3 * w : 4 * w].cpu()
+        # Capped by this rank's own clock: a peer's clock far ahead must not stretch this rank's wait.
+        settle_by = min(float(posted.max()) / 1e9, time.time()) + SETTLE_BOUND_S
+        verdict, detail = outcome.confirm(settle_by)
+        if verdict != _DONE:
+            self.closed = True
+            if verdict == _GAVE_UP and detail == self.rank:
+                missing = tuple(r for r in range(w) if not outcome.seen >> r & 1)
                 raise StreamAbortedError(
-                    f"rank {self.rank}: status exchange {where} was given up by rank {gave_up}, which stopped "
-                    f"waiting for its peers after its timeout; this rank reached it too late",
-                    failed_ranks=(gave_up,),
+                    f"rank {self.rank}: status exchange {where} completed here, but rank(s) {list(missing)} did not "
+                    f"confirm it within {SETTLE_BOUND_S} s of the last rank reaching it (stopped, or starved); this "
+                    "rank gave it up, and every rank raises",
+                    failed_ranks=missing,
                     lost=True,
                 )
+            if verdict == _GAVE_UP:
+                raise StreamAbortedError(
+                    f"rank {self.rank}: status exchange {where} was given up by rank {detail}, which stopped "
+                    f"waiting for its peers (its timeout, or their confirmations); this rank reached it too late",
+                    failed_ranks=(int(detail),),  # type: ignore[arg-type]
+                    lost=True,
+                )
+            raise StreamAbortedError(
+                f"rank {self.rank}: status exchange {where} completed on this rank, but its outcome could not be "
+                f"settled within the bound ({detail}); this rank cannot know what its peers concluded, so it gives "
+                "the exchange up, as every peer does that cannot learn it was done in time",
+                lost=True,
+            )
         host = buf.cpu()
         statuses: list[int] = host[:w].tolist()
         digests = host[w : 2 * w].tolist()
@@ -253,8 +302,8 @@ class Lockstep:
             )
         if any(s != Status.OK for s in statuses):
             self.closed = True
-        self._words = host[3 * w :].view(w, _REASON_WORDS)
-        raw_reasons = host[3 * w :].numpy().tobytes()
+        self._words = host[4 * w :].view(w, _REASON_WORDS)
+        raw_reasons = host[4 * w :].numpy().tobytes()
         reasons = [
             raw_reasons[r * REASON_BYTES : (r + 1) * REASON_BYTES].rstrip(b"\0").decode("utf-8", "replace")
             for r in range(w)
@@ -263,62 +312,216 @@ class Lockstep:
 
 
 class _Outcome:
-    """One exchange's settled outcome in the group's store: ``done`` or ``gave-up:<rank>``, first writer wins.
+    """One exchange's outcome in the group's store: every rank's confirmation, then ``done``; or ``gave-up:<rank>``.
+
+    Every change is a compare-and-set of one key, so the two outcomes exclude each other: ``done`` needs every rank's
+    confirmation, and once a rank gave the exchange up, no confirmation is added. A rank's calls to the store run on
+    a thread of their own (:func:`_bounded`, :meth:`confirm`): a store whose host process is stopped (``SIGSTOP``, a
+    GC pause) accepts requests into its socket and answers only when the host runs again, and the store's own
+    timeout is 30 minutes.
 
     Without a store (torch does not expose the group's), nothing is settled: an exchange a rank gave up on can then
     still complete on a late peer, as before."""
 
-    def __init__(self, group: object, epoch: int, digest: int, seq: int, rank: int) -> None:
+    def __init__(self, group: object, epoch: int, digest: int, seq: int, rank: int, world: int) -> None:
         self.store = _group_store(group)
         self.key = f"{OUTCOME_PREFIX}/{epoch}/{digest}/{seq}"
         self.previous = f"{OUTCOME_PREFIX}/{epoch}/{digest}/{seq - 1}" if seq > 0 else None
         self.rank = rank
+        self._bit = 1 << rank
+        self._full = (1 << world) - 1
+        self._world = world
+        #: The confirmations seen when this rank gave the exchange up (for its error's message).
+        self.seen = 0
 
-    def _settle(self, value: str) -> str | None:
-        """``compare_set`` of this exchange's key, within :data:`SETTLE_BOUND_S`; ``None``: no answer (no store,
-        the store is gone with its host, or its host is stopped).
+    def _cas(self, expected: str, desired: str) -> str:
+        return bytes(self.store.compare_set(self.key, expected, desired)).decode()  # type: ignore[attr-defined]
 
-        The call runs on a daemon thread: a store whose host process is stopped (``SIGSTOP``, a GC pause) accepts
-        the request into its socket and answers only when the host runs again, and the store's own timeout is 30
-        minutes. The request stays queued meanwhile, so the host, once it runs again, finds it settled as this
-        rank claimed before it can claim anything itself (its own claim comes after its ``all_reduce``, which
-        needs this rank's contribution, long in flight)."""
+    def _read(self) -> str:
+        """The key's value, ``""`` if unset (a compare-and-set that never matches: it only reads)."""
+        got = self._cas(_ABSENT, _ABSENT)
+        return "" if got == _ABSENT else got
+
+    def _claim(self) -> str:
+        """Add this rank's confirmation: the state after it, or the final state that refused it."""
+        state = ""
+        while not _final(state):
+            mask = _mask(state) | self._bit
+            desired = _DONE if mask == self._full else f"{_CLAIMS}{mask:x}"
+            got = self._cas(state, desired)
+            if got == desired:  # only this rank adds its own bit, so this value is this rank's write
+                return got
+            state = got
+        return state
+
+    def _veto(self, state: str) -> str:
+        """Settle the exchange given up by this rank, unless it is already final: the final state."""
+        mine = f"{_GAVE_UP}{self.rank}"
+        while not _final(state):
+            self.seen = _mask(state)
+            got = self._cas(state, mine)
+            if got == mine:
+                return got
+            state = got
+        return state
+
+    def give_up(self) -> str | None:
+        """This rank's ``all_reduce`` timed out: settle the exchange given up, unless a peer confirmed it (then
+        every contribution had arrived: the caller waits for its own completion and confirms it too). The state:
+        ``gave-up:<rank>`` (this rank's, or a peer's first), peers' confirmations, or ``None``: no answer within
+        :data:`SETTLE_BOUND_S` (no store, or its host is stopped or gone): this rank raises. Its request stays
+        queued in a stopped store, and it can only settle the exchange given up, never add a confirmation, so no
+        peer can take it done: a done exchange needs this rank's confirmation."""
         if self.store is None:
             return None
-        store, key = self.store, self.key
-        out: list[str | None] = [None]
+        mine = f"{_GAVE_UP}{self.rank}"
+        return _bounded(lambda: self._cas("", mine), SETTLE_BOUND_S)
 
-        def call() -> None:
+    def abandon(self, state: str) -> None:
+        """Give up an exchange some peers confirmed but this rank never completed (best effort, bounded): they
+        raise at once instead of at their bound."""
+        if self.store is not None:
+            _bounded(lambda: self._veto(state), SETTLE_BOUND_S)
+
+    def confirm(self, settle_by: float) -> tuple[str, object]:
+        """This rank's ``all_reduce`` completed: ``("done", None)``: return; ``("gave-up", rank)``: given up by
+        ``rank`` (this rank's own when a peer's confirmation was missing at ``settle_by``); ``("unsettled",
+        why)``: raise. ``settle_by`` (wall clock) is :data:`SETTLE_BOUND_S` after the last rank reached the
+        exchange, the same instant on every rank.
+
+        On a thread of its own, this rank confirms, then polls the store until the state is final; at
+        ``settle_by`` it gives the exchange up if it still is not. The caller waits until ``settle_by``; a rank
+        that learned ``done`` by then returns, and records that it did (the key's ``/returned`` counter). Past it,
+        the caller waits :data:`SETTLE_BOUND_S` more: a rank that learns ``done`` only now returns if a peer
+        recorded it returned in time -- a rank that was itself stopped after confirming, while its peers went on --
+        and raises otherwise; a rank that learns nothing raises.
+
+        Why every rank ends alike when the store's host is stopped, however long: a rank that cannot hear the store
+        raises, and no rank can have learned ``done`` in time while that rank was left unheard, unless the host
+        stopped after settling ``done`` and before answering every peer's next poll. That is the one window: the
+        stop must begin within one poll (back to back for :data:`_FAST_POLL_S`, then every :data:`_POLL_S`) after
+        the last confirmation, and last past the bound; then the ranks answered before it return and the others
+        raise. A rank that learns ``done`` late because its host was stopped (rank 0's process hosts the store
+        under ``env://``) finds no peer that returned in time, and raises with them."""
+        if self.store is None:
+            return _DONE, None
+        lock = threading.Lock()
+        ready = threading.Event()
+        drained = threading.Event()
+        box: dict[str, object] = {"verdict": None, "late": False, "abandoned": False}
+        returned_key = f"{self.key}/returned"
+
+        def decide(verdict: tuple[str, object]) -> bool:
+            with lock:
+                if box["abandoned"] or box["verdict"] is not None:
+                    return False
+                box["verdict"] = verdict
+            ready.set()
+            return True
+
+        def returned() -> None:
+            """Record that this rank returned (a peer that learns ``done`` late returns on it). Rank 0, whose
+            process hosts the store under ``env://``, then waits (bounded) until every rank recorded it: a rank
+            still polling for ``done`` must not find the store gone because rank 0 returned and its program ended."""
+            count = int(self.store.add(returned_key, 1))  # type: ignore[attr-defined]
+            if self.rank == 0:
+                began = time.monotonic()
+                while count < self._world and time.monotonic() - began < SETTLE_BOUND_S:
+                    time.sleep(_POLL_S)
+                    count = int(self.store.add(returned_key, 0))  # type: ignore[attr-defined]
+                self._forget_previous()
+            drained.set()
+
+        def run() -> None:
             try:
-                out[0] = bytes(store.compare_set(key, "", value)).decode()  # type: ignore[attr-defined]
-            except Exception:  # the store is gone with its host (rank 0's process): nothing left to settle with
-                out[0] = None
+                state = self._claim()
+                began = time.monotonic()
+                while not _final(state):
+                    if time.time() >= settle_by:
+                        state = self._veto(state)
+                        break
+                    if time.monotonic() - began > _FAST_POLL_S:
+                        time.sleep(_POLL_S)
+                    state = self._read()
+                if state.startswith(_GAVE_UP):
+                    decide((_GAVE_UP, int(state[len(_GAVE_UP) :])))
+                    return
+                with lock:
+                    # Decided under the lock that the caller takes when the bound runs out: in time, or late.
+                    in_time = not box["late"] and not box["abandoned"] and time.time() <= settle_by
+                if in_time:
+                    decide((_DONE, None))
+                    returned()
+                    return
+                learned = time.monotonic()
+                while time.monotonic() - learned < SETTLE_BOUND_S and not box["abandoned"]:
+                    if int(self.store.add(returned_key, 0)) > 0:  # type: ignore[attr-defined]
+                        if decide((_DONE, None)):
+                            returned()
+                        return
+                    time.sleep(_POLL_S)
+                decide(
+                    (
+                        "unsettled",
+                        "it was done, but this rank learned it only after the bound, and no rank had "
+                        "returned it in time",
+                    )
+                )
+            except Exception as exc:  # the store is gone with its host: nothing left to settle with
+                decide(("unsettled", f"the group's store failed: {type(exc).__name__}: {exc}"))
 
-        thread = threading.Thread(target=call, name="lora_stream-settle", daemon=True)
-        thread.start()
-        thread.join(SETTLE_BOUND_S)
-        return out[0]
+        threading.Thread(target=run, name="lora_stream-settle", daemon=True).start()
+        ready.wait(max(0.0, settle_by - time.time()))
+        with lock:
+            if box["verdict"] is None:
+                box["late"] = True
+        if box["verdict"] is None:
+            ready.wait(SETTLE_BOUND_S)
+        with lock:
+            if box["verdict"] is None:
+                box["abandoned"] = True
+                return "unsettled", (
+                    f"the group's store did not answer within {SETTLE_BOUND_S} s of the last rank reaching it, and "
+                    "as long again: its host is stopped or unreachable"
+                )
+            verdict = box["verdict"]
+        if verdict[0] == _DONE and self.rank == 0:  # type: ignore[index]
+            drained.wait(SETTLE_BOUND_S)
+        return verdict  # type: ignore[return-value]
 
-    def claim_done(self) -> int | None:
-        """This rank's ``all_reduce`` completed: the rank that gave the exchange up first, or ``None`` (done). No
-        answer within the bound counts as done: every rank had contributed, and this rank's claim, queued in the
-        store, settles it so for a stopped host that claims after it runs again."""
-        settled = self._settle("done")
-        if settled is not None and settled.startswith("gave-up:"):
-            return int(settled.split(":", 1)[1])
-        if settled == "done" and self.previous is not None and self.rank == 0:
-            # Every rank posted this exchange, so every rank is done with the previous one: drop its key.
+    def _forget_previous(self) -> None:
+        """Every rank posted this exchange, so every rank is done with the previous one: drop its keys (rank 0)."""
+        if self.previous is not None and self.rank == 0:
             try:
                 self.store.delete_key(self.previous)  # type: ignore[attr-defined]
+                self.store.delete_key(f"{self.previous}/returned")  # type: ignore[attr-defined]
             except Exception:
                 pass
-        return None
 
-    def claim_gave_up(self) -> bool:
-        """This rank stops waiting: whether a peer had already completed the exchange (then it stands). No answer
-        from the store within its bound is "given up": this rank raises, and its claim, queued in the store, is what
-        a stopped host finds when it runs again."""
-        return self._settle(f"gave-up:{self.rank}") == "done"
+
+def _final(state: str) -> bool:
+    return state == _DONE or state.startswith(_GAVE_UP)
+
+
+def _mask(state: str) -> int:
+    return int(state[len(_CLAIMS) :], 16) if state.startswith(_CLAIMS) else 0
+
+
+def _bounded(call: Callable[[], str], bound: float) -> str | None:
+    """``call()`` on a daemon thread, waited for ``bound`` seconds: ``None`` if it did not answer by then or
+    failed (the store is gone with its host). The request stays queued in a stopped store meanwhile."""
+    out: list[str | None] = [None]
+
+    def run() -> None:
+        try:
+            out[0] = call()
+        except Exception:
+            out[0] = None
+
+    thread = threading.Thread(target=run, name="lora_stream-settle", daemon=True)
+    thread.start()
+    thread.join(bound)
+    return out[0]
 
 
 def _completes(work: object | None) -> bool:
