@@ -8,9 +8,12 @@ the first 1, 2 and 3 servers with one ``VLLMServerSink``: spread over the traine
 ``i % 2``, the default) and all from rank 0 (``spread=False``), one configuration after the other (a server's
 workers belong to one trainer group at a time); each configuration's first sync, which forms the transfer groups,
 is not counted. Reports per configuration the median sync time
-(the slowest rank's) and the bytes the busiest rank sent, as ratios to one server. All processes share this
-machine's cores, so the servers' loads compete with each other here as they would not across machines: read the
-sent-bytes column as the property, and the time column as this machine's. Writes benchmarks/results/fleet.json.
+(the slowest rank's) and the bytes the busiest rank sent, as ratios to one server, and the decision's window (the
+median over syncs of the longest time, over the ranks, from a rank's first record of the decision to commit at its
+servers to the vote that every server recorded it: what docs/guarantees.md states as the window that remains). All
+processes share this machine's cores, so the servers' loads compete with each other here as they would not across
+machines: read the sent-bytes column as the property, and the time column as this machine's. Writes
+benchmarks/results/fleet.json.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ COLUMNS = (
     Col("x 1 server", "10.2f"),
     Col("busiest rank sent MiB", "22.0f"),
     Col("x 1", "5.2f"),
+    Col("decision window ms", "19.1f"),
 )
 
 
@@ -62,7 +66,16 @@ def main() -> None:
         n, mode = key.split("-")
         seconds = statistics.median(r["seconds"] for r in results[0]["rows"][key])
         sent = max(statistics.median(r["sent_bytes"] for r in res["rows"][key]) for res in results)
-        rows.append({"servers": int(n), "mode": mode, "median_s": seconds, "max_rank_sent_bytes": sent})
+        window = statistics.median(r["decision_window_s"] for r in results[0]["rows"][key])
+        rows.append(
+            {
+                "servers": int(n),
+                "mode": mode,
+                "median_s": seconds,
+                "max_rank_sent_bytes": sent,
+                "decision_window_s": window,
+            }
+        )
     one = next(r for r in rows if r["servers"] == 1)
     print(
         f"\nmodel: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}: {model_bytes / 2**20:.0f} MiB "
@@ -72,7 +85,15 @@ def main() -> None:
         r["time_ratio"] = r["median_s"] / one["median_s"]
         r["sent_ratio"] = r["max_rank_sent_bytes"] / one["max_rank_sent_bytes"]
     lines = [
-        [r["servers"], r["mode"], r["median_s"], r["time_ratio"], r["max_rank_sent_bytes"] / 2**20, r["sent_ratio"]]
+        [
+            r["servers"],
+            r["mode"],
+            r["median_s"],
+            r["time_ratio"],
+            r["max_rank_sent_bytes"] / 2**20,
+            r["sent_ratio"],
+            1000 * r["decision_window_s"],
+        ]
         for r in rows
     ]
     print(format_table(COLUMNS, lines, rule=False, indent="  "))

@@ -42,10 +42,18 @@ def main() -> None:
             # The sync ends when every rank's servers committed: the slowest rank's time is the sync's.
             slowest = torch.tensor([seconds])
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            # The decision's window (docs/guarantees.md): from a rank's records to the vote that every server
+            # recorded, the longest over the ranks.
+            window = torch.tensor([float(record.stages.get("decision", {}).get("window_s", 0.0))])
+            dist.all_reduce(window, op=dist.ReduceOp.MAX)
             if i:
                 key = f"{n}-{'spread' if spread else 'rank0'}"
                 rows.setdefault(key, []).append(
-                    {"seconds": float(slowest), "sent_bytes": int(record.stages.get("sent_bytes", 0))}
+                    {
+                        "seconds": float(slowest),
+                        "sent_bytes": int(record.stages.get("sent_bytes", 0)),
+                        "decision_window_s": float(window),
+                    }
                 )
         sink.close()
     with open(f"{out}.rank{rank}.json", "w") as f:

@@ -59,10 +59,13 @@ class ServerRoute:
         self.readmitted: tuple[str, ...] = ()
         self.resume_failures: list[str] = []
         self.resume_note: str | None = None
+        #: This sync's decision timings on this rank (:meth:`commit`): ``record_s``, ``window_s``.
+        self.decision_s: dict[str, float] | None = None
 
     def start(self) -> None:
         """The servers this rank feeds each start this sync from scratch, under a new lease."""
         sync_id = uuid.uuid4().hex
+        self.decision_s = None
         for r in self.mine:
             r.was_excluded, r.failure, r.state = r.failure is not None, None, ServerUpdate()
             r.client.lease = (sync_id, self.sink.lease)
@@ -235,11 +238,17 @@ class ServerRoute:
         commits; under ``"exclude"``, every rank then learns which servers were excluded."""
         self._phase()
         version = decision.source.weight_version
+        began = time.monotonic()
         with tx.attempt():
             for r in self._live():
                 self._on(r, lambda r=r: self._record_decision(r, version))
             fault_point("decision-recorded")
-        if not tx.vote("after recording the decision"):
+        recorded = time.monotonic()
+        agreed = tx.vote("after recording the decision")
+        # What remains of the window (docs/guarantees.md): from this rank's records to the vote that every server
+        # recorded; a rank killed inside it leaves its servers decided while the others roll theirs back.
+        self.decision_s = {"record_s": recorded - began, "window_s": time.monotonic() - began}
+        if not agreed:
             return
         with tx.attempt():
             for r in self._live():
@@ -281,6 +290,8 @@ class ServerRoute:
         stages = dict(getattr(fed[0].engine, "last_stages", None) or {}) if fed else {}
         if len(fed) > 1:
             stages["replicas"] = {r.url: dict(r.engine.last_stages or {}) for r in fed}
+        if self.decision_s is not None:
+            stages["decision"] = dict(self.decision_s)
         return stages
 
     # -- per server (on the rank that feeds it) ----------------------------------------------------------------------
