@@ -32,6 +32,7 @@ from helpers import VLLM_ENV, lora, perturb_adapters, require, save_for_vllm, vl
 
 from lora_stream import LoraStreamError, ParamStream, VLLMColocatedSink
 from lora_stream.engine import merger as m
+from lora_stream.engine import reload, state_digest
 from lora_stream.engine.merger import BASE_DIR_ENV, EngineMerger
 from lora_stream.sinks.local_engine import local_model_runner
 
@@ -226,6 +227,11 @@ def test_no_file_system_call_failing_after_the_vote_fails_the_commit(
         (fcntl, "flock"),
         (m, "shared_base"),
         (m, "_remove_unheld"),
+        # The digest of what the engine holds, which the next partial sync is proven against: measured when the
+        # load finished (reading every module), only installed at the commit.
+        (state_digest._Digest, "module"),
+        (reload, "measure"),
+        (reload, "record"),
     ]
     for i, (target, name) in enumerate(calls, start=1):
         with torch.no_grad():

@@ -335,3 +335,15 @@ def test_a_roll_forward_that_finds_no_session_still_labels_the_version_it_checks
     lease.lease.expires = time.monotonic() - 1
     asyncio.run(lease._heal("test"))
     assert ("label", "v2") in engine.calls and engine.version == "v2" and lease.lease.forwarded == {"A": "v2"}
+
+
+def test_a_heal_whose_workers_restored_nothing_says_so_and_still_ends_the_session() -> None:
+    lease, engine, _ = _server()
+    for path in ("/pause", "/start_weight_update", "/update_weights"):
+        assert _call(lease, path, "A")[0] == 200
+    engine.fails = f"{NOTHING_KEPT}: this worker was asked to roll back ... it was not rolled back"
+    lease.lease.expires = time.monotonic() - 1
+    asyncio.run(lease._heal("test"))
+    heal = lease.lease.last_heal or ""
+    assert "NOT restored" in heal and "rolled back" not in heal.replace("not rolled back", ""), heal
+    assert ("finish", None) in engine.calls and not lease.lease.holding

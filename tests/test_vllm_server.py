@@ -305,7 +305,9 @@ def test_a_failure_on_rank_1_at_any_point_raises_everywhere_and_the_server_serve
     assert_all_ok(results)
     for rank, r in enumerate(results):
         faults = [e for e in results_of(r.output) if e.get("event") == "fault"]
-        assert len(faults) == len(FAULT_POINTS) - 1, describe(results)  # all but "verify"
+        # All but "verify", and the server route's "decision-recorded" (after the vote to commit).
+        assert len(faults) == len(FAULT_POINTS), describe(results)
+        assert faults[-1]["point"] == "decision-recorded", faults[-1]
         for e in faults:
             where = f"rank {rank} at {e['point']}"
             if rank == 1:

@@ -50,7 +50,9 @@ T = TypeVar("T")
 #: Where a sink calls the fault hook, in order: the pre-flight; before loading each group (``"group:<k>"``,
 #: k counted from 0 over the stream's whole plan: a sync that sends only what changed passes the points of the
 #: groups it skips too, in their place, so that a point fires on every sync whatever changed); after the engine's
-#: reload check; after the verification probe; after the prefix-cache reset; just before the commit vote.
+#: reload check; after the verification probe; after the prefix-cache reset; just before the commit vote. The server
+#: route adds ``"decision-recorded"``: after the vote, once this rank recorded the decision at its servers and before
+#: the vote that every server did (:meth:`ServerRoute.commit <lora_stream.sinks.server_route.ServerRoute.commit>`).
 FAULT_POINTS = ("prepare", "group:<k>", "reload-check", "verify", "prefix-cache", "commit")
 
 FaultHook = Callable[[str], None]

@@ -180,7 +180,9 @@ def faults(rank: int, url: str, engine, template, sink) -> None:  # type: ignore
     sink.sync(ParamStream(engine, group_by="layer"), version="v1")
     before = server_generate(url) if rank == 0 else None
     _step(engine)
-    for point in FAULT_POINTS:
+    # The server route's point after the vote to commit, once every server recorded the decision and before the
+    # vote that they all did: a failure there still rolls every server back (the holder withdraws the decision).
+    for point in (*FAULT_POINTS, "decision-recorded"):
         point = point.replace("<k>", "1")
         if point == "verify":
             continue  # the server sink has no verification yet (docs/guarantees.md)

@@ -587,6 +587,11 @@ class UpdateLease:
                 elif any(m in str(exc) for m in _NO_SESSION):
                     lease.session = False  # the workers already ended it (a failed update rolls back itself)
                     steps.append("no update open")
+                elif NOTHING_KEPT in str(exc):
+                    # The workers kept a copy but restored nothing: say so, never "rolled back"; end the session so
+                    # that the server serves and takes the next (full) sync.
+                    steps.append("NOT restored: the workers found nothing to restore, the new weights stay")
+                    rolled_back = True  # nothing more a retry could restore: finish without a version
                 else:
                     steps.append(f"rollback failed ({type(exc).__name__}: {str(exc)[:200]})")
             if rolled_back:  # never finish an update that was not rolled back: finishing keeps what it loaded

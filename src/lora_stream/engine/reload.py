@@ -29,7 +29,7 @@ import torch
 from ..errors import LoraStreamError
 from ..units import merge_units
 from .holding import BatchIndex, LoadMap, hold, loaded_tensor
-from .state_digest import first_difference, record
+from .state_digest import first_difference, install, measure, record
 
 __all__ = ["EngineSnapshot", "LoadReport", "ReloadBracket", "VLLMLoadError"]
 
@@ -408,6 +408,9 @@ class ReloadBracket:
         #: The modules the update opened by the latest ``begin`` may have changed, whose state a commit records
         #: (``None``: every module, a full update); ``False`` when no update is pending a commit.
         self._to_record: set[str] | bool | None = False
+        #: The record of the update :meth:`finish` closed, measured there (before the vote): ``(modules, digests)``,
+        #: which :meth:`commit` only installs.
+        self._measured: tuple[set[str] | None, dict[str, Any]] | None = None
 
     @property
     def open(self) -> bool:
@@ -445,11 +448,16 @@ class ReloadBracket:
         from .holding import held_by
 
         pending, self._to_record = self._to_record, False
+        measured, self._measured = self._measured, None
         if pending is False:
             if held_by(self.model) == token:
                 return  # a repeated commit: the record was taken by the first one
             pending = None  # a commit with no update of this bracket before it: prove nothing less than all
-        record(self.model, pending if isinstance(pending, set) else None)
+        only = pending if isinstance(pending, set) else None
+        if measured is not None and measured[0] == only:
+            install(self.model, measured[1], only)  # measured by finish(), before the vote
+            return
+        record(self.model, only)
 
     def rollback(self) -> bool:
         """Undo the update: close the bracket if it is open, then put back, bit for bit, what every module held at
@@ -457,6 +465,7 @@ class ReloadBracket:
         Idempotent."""
         self.abort()
         self._to_record = False  # the update does not stand: nothing of it is recorded
+        self._measured = None
         previous, self._previous = self._previous, None
         restore, self._restore = self._restore, None
         if previous is not None:
@@ -580,6 +589,7 @@ class ReloadBracket:
         # What a commit of this update records: after a partial update, every module but those it was barred from
         # touching (they were proven just above); after a full one, everything.
         self._to_record = {n for n in modules if n not in untouched} if expect is not None else None
+        self._measured = None
         self._watch_relayouts()
         try:
             initialize_layerwise_reload(self.model)
@@ -659,6 +669,12 @@ class ReloadBracket:
             report = LoadReport()  # nothing was sent (an empty stream): every module kept its weights, as asked
         report.units = self.load_map.units() if self.load_map.complete else None
         self._finalize()
+        pending = self._to_record
+        if report.ok and pending is not False:
+            # Reading every module it may have changed takes time (and may find a tensor it cannot read): done here,
+            # while the update can still fail, so that the commit after the vote only installs it.
+            only = pending if isinstance(pending, set) else None
+            self._measured = (only, measure(self.model, only)[0])
         return report
 
     def abort(self) -> None:

@@ -87,6 +87,8 @@ import torch
 from ..fingerprint import fingerprint
 
 __all__ = [
+    "install",
+    "measure",
     "ModuleState",
     "Unread",
     "first_difference",
@@ -306,14 +308,29 @@ def record(model: Any, only: Collection[str] | None = None) -> int:
     in ``only`` (a partial commit, a rollback by recomputation: the others keep the record proven for them).
     Called with no reload bracket open (the layers must hold their served tensors, not meta placeholders).
     Returns the bytes read."""
+    found, read = measure(model, only)
+    install(model, found, only)
+    return read
+
+
+def measure(model: Any, only: Collection[str] | None = None) -> tuple[dict[str, Any], int]:
+    r"""What :func:`record` would record (the digests of ``only``'s modules, or every module), not yet installed, and
+    the bytes read: the part of a record that takes time, taken before the trainer ranks vote, so that the commit
+    only :func:`install`\ s it."""
     key = unwrap_model(model)
     digest = _Digest()
     found = {name: digest.module(m) for name, m in _modules(key) if only is None or name in only}
+    return found, digest.bytes_read
+
+
+def install(model: Any, found: dict[str, Any], only: Collection[str] | None = None) -> None:
+    """Make ``found`` (from :func:`measure` with the same ``only``) the record of what the last commit left: dict
+    operations only, which cannot fail for a reason another rank could not see."""
+    key = unwrap_model(model)
     if only is None:
         _RECORDS[key] = found
     else:
         _RECORDS.setdefault(key, {}).update(found)
-    return digest.bytes_read
 
 
 def recorded(model: Any) -> bool:

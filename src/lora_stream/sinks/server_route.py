@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..adapter import ADAPTER_PREFIX, AdapterStream
 from ..changes import EngineState
+from ..engine.lease import NOTHING_KEPT
 from ..errors import LoraStreamError, ReplicaError
 from ..lockstep import describe_error
 from ..stream import ParamStream
@@ -427,8 +428,23 @@ class ServerRoute:
                     else:
                         client.unload_lora_adapter(self.sink.lora_name)
                 if state.session:
-                    client.update_weights({"command": "rollback"})
-                    client.finish_weight_update(None)
+                    try:
+                        client.update_weights({"command": "rollback"})
+                    except ServerError as exc:
+                        if NOTHING_KEPT not in str(exc):
+                            raise
+                        # The worker restored nothing it had kept: never reported as rolled back. The session
+                        # still ends (vLLM may have ended it already) and the prefix cache is reset below.
+                        error.add_note(
+                            f"lora_stream: {replica.url} was NOT rolled back: its workers found nothing to restore; "
+                            "layers that received their weights serve the new ones under the old version (the next "
+                            "sync sends every output)"
+                        )
+                    try:
+                        client.finish_weight_update(None)
+                    except ServerError as exc:
+                        if not any(m in str(exc) for m in ("must be called before", "without a matching")):
+                            raise
                     state.session = False
                 if not self.sink.rollback and not state.adapter_loaded:
                     error.add_note(
