@@ -214,7 +214,7 @@ def _stop_for(seconds: float, after: float = 0.0) -> None:
 def decided_once(engine, rank: int, urls: list[str], merge: str, reference) -> None:  # type: ignore[no-untyped-def]
     """Decided once, for every server: each case with both servers and both ranks, and a lease of 2 s.
 
-    7. rank 0 is stopped for 5 s *inside the vote to commit* (it voted; rank 1 is slow to): A's lease runs out and A
+    7. rank 0 is stopped for 4 s *inside the vote to commit* (it voted; rank 1 is slow to): A's lease runs out and A
        rolls back. The vote passes, but A refuses the decision's record, so no server commits: every rank raises
        and both servers serve v4 (before, B committed v5 while A served v4).
     8. rank 0 is stopped for 5 s *after recording the decision*, before committing: A's lease has A's workers
@@ -234,7 +234,8 @@ def decided_once(engine, rank: int, urls: list[str], merge: str, reference) -> N
         }
 
     def sync(version: str, timeout: float = 60) -> tuple[str | None, str]:
-        sink = VLLMServerSink(urls, rank=rank, timeout=timeout, lease=2, merge=merge, skip_unchanged=False)
+        # A new sink each time: its first sync sends everything (merge="engine" requires skip_unchanged).
+        sink = VLLMServerSink(urls, rank=rank, timeout=timeout, lease=2, merge=merge, skip_unchanged=merge == "engine")
         try:
             sink.sync(ParamStream(engine, group_by="layer"), version=version)
             return None, "committed"
@@ -251,8 +252,10 @@ def decided_once(engine, rank: int, urls: list[str], merge: str, reference) -> N
     before = state() if rank == 0 else None
     engine.backward(engine(input_ids=IDS, labels=IDS).loss)
     engine.step()
-    # 7: rank 0 enters the vote and is stopped there; rank 1 reaches it 1.5 s later.
-    at("commit", (lambda: _stop_for(5.0, after=0.5)) if rank == 0 else (lambda: time.sleep(1.5)))
+    # 7: rank 0 enters the vote and is stopped there (0.5 s to 4.5 s: past A's 2 s lease); rank 1 reaches the vote at
+    # 2.5 s. The vote itself settles (rank 0 runs again within lockstep.SETTLE_BOUND_S, 3 s, of the last arrival),
+    # so what fails the sync is A's refusal of the decision.
+    at("commit", (lambda: _stop_for(4.0, after=0.5)) if rank == 0 else (lambda: time.sleep(2.5)))
     try:
         error, message = sync("v5-lost-in-vote")
     finally:
