@@ -272,7 +272,7 @@ class Lockstep:
                 raise StreamAbortedError(
                     f"rank {self.rank}: status exchange {where} was given up by rank {detail}, which stopped "
                     f"waiting for its peers (its timeout, or their confirmations); this rank reached it too late",
-                    failed_ranks=(int(detail),),  # type: ignore[arg-type]
+                    failed_ranks=(int(str(detail)),),
                     lost=True,
                 )
             raise StreamAbortedError(
