@@ -8,7 +8,7 @@ import importlib
 import os
 import sys
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -59,6 +59,43 @@ def count_exchanges() -> list[int]:
 
     Lockstep.statuses = counted  # type: ignore[method-assign]
     return count
+
+
+def private_base_dir(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, name: str) -> Iterator[Any]:
+    """For a fixture: a private ``LORA_STREAM_BASE_DIR`` at ``tmp_path / name`` (yielded); the names this process
+    published there are forgotten afterwards."""
+    from lora_stream.engine import merger
+
+    where = tmp_path / name
+    where.mkdir()
+    monkeypatch.setenv(merger.BASE_DIR_ENV, str(where))
+    yield where
+    for path in list(merger._OWNED):
+        if path.startswith(str(tmp_path)):
+            merger._OWNED.discard(path)
+
+
+def report_exchange(rank: int, event: str, exchange: Any, returned: str = "returned") -> None:
+    """Run ``exchange()`` (a lockstep agreement) and :func:`report` how it ended on this rank: ``returned`` (the
+    outcome's name), or ``"raised"`` with the error's message, failed ranks and ``lost``; with the seconds it took."""
+    import time
+
+    from lora_stream import StreamAbortedError
+
+    start = time.monotonic()
+    try:
+        exchange()
+        report(rank=rank, event=event, outcome=returned, seconds=time.monotonic() - start)
+    except StreamAbortedError as exc:
+        report(
+            rank=rank,
+            event=event,
+            outcome="raised",
+            message=str(exc),
+            failed=list(exc.failed_ranks),
+            lost=exc.lost,
+            seconds=time.monotonic() - start,
+        )
 
 
 def report(**fields: Any) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import lora, tiny_llama
+from helpers import lora, private_base_dir, tiny_llama
 
 from lora_stream import ParamStream
 from lora_stream.engine import merger as m
@@ -81,13 +81,7 @@ def _in_map(t: torch.Tensor, path: str) -> bool:
 @pytest.fixture
 def parent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A private ``LORA_STREAM_BASE_DIR``; the names this process published there are forgotten afterwards."""
-    where = tmp_path / "parent"
-    where.mkdir()
-    monkeypatch.setenv(BASE_DIR_ENV, str(where))
-    yield where
-    for path in list(m._OWNED):
-        if path.startswith(str(tmp_path)):
-            m._OWNED.discard(path)
+    yield from private_base_dir(tmp_path, monkeypatch, "parent")
 
 
 def _private(parent: Path) -> Path:

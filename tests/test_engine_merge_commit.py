@@ -28,7 +28,17 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import VLLM_ENV, lora, perturb_adapters, require, save_for_vllm, vllm_engine, vllm_generate, vllm_llama
+from helpers import (
+    VLLM_ENV,
+    lora,
+    perturb_adapters,
+    private_base_dir,
+    require,
+    save_for_vllm,
+    vllm_engine,
+    vllm_generate,
+    vllm_llama,
+)
 
 from lora_stream import LoraStreamError, ParamStream, VLLMColocatedSink
 from lora_stream.engine import merger as m
@@ -85,13 +95,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any]:
 
 @pytest.fixture
 def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    where = tmp_path / "store"
-    where.mkdir()
-    monkeypatch.setenv(BASE_DIR_ENV, str(where))
-    yield where
-    for path in list(m._OWNED):
-        if path.startswith(str(tmp_path)):
-            m._OWNED.discard(path)
+    yield from private_base_dir(tmp_path, monkeypatch, "store")
 
 
 def _trainer(path: str) -> torch.nn.Module:
@@ -100,6 +104,17 @@ def _trainer(path: str) -> torch.nn.Module:
     pm = lora(LlamaForCausalLM.from_pretrained(path), target_modules="all-linear", lora_alpha=16)
     perturb_adapters(pm)
     return pm
+
+
+def _synced(engine: tuple[str, Any], version: str) -> tuple[Any, VLLMColocatedSink, torch.nn.Module, EngineMerger]:
+    """The child-process route with ``merge="engine"`` after one full sync as ``version``: the child, the sink, the
+    trainer's model, and the worker's merger."""
+    path, llm = engine
+    child = _ChildProcessLike(llm)
+    sink = VLLMColocatedSink(child, merge="engine")
+    pm = _trainer(path)
+    sink.sync(ParamStream(pm, group_by="layer"), version=version)
+    return child, sink, pm, EngineMerger.of(child.worker.model_runner.model)
 
 
 def _served(llm: Any) -> dict[str, torch.Tensor]:
@@ -138,12 +153,8 @@ def _private(store: Path) -> Path:
 def test_a_base_the_worker_cannot_keep_fails_the_sync_before_the_vote_with_the_engine_as_it_was(
     engine: tuple[str, Any], store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    path, llm = engine
-    child = _ChildProcessLike(llm)
-    sink = VLLMColocatedSink(child, merge="engine")
-    pm = _trainer(path)
-    sink.sync(ParamStream(pm, group_by="layer"), version="v1")
-    merger = EngineMerger.of(child.worker.model_runner.model)
+    llm = engine[1]
+    child, sink, pm, merger = _synced(engine, "v1")
     committed = merger.base_file
     assert committed is not None and committed.startswith(str(store))
     before, held = vllm_generate(llm), _served(llm)
@@ -205,12 +216,8 @@ def test_no_file_system_call_failing_after_the_vote_fails_the_commit(
 ) -> None:
     """Each full sync brings another base (a frozen weight moved), so that the commit also lets go of the previous
     base's file; every file-system call the worker could make fails while it commits."""
-    path, llm = engine
-    child = _ChildProcessLike(llm)
-    sink = VLLMColocatedSink(child, merge="engine")
-    pm = _trainer(path)
-    sink.sync(ParamStream(pm, group_by="layer"), version="v0")
-    merger = EngineMerger.of(child.worker.model_runner.model)
+    llm = engine[1]
+    child, sink, pm, merger = _synced(engine, "v0")
     norm = pm.get_parameter("base_model.model.model.norm.weight")
     # The previous base's name goes on a thread of its own; here inline, so that the injected failure meets it.
     monkeypatch.setattr(m, "_let_go_later", lambda path, views=None: m._let_go(path))

@@ -22,7 +22,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from helpers import finish, lora, report, tiny_llama
+from helpers import finish, lora, report, report_exchange, tiny_llama
 
 from lora_stream import ParamStream, StreamAbortedError
 from lora_stream.lockstep import Lockstep, Status
@@ -37,20 +37,7 @@ def scenario_late() -> None:
     lock().statuses(Status.OK, "first")
     if rank == 1:
         time.sleep(LATE_S)
-    start = time.monotonic()
-    try:
-        lock().statuses(Status.OK, "second")
-        report(rank=rank, event="second", outcome="ok", seconds=time.monotonic() - start)
-    except StreamAbortedError as exc:
-        report(
-            rank=rank,
-            event="second",
-            outcome="raised",
-            message=str(exc),
-            failed=list(exc.failed_ranks),
-            lost=exc.lost,
-            seconds=time.monotonic() - start,
-        )
+    report_exchange(rank, "second", lambda: lock().statuses(Status.OK, "second"), returned="ok")
     # Rank 0 is here while rank 1 still sleeps: wait long enough for it.
     statuses, _ = Lockstep(None, "late", datetime.timedelta(seconds=60)).statuses(Status.OK, "third")
     report(rank=rank, event="third", outcome="ok", statuses=statuses)

@@ -30,10 +30,9 @@ import threading
 import time
 
 import torch.distributed as dist
-from helpers import finish, report
+from helpers import finish, report, report_exchange
 
 import lora_stream.lockstep as lockstep
-from lora_stream import StreamAbortedError
 from lora_stream.lockstep import Lockstep, Status
 
 TIMEOUT_S = 2.0
@@ -130,19 +129,8 @@ def _stop_after_claim_settled() -> None:
 
 
 def _second(rank: int) -> None:
-    start = time.monotonic()
-    try:
-        Lockstep(None, "three", datetime.timedelta(seconds=TIMEOUT_S)).statuses(Status.OK, "second")
-        report(rank=rank, event="second", outcome="returned", seconds=time.monotonic() - start)
-    except StreamAbortedError as exc:
-        report(
-            rank=rank,
-            event="second",
-            outcome="raised",
-            message=str(exc),
-            failed=list(exc.failed_ranks),
-            seconds=time.monotonic() - start,
-        )
+    lock = Lockstep(None, "three", datetime.timedelta(seconds=TIMEOUT_S))
+    report_exchange(rank, "second", lambda: lock.statuses(Status.OK, "second"))
 
 
 def main() -> None:

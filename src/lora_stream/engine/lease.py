@@ -137,6 +137,11 @@ NOTHING_KEPT = "lora_stream_nothing_to_restore"
 _NO_SESSION = ("must be called before", "without a matching")
 
 
+def no_session(error: BaseException) -> bool:
+    """Whether ``error`` is vLLM's answer that no weight-update session is open (the workers already ended it)."""
+    return any(m in str(error) for m in _NO_SESSION)
+
+
 class _Lease:
     """What the middleware knows of the sync that holds the server."""
 
@@ -235,12 +240,13 @@ class UpdateLease:
         self._bind(scope)
         sync, lease_s = _lease_headers(scope)
         lease = self.lease
-        if kind == "http" and _route_path(scope) == STATUS_PATH:
+        own = _route_path(scope) if kind == "http" else None  # lora_stream's own routes, served here
+        if own == STATUS_PATH:
             if sync is not None and sync == lease.sync and self.disabled is None:  # the holder's heartbeat
                 await self._renew(sync)
             await _respond(send, 200, lease.status(self.disabled, sync, self._table().unclassified()))
             return
-        if kind == "http" and _route_path(scope) == DECIDE_PATH:
+        if own == DECIDE_PATH:
             await self._record_decision(scope, sync, send)
             return
         judged = self._table().judge(scope)
@@ -513,7 +519,7 @@ class UpdateLease:
                 lease.session = False
                 steps.append(f"its committed update rolled forward, the session ended as version {version!r}")
             except Exception as exc:
-                if any(m in str(exc) for m in _NO_SESSION):
+                if no_session(exc):
                     lease.session = False
                     steps.append("its committed update already ended")
                 else:
@@ -584,7 +590,7 @@ class UpdateLease:
                     # The workers committed, though this process did not see their answer: roll forward.
                     lease.committed = committed
                     await self._roll_forward(engine, steps)
-                elif any(m in str(exc) for m in _NO_SESSION):
+                elif no_session(exc):
                     lease.session = False  # the workers already ended it (a failed update rolls back itself)
                     steps.append("no update open")
                 elif NOTHING_KEPT in str(exc):
@@ -600,7 +606,7 @@ class UpdateLease:
                     lease.session = False
                     steps.append("session ended")
                 except Exception as exc:
-                    if any(m in str(exc) for m in _NO_SESSION):
+                    if no_session(exc):
                         lease.session = False
                     else:
                         steps.append(f"finish failed ({type(exc).__name__}: {str(exc)[:200]})")

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..adapter import ADAPTER_PREFIX, AdapterStream
 from ..changes import EngineState
-from ..engine.lease import NOTHING_KEPT
+from ..engine.lease import NOTHING_KEPT, no_session
 from ..errors import LoraStreamError, ReplicaError
 from ..lockstep import describe_error
 from ..stream import ParamStream
@@ -443,7 +443,7 @@ class ServerRoute:
                     try:
                         client.finish_weight_update(None)
                     except ServerError as exc:
-                        if not any(m in str(exc) for m in ("must be called before", "without a matching")):
+                        if not no_session(exc):
                             raise
                     state.session = False
                 if not self.sink.rollback and not state.adapter_loaded:
