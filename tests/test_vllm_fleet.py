@@ -362,7 +362,9 @@ def test_the_engine_side_merge_on_a_tensor_parallel_server(checkpoint: str, tmp_
     try:
         results = launch("engine_merge_sync", "lora", checkpoint, server.url, timeout=600)
         # Both workers keep the base: one file, mapped by both (one copy in the page cache).
-        files = list(tmp_path.glob("lora_stream-*/lora_stream-base-*.bin"))  # in the user's private directory
+        from lora_stream.engine.merger import _FILE_PREFIX
+
+        files = list(tmp_path.glob(f"lora_stream-*/{_FILE_PREFIX}*.bin"))  # in the user's private directory
         assert len(files) == 1, files
         mappers = [m for m in Path("/proc").glob("[0-9]*/maps") if _maps(m, str(files[0]))]
         assert len(mappers) == 2, mappers

@@ -182,7 +182,7 @@ class VLLMServerClient:
     def record_decision(self, version: str | None) -> None:
         """Record this sync's decision to commit as ``version`` at the server (``POST /lora_stream/decide``), before
         any server of the sync commits: from then on its lease rolls the update forward, never back. Raises
-        :class:`~lora_stream.errors.LeaseExpiredError` when the sync no longer holds the server (its lease ran out
+        :class:`LeaseExpiredError` when the sync no longer holds the server (its lease ran out
         meanwhile, or the server restarted)."""
         from ..engine.lease import COMMIT_HEADER, DECIDE_PATH
 
