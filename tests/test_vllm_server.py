@@ -424,7 +424,10 @@ def test_after_the_first_sync_only_what_changed_is_gathered_and_sent_and_served_
         assert held["resume"][0] == 409 and "holds this server" in held["resume"][1], held
         # A route that writes and that no list of lora_stream's named (/weight_checker's reset zeroes every
         # parameter), and a write behind the root path's prefix: refused while the sync holds the server.
-        assert held["weight_checker"][0] == 409 and "holds this server" in held["weight_checker"][1], held
+        if held["has_weight_checker"]:
+            assert held["weight_checker"][0] == 409 and "holds this server" in held["weight_checker"][1], held
+        else:  # a release without the route (vLLM 0.31): nothing serves the request
+            assert held["weight_checker"][0] == 404, held
         assert held["prefixed_finish"][0] == 409 and "holds this server" in held["prefixed_finish"][1], held
         # The status answers behind the prefix too (a sink whose URL has it gets a lease), and every route of this
         # server's app is classified.

@@ -142,6 +142,9 @@ def only_the_holder_writes(sync, url: str, rank: int) -> None:  # type: ignore[n
             resumed = requests.post(f"{url}/resume", timeout=30)
             seen["resume"] = (resumed.status_code, resumed.text[:300])
             seen["paused"] = requests.get(f"{url}/is_paused", timeout=30).json()["is_paused"]
+            # vLLM 0.31 has no /weight_checker (0.32 added it): there the request reaches no route at all.
+            paths = requests.get(f"{url}/openapi.json", timeout=30).json()["paths"]
+            seen["has_weight_checker"] = "/weight_checker" in paths
             reset = requests.post(f"{url}/weight_checker", json={"action": "reset"}, timeout=30)
             seen["weight_checker"] = (reset.status_code, reset.text[:300])
             finish = requests.post(f"{url}/api/finish_weight_update", json={"weight_version": "x"}, timeout=30)
