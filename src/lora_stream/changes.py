@@ -80,6 +80,12 @@ class Changes:
     #: Every agreement completed (``False``: the transaction recorded the failure).
     agreed: bool = True
     stages: dict[str, float] = field(default_factory=dict)
+    #: Every step this sync sends (``None``: all of them); ``selection`` is the same set, or ``None`` when it is all.
+    needed: frozenset[int] | None = None
+    #: An element sync (:mod:`lora_stream.elements`): every rank's element steps may travel as changed elements;
+    #: otherwise why not (``None`` with ``elements`` false: the sink sends no elements).
+    elements: bool = False
+    elements_refused: str | None = None
 
 
 def _bits_any(tx: Transaction, bits: list[bool], what: str) -> list[bool] | None:
@@ -101,6 +107,8 @@ def agree_on_changes(
     engines: Sequence[EngineState],
     aliases: Mapping[str, str] | None = None,
     force_full: str | None = None,
+    element_changed: Mapping[int, bool] | None = None,
+    elements_refused: str | None = None,
 ) -> Changes:
     """Decide, with every other rank, which steps of ``stream`` this sync produces (see the module docstring).
 
@@ -109,7 +117,12 @@ def agree_on_changes(
     nothing); ``engines``: the engines this rank feeds (none: it only gathers); ``aliases``: tied alias -> primary
     output name, for the engines' units; ``force_full``: this rank needs every output sent, for this reason (the
     engine-side merge's base must travel again). Every rank calls it with a stream of the same plan: it runs the
-    same two agreements (per :data:`~lora_stream.lockstep.FLAG_CAPACITY` steps) on every path."""
+    same two agreements (per :data:`~lora_stream.lockstep.FLAG_CAPACITY` steps) on every path.
+
+    An element sync: ``element_changed`` says, for each element step, whether any of this rank's elements changed
+    (its sources are trainable, so no fingerprint can say it); ``elements_refused``, why this rank cannot send
+    elements this time (no baseline of the engines' version, too many changed). One more bit of the first
+    agreement makes that common: refused on any rank, every element step is sent whole, as without elements."""
     import time
 
     t = time.perf_counter()
@@ -129,11 +142,21 @@ def agree_on_changes(
     if reason is None:
         assert last is not None
         local = [fp is None or fp != old for fp, old in zip(fingerprints, last.fingerprints, strict=True)]
+        for i, moved in (element_changed or {}).items():
+            local[i] = moved
     else:
         local = [True] * n
-    changed = _bits_any(tx, local, "agreeing on what changed")
-    if changed is None:
+    offered = element_changed is not None
+    flags = _bits_any(tx, local + ([elements_refused is not None] if offered else []), "agreeing on what changed")
+    if flags is None:
         return Changes(None, sources, "the agreement failed", agreed=False)
+    changed = flags[:n]
+    elements = offered and reason is None and not flags[n]
+    refused: str | None = None
+    if offered and not elements:
+        refused = reason or elements_refused or "another trainer rank cannot send elements this time"
+        for i in element_changed or {}:
+            changed[i] = True  # trainable: sent whole, as without elements
     # Steps an engine module reads together with a changed one go too (this rank's engines' units).
     step_of: dict[str, int] = {name: i for i, names in enumerate(steps) for name in names}
     for alias, primary in (aliases or {}).items():
@@ -159,6 +182,27 @@ def agree_on_changes(
         )
         if reason is None and all(changed) and not all(local):
             why = "another trainer rank's engine needs every output, or its shards all changed"
-        return Changes(None, sources, why, n_changed, n_needed - n_changed, stages=stages)
-    selection = Selection(frozenset(i for i in range(n) if needed[i]))
-    return Changes(selection, sources, None, n_changed, n_needed - n_changed, stages=stages)
+        if reason is None and refused is not None:
+            why = f"the trainable outputs go whole: {refused}"
+        return Changes(
+            None,
+            sources,
+            why,
+            n_changed,
+            n_needed - n_changed,
+            stages=stages,
+            elements=elements,
+            elements_refused=refused,
+        )
+    chosen = frozenset(i for i in range(n) if needed[i])
+    return Changes(
+        Selection(chosen),
+        sources,
+        None,
+        n_changed,
+        n_needed - n_changed,
+        stages=stages,
+        needed=chosen,
+        elements=elements,
+        elements_refused=refused,
+    )

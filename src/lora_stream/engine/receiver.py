@@ -110,7 +110,10 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
         self._commit_merge()
         self._committed = None
 
-    def _commit_merge(self) -> None:
+    def _commit_merge(self, sync: str | None = None) -> None:
+        from .elements import ElementShadow
+
+        ElementShadow.of(self.model).commit(sync)  # a no-op once decided; references and a label
         update, self._merge = self._merge, None
         self._pending = None
         if update is not None:
@@ -121,11 +124,13 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
     def _rollback(self) -> bool:
         """Put back what the pending update replaced; returns whether anything was restored (``False`` also when
         no update was pending). The caller says so when a pending update that kept a copy was not restored."""
+        from .elements import ElementShadow
         from .merger import EngineMerger, rolled_back
 
         update, self._merge = self._merge, None
         self._pending = None
         EngineMerger.of(self.model).drop(update)  # the base file it prepared, if any
+        ElementShadow.of(self.model).rollback()
         return rolled_back(self._bracket)
 
     def _not_restored(self, kept: bool | None) -> str | None:
@@ -189,8 +194,13 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
                 self._probe_before = self._probe(update_info.probe_ids)
                 self._probe_before_s = clock() - t
             merge = None
+            from .elements import ElementShadow
+
+            shadow = ElementShadow.of(self.model)
             if update_info.merge is not None:
                 from .merger import open_merge
+
+                shadow.begin(None, update_info.base)
 
                 timing["merge_s"] = timing["base_fingerprint_s"] = 0.0
                 try:
@@ -213,6 +223,11 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
 
                 # Weights this worker did not merge: its recipes no longer describe what the model holds.
                 EngineMerger.of(self.model).forget()
+                try:
+                    shadow.begin(update_info.elements, update_info.base)
+                except VLLMLoadError:
+                    self._drain(plan)  # as a refused merge: the reason reaches the trainer in the answer
+                    raise
                 self._bracket.begin(
                     keep_previous=update_info.rollback,
                     expect=update_info.names if update_info.base is not None else None,
@@ -253,7 +268,7 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
                 elif merge is not None:
                     self._bracket.load(merge.feed(pairs), update_info.optional_names)
                 else:
-                    self._bracket.load(pairs, update_info.optional_names)
+                    self._bracket.load(list(shadow.feed(pairs)), update_info.optional_names)
                 timing["load_s"] += clock() - t
             if merge is not None:
                 t = clock()
@@ -293,7 +308,12 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
             if hasher is not None:
                 self._received_digest = hasher.hexdigest()
             # What this worker keeps alive to undo the update until the decision (its copies and old packed kernels).
-            timing["kept_bytes"] = float(self._bracket.kept_bytes + (merge.kept_bytes if merge is not None else 0))
+            timing["kept_bytes"] = float(
+                self._bracket.kept_bytes + (merge.kept_bytes if merge is not None else 0) + shadow.kept_bytes
+            )
+            if update_info.elements is not None:
+                timing["element_rebuilt"] = float(shadow.stats.get("tensors", 0.0))
+                timing["element_copy_bytes"] = float(shadow.host_bytes)
             if merge is not None:
                 from .merger import EngineMerger
 
@@ -335,7 +355,7 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
             finally:
                 # Every rank voted for the update and its weights are loaded: it stands whatever the bracket's
                 # bookkeeping raised, so a later rollback is refused as after a commit, never taken for one.
-                self._commit_merge()
+                self._commit_merge(sync)
                 self._committed = {"sync": sync, "version": version}
         elif command == "rollback":
             if self._committed is not None:

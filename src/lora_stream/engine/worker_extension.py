@@ -33,12 +33,17 @@ class LoraStreamWorkerExtension:
         expect: list[str] | None = None,
         base: str | None = None,
         optional: list[str] | None = None,
+        elements: dict[str, Any] | None = None,
     ) -> None:
-        """Open the bracket (:meth:`ReloadBracket.begin`; ``expect`` and ``base``: a partial update)."""
+        """Open the bracket (:meth:`ReloadBracket.begin`; ``expect`` and ``base``: a partial update; ``elements``:
+        an element sync's info, :class:`~lora_stream.engine.elements.ElementShadow`)."""
+        from .elements import ElementShadow
         from .merger import EngineMerger
 
         self.lora_stream_rollback()  # an update a vanished trainer left undecided: the safe outcome is the old one
         EngineMerger.of(self.model_runner.model).forget()  # weights this worker does not merge
+        # Refused here, before the bracket opens, when this worker's copy is not of the sync the elements follow.
+        ElementShadow.of(self.model_runner.model).begin(elements, base)
         bracket = ReloadBracket(self.model_runner.model, self.model_runner.model_config)
         bracket.begin(keep_previous=keep_previous, expect=expect, base=base, optional=optional or ())
         self._lora_stream_bracket = bracket
@@ -54,9 +59,11 @@ class LoraStreamWorkerExtension:
         """Open the bracket for an engine-side merge (:mod:`lora_stream.engine.merger`): the loads that follow carry
         merge inputs, and ``merge`` the recipes. A partial update onto another base is refused here, before the
         bracket opens; one onto this worker's committed merges rolls back by recomputing, with no copy."""
+        from .elements import ElementShadow
         from .merger import open_merge
 
         self.lora_stream_rollback()
+        ElementShadow.of(self.model_runner.model).begin(None, base)
         bracket = ReloadBracket(self.model_runner.model, self.model_runner.model_config)
         self._lora_stream_merge = open_merge(
             bracket, merge, keep_previous=keep_previous, partial=partial, base=base, optional=optional or ()
@@ -91,6 +98,10 @@ class LoraStreamWorkerExtension:
         pairs = list(load(bytes(blob)).items())
         if self._lora_stream_merge is not None:
             pairs = self._lora_stream_merge.feed(pairs)
+        else:
+            from .elements import ElementShadow
+
+            pairs = list(ElementShadow.of(self.model_runner.model).feed(pairs))
         return self._lora_stream_bracket.load(pairs, optional or ())
 
     def lora_stream_finish(self) -> tuple[list[str], dict[str, list[str]], bool, list[list[str]] | None]:
@@ -126,11 +137,15 @@ class LoraStreamWorkerExtension:
         update, self._lora_stream_merge = self._lora_stream_merge, None
         if bracket is None:
             return 0
-        kept = bracket.kept_bytes + (update.kept_bytes if update is not None else 0)
+        from .elements import ElementShadow
+
+        shadow = ElementShadow.of(self.model_runner.model)
+        kept = bracket.kept_bytes + (update.kept_bytes if update is not None else 0) + shadow.kept_bytes
         try:
             bracket.abort()  # a no-op after finish; never leave a bracket open
             bracket.commit(token)
         finally:
+            shadow.commit(token)  # references and a label: nothing that can fail
             if update is not None:
                 from .merger import EngineMerger
 
@@ -143,11 +158,13 @@ class LoraStreamWorkerExtension:
         """Undo the update (bit for bit, when ``begin`` kept the previous weights); returns whether it was undone:
         ``True`` when nothing was open, ``False`` when an update was loaded and nothing could be restored (it kept
         no copy: ``rollback=False``), which the sink reports. A base file the update prepared is dropped."""
+        from .elements import ElementShadow
         from .merger import EngineMerger, rolled_back
 
         bracket, self._lora_stream_bracket = self._lora_stream_bracket, None
         update, self._lora_stream_merge = self._lora_stream_merge, None
         EngineMerger.of(self.model_runner.model).drop(update)
+        ElementShadow.of(self.model_runner.model).rollback()
         if bracket is None:
             return True
         return rolled_back(bracket)

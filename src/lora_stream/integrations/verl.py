@@ -289,7 +289,7 @@ class LoraStreamFSDPEngine(FSDPEngineWithLMHead):  # type: ignore[misc]  # verl 
                     bar.close()
         self._exports += 1
         record = SyncRecord(
-            sink="verl/adapter" if isinstance(stream, AdapterStream) else "verl",
+            sink="verl-adapter" if isinstance(stream, AdapterStream) else "verl",
             tensors=tensors_sent,
             bytes=bytes_sent,
             groups=stream.last_stats.groups,

@@ -49,4 +49,7 @@ def record_of(
     """The committed sync's record: what went out (counted as it went), step 1's and the route's stages, and the
     verification."""
     record = decision.source.record(sink, seconds)
+    if decision.element_diff is not None:
+        elements = {**record.elements, "baseline_bytes": decision.element_diff.baseline_bytes}
+        record = dataclasses.replace(record, elements=elements)
     return dataclasses.replace(record, stages={**decision.stages, **stages}, verification=verification)

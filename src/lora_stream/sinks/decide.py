@@ -28,11 +28,11 @@ from typing import Any
 
 from ..adapter import AdapterStream
 from ..changes import Changes, agree_on_changes, takes_selection
-from ..stream import ParamStream
+from ..stream import ParamStream, Selection
 from ..transaction import Transaction
 from .memory import SinkMemory
 from .route import Route
-from .source import SyncSource, source_for
+from .source import ElementSource, SyncSource, source_for
 from .verify import model_vocab_size, probe_ids
 
 __all__ = ["Decision", "decide"]
@@ -58,6 +58,9 @@ class Decision:
     base_fps: dict[str, int] | None
     #: Seconds of this step's parts (``fingerprint_s``, ``state_check_s``, ``decide_s``).
     stages: dict[str, Any]
+    #: ``elements=True``: this rank's diff (:class:`~lora_stream.elements.ElementDiff`), staged as the baseline
+    #: when the sync commits; ``None``: the sink sends no elements.
+    element_diff: Any = None
 
     @property
     def full_because(self) -> str | None:
@@ -77,13 +80,15 @@ def decide(
     merge: str,
     probe: bool = False,
     lora_name: str | None = None,
+    elements: bool = False,
 ) -> Decision:
     """Decide this sync on every rank (see the module docstring); raise on every rank if any rank refused.
 
     ``verifying``: step 3 verifies (the same on every rank: :meth:`SinkMemory.verifying`); ``probe``: the probe's
     token ids are chosen here (a server's workers probe before loading); ``lora_name``: an
     :class:`~lora_stream.AdapterStream` is staged under this name (a route that loads adapters); ``merge``:
-    ``"trainer"`` or ``"engine"``; ``skip_unchanged``: a merged sync may be partial."""
+    ``"trainer"`` or ``"engine"``; ``skip_unchanged``: a merged sync may be partial; ``elements``: a merged sync's
+    trainable outputs may travel as the elements that changed (:mod:`lora_stream.elements`)."""
     stages: dict[str, Any] = {}
 
     def check() -> tuple[Any, ...]:
@@ -98,37 +103,119 @@ def decide(
         skipping = skip_unchanged and adapter is None and takes_selection(stream)
         fingerprints = stream.fingerprints() if skipping else None
         stages["fingerprint_s"] = time.perf_counter() - t
+        diff = None
+        if skipping and elements and merge_plan is None:
+            from ..elements import diff_shards, eligible_steps
+
+            eligible = eligible_steps(stream)
+            diff = diff_shards(stream, [i for i, why in eligible.items() if why is None], memory.elements)
+            stages["element_diff_s"] = diff.seconds
         engines = None
         if fingerprints is not None:  # the proof reads every weight: only for a sync that may be partial
             t = time.perf_counter()
             engines = route.engine_states()
             stages["state_check_s"] = time.perf_counter() - t
-        return aliases, ids, adapter, merge_plan, base_fps, fingerprints, engines
+        return aliases, ids, adapter, merge_plan, base_fps, fingerprints, engines, diff
 
-    aliases, ids, adapter, merge_plan, base_fps, fingerprints, engines = tx.prepare(check)
+    aliases, ids, adapter, merge_plan, base_fps, fingerprints, engines, diff = tx.prepare(check)
     changes = None
+    sends = None
     if fingerprints is not None:
         force = memory.base.reason(base_fps, fingerprints, memory.synced) if merge_plan is not None else None
-        changes = agree_on_changes(tx, stream, fingerprints, memory.synced, engines, aliases, force_full=force)
+        changes = agree_on_changes(
+            tx,
+            stream,
+            fingerprints,
+            memory.synced,
+            engines,
+            aliases,
+            force_full=force,
+            element_changed=diff.changed if diff is not None else None,
+            elements_refused=_element_refusal(stream, diff, memory) if diff is not None else None,
+        )
         if not changes.agreed:
             assert tx.error is not None
             raise tx.error
         stages.update(changes.stages)
+        if changes.elements:
+            assert diff is not None
+            sends = _exchange(tx, stream, changes, diff, stages)
     selection = changes.selection if changes is not None else None
     full_because = changes.full_because if changes is not None else None
     if changes is None and adapter is None:
         full_because = "skip_unchanged=False"
-    source = source_for(
-        stream,
-        aliases,
-        version,
-        adapter=adapter,
-        selection=selection,
-        full_because=full_because,
-        merge_plan=merge_plan,
-        base_fp=memory.base.sent,
-    )
-    return Decision(source, aliases, changes, adapter, verifying, ids, merge_plan, base_fps, stages)
+    if diff is not None and sends is not None:
+        assert changes is not None
+        needed = changes.needed if changes.needed is not None else frozenset(range(len(stream.steps())))
+        rest = Selection(needed - frozenset(sends))
+        source: SyncSource = ElementSource(
+            stream, aliases, version, rest, sends, shadow=_shadowed(stream, diff), refused=None
+        )
+    elif diff is not None:
+        source = ElementSource(
+            stream,
+            aliases,
+            version,
+            selection,
+            {},
+            shadow=_shadowed(stream, diff),
+            refused=changes.elements_refused if changes is not None else None,
+            full_because=full_because,
+        )
+    else:
+        source = source_for(
+            stream,
+            aliases,
+            version,
+            adapter=adapter,
+            selection=selection,
+            full_because=full_because,
+            merge_plan=merge_plan,
+            base_fp=memory.base.sent,
+        )
+    return Decision(source, aliases, changes, adapter, verifying, ids, merge_plan, base_fps, stages, diff)
+
+
+#: An element sync sends elements only while their encoded bytes stay at most this fraction of the element steps'
+#: whole bytes on every rank; past it, the whole tensors cost about the same and need no exchange between ranks.
+ELEMENT_BUDGET = 0.5
+
+
+def _element_refusal(stream: ParamStream, diff: Any, memory: SinkMemory) -> str | None:
+    """Why this rank cannot send elements this sync (``None``: it can)."""
+    if not memory.elements.valid_for(stream.plan_digest):
+        return "no element baseline of the engines' version on this rank yet (the last sync was full or failed)"
+    if not diff.segments:
+        return "no output can travel as elements (see docs: element syncs)"
+    whole = sum(s.hi - s.lo for s in diff.segments.values())
+    sent = sum(s.encoded.blob.numel() for s in diff.segments.values())
+    itemsize = max(1, max(s.encoded.dtype.itemsize for s in diff.segments.values()))
+    if sent > ELEMENT_BUDGET * whole * itemsize:
+        return f"too many elements changed: {sent / max(1, whole * itemsize):.0%} of the bytes as elements"
+    return None
+
+
+def _shadowed(stream: ParamStream, diff: Any) -> list[str]:
+    """The output names the engines keep a copy of, for the next element sync: every element step's."""
+    steps = stream.steps()
+    return [steps[i][0] for i in diff.segments]
+
+
+def _exchange(tx: Transaction, stream: ParamStream, changes: Changes, diff: Any, stages: dict[str, Any]) -> Any:
+    """Every rank's changes of the element steps this sync sends, on every rank (one all-gather of the encoded
+    changes over the stream's group, right after the agreement that every rank reached)."""
+    from ..elements import exchange
+
+    needed = changes.needed if changes.needed is not None else frozenset(range(len(stream.steps())))
+    steps = sorted(i for i in diff.segments if i in needed)
+    t = time.perf_counter()
+    g = stream.gatherer
+    with tx.attempt():
+        out = exchange(g.process_group, g.collective, diff.segments, steps)
+    stages["element_exchange_s"] = time.perf_counter() - t
+    if tx.error is not None:
+        raise tx.error
+    return out
 
 
 def _staging_path(lora_name: str) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..changes import SyncedSources
+from ..elements import ElementBaseline
 from .engine_base import EngineBaseRecord
 from .verify import ProbeHistory, VerifyPolicy, should_verify
 
@@ -31,6 +32,8 @@ class SinkMemory:
         #: Committed syncs (what ``verify=N`` counts; the same on every rank, since commits are agreed).
         self.syncs = 0
         self.history = ProbeHistory()
+        #: ``elements=True``: this rank's shards of the element outputs as the engines hold them.
+        self.elements = ElementBaseline()
 
     def verifying(self, policy: VerifyPolicy) -> bool:
         """Whether the next sync is verified under ``policy``: the same answer on every rank."""
@@ -46,9 +49,18 @@ class SinkMemory:
             return
         changes = decision.changes
         self.synced = changes.sources if committed and changes is not None else None
+        diff = decision.element_diff
+        if committed and diff is not None and changes is not None:
+            # Every element output went (as elements or whole) or was unchanged: the new shards are what the
+            # engines hold. A reference swap, after the vote.
+            self.elements.stage(decision.source.stream.plan_digest, diff.new)
+            self.elements.commit()
+        else:
+            self.elements.forget()
         self.base.remember(committed and decision.merge_plan is not None, decision.source, decision.base_fps)
 
     def forget(self) -> None:
         """Trust nothing: the next sync sends every output (and the engine-side merge's base)."""
         self.synced = None
         self.base.forget()
+        self.elements.forget()

@@ -15,7 +15,20 @@ __all__ = ["METRICS", "AdapterSyncRecord", "SyncRecord"]
 #: The names :meth:`SyncRecord.metrics` returns (after its prefix, ``lora_stream/`` by default), each a float: the
 #: sync's seconds, the MiB sent and skipped as unchanged, the tensors sent, the largest group gathered, ``partial``
 #: (1 when unchanged outputs stayed in the engine), ``verified`` (1 when the sync was verified and passed).
-METRICS = ("sync_s", "sent_mib", "skipped_mib", "tensors", "peak_gathered_mib", "partial", "verified")
+#: With ``elements=True`` also: ``element_fraction`` (changed elements of the outputs sent as elements),
+#: ``element_mib`` (what those carried) and ``baseline_mib`` (this rank's element baseline in host memory); 0 without.
+METRICS = (
+    "sync_s",
+    "sent_mib",
+    "skipped_mib",
+    "tensors",
+    "peak_gathered_mib",
+    "partial",
+    "verified",
+    "element_fraction",
+    "element_mib",
+    "baseline_mib",
+)
 
 logger = logging.getLogger("lora_stream")
 
@@ -67,6 +80,11 @@ class SyncRecord:
     #: The sync committed, but resuming generation failed on a server (every rank records it alike; the server's
     #: lease resumes it, :mod:`lora_stream.engine.lease`): what failed, or ``None``.
     resume_failure: str | None = None
+    #: An element sync's figures (sinks built with ``elements=True``; empty otherwise): ``tensors`` sent as
+    #: elements, their ``changed`` and total ``elements``, the ``bytes`` those carried against ``whole_bytes`` as
+    #: whole tensors, ``encodings`` (segments per encoding), ``baseline_bytes`` (this rank's baseline in host
+    #: memory) and ``refused`` (why this sync sent no elements, or ``None``).
+    elements: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Addresses may carry userinfo (http://user:password@host), reasons an error's text: redacted once, here.
@@ -87,6 +105,12 @@ class SyncRecord:
     def partial(self) -> bool:
         """Whether outputs unchanged since the engine's version stayed in the engine (``skipped_tensors > 0``)."""
         return self.skipped_tensors > 0
+
+    @property
+    def element_fraction(self) -> float:
+        """Changed elements over all elements of the outputs sent as elements (0 when none were)."""
+        total = self.elements.get("elements", 0)
+        return float(self.elements.get("changed", 0)) / total if total else 0.0
 
     @property
     def verified(self) -> bool:
@@ -126,6 +150,17 @@ class SyncRecord:
             f"peak group {self.peak_group_bytes / 2**20:.1f} MiB, "
             f"peak gathered {self.peak_gathered_bytes / 2**20:.1f} MiB",
         ]
+        e = self.elements
+        if e:
+            if e.get("tensors"):
+                kinds = ", ".join(f"{k} {v}" for k, v in sorted(e.get("encodings", {}).items()))
+                parts.append(
+                    f"elements: {e['tensors']} tensors, {self.element_fraction:.2%} changed, "
+                    f"{e['bytes'] / 2**20:.1f} MiB of {e['whole_bytes'] / 2**20:.1f} MiB whole ({kinds}), "
+                    f"baseline {e.get('baseline_bytes', 0) / 2**20:.1f} MiB"
+                )
+            else:
+                parts.append(f"no elements: {e.get('refused') or 'nothing changed'}")
         if self.excluded:
             parts.append(f"{len(self.excluded)} server(s) excluded: {', '.join(self.excluded)}")
         if self.readmitted:
@@ -153,6 +188,9 @@ class SyncRecord:
             "peak_gathered_mib": self.peak_gathered_bytes / 2**20,
             "partial": float(self.partial),
             "verified": float(self.verified),
+            "element_fraction": self.element_fraction,
+            "element_mib": self.elements.get("bytes", 0) / 2**20,
+            "baseline_mib": self.elements.get("baseline_bytes", 0) / 2**20,
         }
         return {prefix + name: float(figures[name]) for name in METRICS}
 

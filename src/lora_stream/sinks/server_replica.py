@@ -62,6 +62,11 @@ class CurrentSource:
         """The engine-side merge's recipes (``None``: the merged tensors travel)."""
         return getattr(self._source(), "merge_info", None)
 
+    @property
+    def element_info(self) -> dict[str, Any] | None:
+        """An element sync's info (``None``: the sink sends no elements)."""
+        return getattr(self._source(), "element_info", None)
+
     def metadata(self) -> Any:
         return self._source().metadata()
 

@@ -162,7 +162,8 @@ class ServerRoute:
         # The probe before loading serves the "it changed" check only, which needs the previous sync verified.
         ids = decision.probe_ids
         before = ids if ids is not None and self.memory.history.wants_before(self.memory.syncs) else None
-        partial = decision.changes is not None and decision.changes.selection is not None
+        # A partial update, or one carrying elements: the workers must hold exactly this sink's last commit.
+        partial = decision.changes is not None and decision.source.selection is not None
         for r in self._live():
             r.engine.keep_previous = self.sink.rollback  # read per sync: the option may change between syncs
             r.engine.adapter_keep = r.serving_path

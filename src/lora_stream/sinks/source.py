@@ -21,7 +21,7 @@ from ..stream import ParamMeta, ParamStream, Selection, StreamPass
 from ..transaction import fault_point
 from .record import SyncRecord
 
-__all__ = ["EngineMergeSource", "SyncSource", "source_for"]
+__all__ = ["ElementSource", "EngineMergeSource", "SyncSource", "source_for"]
 
 
 class SyncSource:
@@ -227,6 +227,110 @@ class SyncSource:
             gathered_bytes=stats.gathered_bytes if stats is not None else 0,
             full_because=self.full_because if self.selection is None else None,
         )
+
+
+class ElementSource(SyncSource):
+    """A sync of a sink built with ``elements=True`` (:mod:`lora_stream.elements`): the element steps it sends
+    travel as the elements that changed on every rank (``sends``: each step's segments, every rank's, from the
+    exchange), one ``uint8`` blob per output, before the stream's pass over the other steps it sends
+    (``selection``). :attr:`element_info` tells the engines how to rebuild each blob, and which outputs to keep a
+    copy of for the next element sync (``shadow``). With no ``sends`` it is a sync like any other (the first one, or
+    one whose elements were refused: ``refused`` says why), except that the engines keep their copy."""
+
+    def __init__(
+        self,
+        stream: ParamStream,
+        aliases: Mapping[str, str] | None,
+        version: str | None,
+        selection: Selection | None,
+        sends: Mapping[int, Any],
+        *,
+        shadow: list[str],
+        refused: str | None,
+        full_because: str | None = None,
+    ):
+        self.sends = dict(sends)
+        self.shadow = list(shadow)
+        self.elements_refused = refused
+        super().__init__(stream, aliases, version, None, selection=selection, full_because=full_because)
+
+    def _describe(self) -> None:
+        steps = self.stream.steps()
+        meta = {m.name: m for m in self.stream.metadata()}
+        owner = {n: j for j, names in enumerate(self.stream.groups()) for n in names}
+        by_group: dict[int, list[str]] = {}
+        self._payloads: dict[str, Any] = {}
+        self._blobs: dict[str, torch.Tensor] = {}
+        self.element_figures = {"tensors": 0, "changed": 0, "elements": 0, "bytes": 0, "whole_bytes": 0}
+        self.encodings: dict[str, int] = {}
+        for i, segments in sorted(self.sends.items()):
+            name = steps[i][0]
+            m = meta[name]
+            by_group.setdefault(owner[name], []).append(name)
+            blob = torch.cat([s.encoded.blob.reshape(-1) for s in segments]) if segments else torch.empty(0)
+            self._blobs[name] = blob.to(torch.uint8)
+            self._payloads[name] = {
+                "shape": list(m.shape),
+                "dtype": str(m.dtype)[6:],
+                "segments": [s.describe() for s in segments],
+            }
+            f = self.element_figures
+            f["tensors"] += 1
+            f["changed"] += sum(s.encoded.count if s.encoded.encoding != "dense" else 0 for s in segments)
+            f["changed"] += sum(s.hi - s.lo for s in segments if s.encoded.encoding == "dense")
+            f["elements"] += sum(s.hi - s.lo for s in segments)
+            f["bytes"] += int(blob.numel())
+            f["whole_bytes"] += nbytes(torch.Size(m.shape), m.dtype)
+            for s in segments:
+                self.encodings[s.encoded.encoding] = self.encodings.get(s.encoded.encoding, 0) + 1
+        self._element_groups = [by_group[j] + self._aliases_of(by_group[j]) for j in sorted(by_group)]
+        primary_of = {a: p for p, aliases in self._by_primary.items() for a in aliases}
+        element_meta = [
+            ParamMeta(n, torch.uint8, (int(self._blobs[primary_of.get(n, n)].numel()),))
+            for names in self._element_groups
+            for n in names
+        ]
+        self._groups = [list(g) for g in self._element_groups] + self._groups
+        self._meta = element_meta + self._meta
+        self._primary_of = primary_of
+
+    @property
+    def element_info(self) -> dict[str, Any]:
+        """What the engines need (:class:`~lora_stream.engine.elements.ElementShadow`): the outputs to keep a copy
+        of, the element payloads' shapes, dtypes and segments, and the tied aliases that travel with them."""
+        aliases = {a: p for a, p in self._primary_of.items() if p in self._payloads}
+        return {"shadow": list(self.shadow), "payloads": dict(self._payloads), "aliases": aliases}
+
+    def _expanded(self, batches: Any) -> Generator[tuple[list[str], list[torch.Tensor]], None, None]:
+        for names in self._element_groups:
+            tensors = [self._blobs[self._primary_of.get(n, n)] for n in names]
+            group_bytes = sum(t.numel() for t in tensors)
+            self.tensors += len(tensors)
+            self.bytes += group_bytes
+            self.groups_sent += 1
+            self.peak_group_bytes = max(self.peak_group_bytes, group_bytes)
+            self._sent(group_bytes)
+            yield list(names), tensors
+        yield from super()._expanded(batches)
+
+    def record(self, sink: str, seconds: float) -> SyncRecord:
+        import dataclasses
+
+        record = super().record(sink, seconds)
+        figures: dict[str, Any] = {**self.element_figures, "encodings": dict(self.encodings)}
+        figures["refused"] = self.elements_refused if not self.sends else None
+        if self.sends:
+            # The stream's pass left the element outputs out, and counted them (and their aliases) as skipped.
+            sent = [n for names in self._element_groups for n in names]
+            meta = {m.name: m for m in self.stream.metadata()}
+            of = [meta[self._primary_of.get(n, n)] for n in sent]
+            whole = sum(nbytes(torch.Size(m.shape), m.dtype) for m in of)
+            record = dataclasses.replace(
+                record,
+                skipped_tensors=max(0, record.skipped_tensors - len(sent)),
+                skipped_bytes=max(0, record.skipped_bytes - whole),
+            )
+        return dataclasses.replace(record, elements=figures)
 
 
 class EngineMergeSource(SyncSource):

@@ -115,6 +115,7 @@ class VLLMColocatedSink:
         prefix_cache_timeout: float = 10.0,
         skip_unchanged: bool = True,
         merge: str = "trainer",
+        elements: bool = False,
     ) -> None:
         from ..engine.vllm_version import check_vllm
         from ..engine_merge import MERGE_LOCATIONS
@@ -138,6 +139,9 @@ class VLLMColocatedSink:
                 "base (docs: Where the merge runs). Use merge='trainer'"
             )
         self.merge = merge
+        from ..elements import check_elements_option
+
+        self.elements = check_elements_option(elements, skip_unchanged, merge)
         #: What this rank knows of what the engine holds from this sink (its last commit, the merge's base).
         self._memory = SinkMemory()
         self._base = self._memory.base
@@ -192,6 +196,7 @@ class VLLMColocatedSink:
             verifying=self._memory.verifying(self.verify),
             skip_unchanged=self.skip_unchanged,
             merge=self.merge,
+            elements=self.elements,
         )
         route.transfer(tx, decision)
         known = decision.source.ended_early
@@ -239,14 +244,20 @@ class VLLMColocatedSink:
             return
         expect = None if source.selection is None else [n for g in source.groups() for n in g]
         base = self._token if expect is not None else None
+        elements = getattr(source, "element_info", None)
         if self._bracket is not None:
+            from ..engine.elements import ElementShadow
+
+            ElementShadow.of(self._bracket.model).begin(elements, base)
             self._bracket.begin(keep_previous=self.rollback, expect=expect, base=base, optional=source.aliases)
         else:
-            self._rpc("lora_stream_begin", self.rollback, expect, base, source.aliases)
+            self._rpc("lora_stream_begin", self.rollback, expect, base, source.aliases, elements)
 
     def _load(self, pairs: list[tuple[str, torch.Tensor]], optional: list[str]) -> None:
         if self._bracket is not None:
-            self._bracket.load(pairs, optional)
+            from ..engine.elements import ElementShadow
+
+            self._bracket.load(list(ElementShadow.of(self._bracket.model).feed(pairs)), optional)
             return
         from safetensors.torch import save
 
@@ -344,8 +355,14 @@ class _EngineRoute(LocalEngineChecks):
         # (one read of every weight per commit) for a proof nobody will ask for.
         held = self.token if sink.skip_unchanged else None
         if sink._bracket is not None:
-            sink._kept_bytes = sink._bracket.kept_bytes
-            sink._bracket.commit(held)
+            from ..engine.elements import ElementShadow
+
+            shadow = ElementShadow.of(sink._bracket.model)
+            sink._kept_bytes = sink._bracket.kept_bytes + shadow.kept_bytes
+            try:
+                sink._bracket.commit(held)
+            finally:
+                shadow.commit(held)
         else:
             sink._kept_bytes = sum(int(n) for n in sink._rpc("lora_stream_commit", held))
         sink._token = self.token
@@ -360,6 +377,9 @@ class _EngineRoute(LocalEngineChecks):
             # Each worker says whether it put its weights back: a worker that could not is reported, never taken
             # for rolled back.
             if sink._bracket is not None:
+                from ..engine.elements import ElementShadow
+
+                ElementShadow.of(sink._bracket.model).rollback()
                 restored = [bool(sink._bracket.rollback())]
             else:
                 restored = [bool(r) for r in sink._rpc("lora_stream_rollback")]

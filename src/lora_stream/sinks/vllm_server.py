@@ -202,6 +202,7 @@ class VLLMServerSink:
         verify_tolerance: float | None = None,
         skip_unchanged: bool = True,
         merge: str = "trainer",
+        elements: bool = False,
     ) -> None:
         from ..engine.vllm_version import check_vllm
         from ..engine_merge import MERGE_LOCATIONS
@@ -260,6 +261,9 @@ class VLLMServerSink:
         self.verify_tolerance = verify_tolerance
         self.skip_unchanged = skip_unchanged
         self.merge = merge
+        from ..elements import check_elements_option
+
+        self.elements = check_elements_option(elements, skip_unchanged, merge)
         #: What this rank knows of what the servers hold from this sink (its last commit, the engine-side merge's base).
         self._memory = SinkMemory()
         self._base = self._memory.base
@@ -317,6 +321,7 @@ class VLLMServerSink:
                     verifying=self._memory.verifying(self.verify),
                     skip_unchanged=self.skip_unchanged,
                     merge=self.merge,
+                    elements=self.elements,
                     probe=True,
                     lora_name=self.lora_name,
                 )

@@ -95,6 +95,9 @@ class TransferUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
     #: one recipe per step to load (``recipes``), which keys are the frozen base (``frozen``) and, for a partial
     #: update, the fingerprint the trainer recorded for each base key the recipes read (``base_fp``).
     merge: dict[str, Any] | None = None
+    #: A sink built with ``elements=True`` (:class:`~lora_stream.engine.elements.ElementShadow`): which tensors the
+    #: workers keep a copy of, and which travel as changed elements (their shapes, dtypes and segments).
+    elements: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.names)

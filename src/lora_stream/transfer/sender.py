@@ -231,6 +231,7 @@ class TrainerTransferEngine(TrainerWeightTransferEngine[TrainerTransferInitInfo]
             "digest": self.digest_received,
             "base": self.base_sync,
             "merge": getattr(source, "merge_info", None),
+            "elements": getattr(source, "element_info", None),
         }
 
     def conclude(self, commit: bool, version: str | None, sync: str | None = None) -> None:

@@ -1,0 +1,273 @@
+"""Trainer side of an element sync: each rank finds, in its own shard, the elements that changed since the last
+committed sync, and only those travel -- never gathered, never merged.
+
+Who calls it: step 1 of a sync (:mod:`lora_stream.sinks.decide`), on every rank, when the sink was built with
+``elements=True``. What it covers, per step of the stream's plan (:meth:`ParamStream.steps`):
+
+* **Eligible**: one trainable parameter in, one output out, no merge and no checkpoint conversion (the output is
+  the parameter, cast to the served dtype: a per-element identity), and a gatherer that can say which flat range of
+  the parameter this rank holds (:func:`shard_of`): ZeRO-3's partition (``ds_tensor``), FSDP2's ``Shard(0)`` local
+  shard, or the whole tensor where nothing is sharded (one process, DDP). Everything else -- a LoRA merge, a fused
+  expert conversion, a quantized base, a persistent ZeRO-3 parameter, a frozen one (which the fingerprints skip
+  whole already) -- goes as before, and :func:`eligible_steps` says why.
+* **The baseline** (:class:`ElementBaseline`): this rank's shard of every eligible output, cast to the served dtype,
+  as the engines hold it since the last committed sync -- in host memory, ``1/N`` of the model under ZeRO-3 and
+  FSDP2. It advances only when the sync commits (:meth:`ElementBaseline.commit`: a reference swap, nothing that can
+  fail after the vote), and is dropped by any failed sync.
+* **The diff** (:func:`diff_shards`): the new cast shard compared with the baseline *bit for bit*; the changed
+  elements, encoded (:mod:`lora_stream.element_codec`), and a fingerprint of the whole new shard, which the engine
+  checks against what it rebuilt (every sync proves the engine loads what a full sync would have loaded).
+* **The exchange** (:func:`exchange`): the ranks feeding engines need every rank's changes; the encoded changes
+  (not the tensors) are all-gathered over the stream's process group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .element_codec import Encoded, bits, encode
+from .fingerprint import fingerprint
+from .gatherers.base import nbytes
+
+__all__ = [
+    "check_elements_option",
+    "ElementBaseline",
+    "ElementDiff",
+    "Segment",
+    "diff_shards",
+    "eligible_steps",
+    "exchange",
+    "shard_of",
+]
+
+
+def check_elements_option(elements: bool, skip_unchanged: bool, merge: str) -> bool:
+    """The sinks' ``elements`` option, checked at construction (the same rule for every sink)."""
+    if not isinstance(elements, bool):
+        raise TypeError(f"elements must be True or False, got {elements!r}")
+    if elements and not skip_unchanged:
+        raise ValueError(
+            "elements=True sends only what changed against what the engines provably hold; it needs skip_unchanged=True"
+        )
+    if elements and merge != "trainer":
+        raise ValueError(
+            "elements=True sends the merged outputs' changed elements; merge='engine' sends merge inputs instead "
+            "(a LoRA's factors already are its few changed bytes): use one or the other"
+        )
+    return elements
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The flat range ``[offset, offset + values.numel())`` of a parameter this rank holds, and its values."""
+
+    offset: int
+    values: torch.Tensor
+
+
+def shard_of(gatherer: Any, param: Any, numel: int) -> Shard | str:
+    """This rank's flat range of ``param`` (``numel`` elements whole) under ``gatherer``, or why it has none that
+    an element sync can use."""
+    name = getattr(gatherer, "name", type(gatherer).__name__)
+    part = getattr(param, "ds_tensor", None)
+    if part is not None:  # DeepSpeed ZeRO-3: an equal flat partition per rank, the last one padded
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        if "nvme" in str(getattr(part, "final_location", "") or "").lower():
+            return "ZeRO-3 keeps its partition on NVMe"
+        if getattr(param, "ds_status", None) == ZeroParamStatus.AVAILABLE:
+            return "a persistent ZeRO-3 parameter (whole on every rank)"
+        size = int(part.ds_numel)
+        rank = dist.get_rank(getattr(param, "ds_process_group", None))
+        lo = min(rank * size, numel)
+        hi = min(lo + size, numel)
+        return Shard(lo, part.view(-1).narrow(0, 0, hi - lo))
+    from .gatherers.fsdp2 import is_dtensor
+
+    if is_dtensor(param):
+        from torch.distributed.tensor import Shard as DShard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        placements = tuple(param.placements)
+        if param.device_mesh.ndim != 1 or placements != (DShard(0),):
+            return f"an FSDP2 placement other than Shard(0) on one mesh dimension: {placements}"
+        local = param.detach().to_local()
+        _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, placements)
+        row = 1
+        for d in param.shape[1:]:
+            row *= int(d)
+        if not local.is_contiguous():
+            return "an FSDP2 local shard that is not contiguous"
+        return Shard(int(offset[0]) * row, local.reshape(-1))
+    if getattr(gatherer, "collective", False):
+        return f"the {name} gatherer does not say which elements of this parameter this rank holds"
+    whole = param.detach() if isinstance(param, torch.Tensor) else None
+    if whole is None or whole.numel() != numel:
+        return f"the {name} gatherer does not hold this parameter whole"
+    return Shard(0, whole.reshape(-1))
+
+
+def eligible_steps(stream: Any) -> dict[int, str | None]:
+    """For every step of ``stream``'s plan, ``None`` if it can go as elements, or why not (the same on every rank:
+    it reads the plan and parameters' placements only)."""
+    from .stream import _reads_trainable
+
+    out: dict[int, str | None] = {}
+    for i, step in enumerate(stream._steps):
+        if len(step.inputs) != 1 or len(step.outputs) != 1 or step.convert is not None:
+            out[i] = "a checkpoint conversion that is not one tensor as is (fused or split)"
+            continue
+        t = step.inputs[0]
+        if t.merge is not None:
+            out[i] = "a merged LoRA output (or a buffer): computed from gathered tensors"
+            continue
+        if not _reads_trainable(t):
+            out[i] = "frozen (skipped whole when unchanged)"
+            continue
+        if getattr(t.param, "quant_state", None) is not None or not torch.empty((), dtype=t.dtype).is_floating_point():
+            out[i] = "a quantized parameter"
+            continue
+        numel = 1
+        for d in step.outputs[0].shape:
+            numel *= int(d)
+        whole = 1
+        for d in stream.gatherer.full_shape(t.param):
+            whole *= int(d)
+        if whole != numel:
+            out[i] = "an output whose element count differs from its parameter's"
+            continue
+        shard = shard_of(stream.gatherer, t.param, numel)
+        out[i] = shard if isinstance(shard, str) else None
+    return out
+
+
+@dataclass
+class Segment:
+    """One rank's changed elements of one output: its flat range ``[lo, hi)`` of the checkpoint tensor, the
+    encoded changes (indices relative to ``lo``), and the fingerprint of every new value in the range."""
+
+    lo: int
+    hi: int
+    encoded: Encoded
+    fp: int
+
+    def describe(self) -> dict[str, Any]:
+        return {"lo": self.lo, "hi": self.hi, "fp": self.fp, **self.encoded.describe()}
+
+
+@dataclass
+class ElementDiff:
+    """This rank's diff of every eligible step against its baseline (``changed[i]``: any element of step ``i``
+    changed here, or there was no baseline), its segments, and the new shards (the baseline once committed)."""
+
+    changed: dict[int, bool]
+    segments: dict[int, Segment]
+    new: dict[int, torch.Tensor]
+    #: Bytes of the baseline this rank keeps (the new shards), and of the diff's segments.
+    baseline_bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class ElementBaseline:
+    """This rank's shards of the eligible outputs as the engines hold them since the last committed sync."""
+
+    #: The stream plan the shards follow (:attr:`ParamStream.plan_digest`); ``None``: nothing committed.
+    plan: str | None = None
+    shards: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: The next baseline, from this sync's diff; installed by :meth:`commit`.
+    pending: tuple[str, dict[int, torch.Tensor]] | None = None
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.shards.values())
+
+    def valid_for(self, plan: str) -> bool:
+        return self.plan is not None and self.plan == plan
+
+    def stage(self, plan: str, new: dict[int, torch.Tensor]) -> None:
+        """Before the vote: what :meth:`commit` will install."""
+        self.pending = (plan, new)
+
+    def commit(self) -> None:
+        """After every rank voted to commit: the staged shards are the baseline (a reference swap)."""
+        if self.pending is not None:
+            self.plan, self.shards = self.pending
+        self.pending = None
+
+    def forget(self) -> None:
+        """A failed sync, or a sync not sent as elements: nothing is known (the next element sync sends every
+        element of every eligible output once more)."""
+        self.plan, self.shards, self.pending = None, {}, None
+
+
+def diff_shards(stream: Any, steps: Sequence[int], baseline: ElementBaseline) -> ElementDiff:
+    """This rank's diff of ``steps`` (eligible ones) against ``baseline`` (compared only if it follows this
+    stream's plan). Reads each local shard once, on its device, and copies the cast shard to host memory."""
+    import time
+
+    t0 = time.perf_counter()
+    usable = baseline.valid_for(stream.plan_digest)
+    changed: dict[int, bool] = {}
+    segments: dict[int, Segment] = {}
+    new: dict[int, torch.Tensor] = {}
+    held = 0
+    for i in steps:
+        step = stream._steps[i]
+        out = step.outputs[0]
+        numel = 1
+        for d in out.shape:
+            numel *= int(d)
+        shard = shard_of(stream.gatherer, step.inputs[0].param, numel)
+        if isinstance(shard, str):  # eligible_steps said it has one: a placement changed under the plan
+            raise ValueError(f"output {out.name!r}: {shard}")
+        cast = shard.values.detach().to(device="cpu", dtype=out.dtype, copy=True).reshape(-1)
+        old = baseline.shards.get(i) if usable else None
+        if old is None or old.numel() != cast.numel():
+            index = torch.arange(cast.numel(), dtype=torch.int64)
+        else:
+            index = (bits(cast) != bits(old)).nonzero().reshape(-1)
+        changed[i] = bool(index.numel()) or old is None
+        segments[i] = Segment(shard.offset, shard.offset + cast.numel(), encode(cast, index), fingerprint(cast))
+        new[i] = cast
+        held += nbytes(cast.shape, cast.dtype)
+    return ElementDiff(changed, segments, new, held, time.perf_counter() - t0)
+
+
+def exchange(
+    group: Any, collective: bool, segments: dict[int, Segment], steps: Sequence[int]
+) -> dict[int, list[Segment]]:
+    """Every rank's segments of ``steps`` (ascending by range), on every rank: one all-gather of the encoded changes
+    over ``group`` when the stream is sharded (``collective``); this rank's own otherwise (each rank holds every
+    element)."""
+    mine = {i: segments[i] for i in steps}
+    if not collective or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return {i: [s] for i, s in mine.items()}
+    wire = {
+        i: (
+            s.lo,
+            s.hi,
+            s.fp,
+            s.encoded.encoding,
+            s.encoded.count,
+            s.encoded.numel,
+            str(s.encoded.dtype)[6:],
+            s.encoded.blob.numpy().tobytes(),
+        )
+        for i, s in mine.items()
+    }
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, wire, group=group)
+    out: dict[int, list[Segment]] = {i: [] for i in steps}
+    for theirs in everyone:
+        for i, (lo, hi, fp, encoding, count, numel, dtype, blob) in theirs.items():
+            data = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
+            out[int(i)].append(Segment(lo, hi, Encoded(encoding, count, numel, getattr(torch, dtype), data), fp))
+    for segs in out.values():
+        segs.sort(key=lambda s: s.lo)
+    return out

