@@ -67,7 +67,7 @@ def test_adapter_sync_is_verls_adapter_with_the_scaling_in_lora_b(tmp_path: Path
         "export-2",
         "export-3",
     ], describe(results)
-    assert all("(verl/adapter)" in line and "; full: " in line and "; not verified;" in line for line in lines), lines
+    assert all("(verl-adapter)" in line and "; full: " in line and "; not verified;" in line for line in lines), lines
     assert not [line for line in r1.output.splitlines() if "lora_stream sync " in line], describe([r1])
     for e in done:
         figures = e["sync_figures"]
