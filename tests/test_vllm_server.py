@@ -498,3 +498,56 @@ def test_the_engine_side_merge_serves_exactly_what_a_trainer_side_merged_sync_se
     refused = [e for e in events["refused"]]
     assert all("is not the trainer's" in e["message"] for e in refused), refused
     assert next(e for e in refused if e["rank"] == 0)["equal"] is True
+
+
+# -- element syncs (elements=True): full fine-tuning ----------------------------------------------------------------
+def _element_checks(results, *, faults: bool) -> dict[str, list[dict]]:  # type: ignore[no-untyped-def]
+    """What every element-sync worker run must show (workers/element_sync.py)."""
+    events = _events(results)
+    syncs = {(e["rank"], e["label"]): e for e in events["sync"]}
+    for rank in (0, 1):
+        first = syncs[rank, "v1"]
+        assert first["elements"]["tensors"] == 0 and "no sync committed" in first["elements"]["refused"], first
+        for label in ("v2", "v4"):
+            e = syncs[rank, label]
+            # Only elements travel: nothing gathered, far fewer bytes than the first sync, and the line says so.
+            assert e["full_because"] is None and e["gathered"] == 0, e
+            assert 0 < e["elements"]["tensors"] and 0 < e["fraction"] < 0.01, e
+            assert e["sent_bytes"] < first["sent_bytes"] / 20, e
+            assert "elements: " in e["line"] and e["metrics"]["lora_stream/element_fraction"] > 0, e
+            assert e["elements"]["baseline_bytes"] > 0, e
+        # The full sink wrote the servers in between: everything again, and the line says why.
+        assert "another" in syncs[rank, "v3"]["full_because"], syncs[rank, "v3"]
+        # AdamW moved every float32 element: elements would cost more than the tensors; sent whole, and said so.
+        assert "too many elements changed" in str(syncs[rank, "v6"]["full_because"]), syncs[rank, "v6"]
+    assert syncs[0, "v2"]["elements"]["changed"] > 0
+    equal = {e["label"]: e["equal"] for e in events["equal"]}
+    assert equal.get("v2") is True and equal.get("v4") is True, describe(results)
+    if faults:
+        seen = [e["point"] for e in events["fault"]]
+        assert len(seen) == len(FAULT_POINTS), seen
+        for e in events["fault"]:
+            assert e["equal"] is True, f"the servers' outputs changed after a failed element sync at {e['point']}"
+            assert e["version"].endswith("-elements"), e
+            assert e["seconds"] < 60, e
+        for rank in (0, 1):
+            for point in seen:
+                assert syncs[rank, f"{point}-elements"]["elements"]["tensors"] > 0, syncs[rank, f"{point}-elements"]
+                # After a failed sync everything goes (a refusal in the pre-flight touched nothing: it needs nothing).
+                before = seen[seen.index(point) - 1] if point != seen[0] else None
+                base = syncs[rank, f"{point}-base"]
+                if before not in (None, "prepare"):
+                    assert "failed" in str(base["full_because"]), (before, base)
+        assert equal.get("after-faults-elements") is True
+    return events
+
+
+@pytest.mark.parametrize("gatherer", ["zero3", "fsdp2"])
+def test_element_syncs_send_only_changed_elements_and_serve_exactly_a_full_sync(
+    server: Server, checkpoint: str, gatherer: str
+) -> None:
+    # ZeRO-3 at every fault point; FSDP2 the syncs themselves.
+    faults = gatherer == "zero3"
+    results = launch("element_sync", gatherer, checkpoint, server.url, *(["faults"] if faults else []), timeout=600)
+    assert_all_ok(results)
+    _element_checks(results, faults=faults)

@@ -147,14 +147,16 @@ def agree_on_changes(
     else:
         local = [True] * n
     offered = element_changed is not None
-    flags = _bits_any(tx, local + ([elements_refused is not None] if offered else []), "agreeing on what changed")
+    # Elements need every rank able to send them, and every rank's engines proven to hold the last commit.
+    cannot = elements_refused is not None or reason is not None
+    flags = _bits_any(tx, local + ([cannot] if offered else []), "agreeing on what changed")
     if flags is None:
         return Changes(None, sources, "the agreement failed", agreed=False)
     changed = flags[:n]
-    elements = offered and reason is None and not flags[n]
+    elements = offered and not flags[n]
     refused: str | None = None
     if offered and not elements:
-        refused = reason or elements_refused or "another trainer rank cannot send elements this time"
+        refused = reason or elements_refused or "another trainer rank cannot send elements, or its engines need all"
         for i in element_changed or {}:
             changed[i] = True  # trainable: sent whole, as without elements
     # Steps an engine module reads together with a changed one go too (this rank's engines' units).

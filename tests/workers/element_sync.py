@@ -1,0 +1,197 @@
+"""Rank worker: 2 sharded ranks (ZeRO-3 or FSDP2) fully fine-tune a model and keep vLLM servers in sync with element
+syncs (``VLLMServerSink(elements=True)``): each rank sends the elements of its own shard that changed, nothing is
+gathered, and every server serves exactly what a full sync of the same weights serves.
+
+Usage: element_sync.py GATHERER CHECKPOINT URLS [faults]
+  GATHERER  zero3 | fsdp2
+  URLS      one server URL, or several joined by "," (a fleet)
+
+Reports {"event": "sync", "label", "tensors", "gathered", "full_because", "elements", "kept", ...} per sync,
+{"event": "equal", "label", "equal"} where what an element sync serves is compared (==, greedy tokens and logprobs)
+with what a full sync of the same weights serves on every server, and with ``faults`` {"event": "fault", "point",
+"equal", "version", "error"} for a failure on rank 1 only at every fault point of an element sync.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from helpers import finish, report, server_generate
+
+from lora_stream import ParamStream, StreamAbortedError, VLLMServerSink
+from lora_stream.testing import FAULT_POINTS, set_fault_hook
+
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+DS = {
+    "train_micro_batch_size_per_gpu": 1,
+    "zero_allow_untested_optimizer": True,
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+}
+#: The weights the structured edits touch: an attention projection (vLLM fuses q, k and v: k and v travel along,
+#: rebuilt from the engine's copy with no element changed), an MLP weight, and the embedding.
+EDITED = ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight", "model.embed_tokens.weight")
+
+
+def build(gatherer: str, ckpt: str):  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt)  # full fine-tuning: every weight trains
+    if gatherer == "zero3":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=DS)
+
+        def step() -> None:
+            ids = torch.tensor([[1, 17, 42, 99, 5, 7, 300]])
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+
+        return engine, engine.module, step
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for name, m in model.named_modules():
+        if name.endswith(("layers.0", "layers.1")):
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+    def fsdp_step() -> None:
+        ids = torch.tensor([[1, 17, 42, 99, 5, 7, 300]])
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    return model, model, fsdp_step
+
+
+def local_flat(p: torch.Tensor) -> torch.Tensor:
+    """This rank's own elements of ``p``, flat: ZeRO-3's partition, FSDP2's local shard."""
+    if hasattr(p, "ds_tensor"):
+        return p.ds_tensor.data.view(-1)[: p.ds_tensor.ds_numel]
+    if hasattr(p, "to_local"):
+        return p.to_local().view(-1)
+    return p.data.view(-1)
+
+
+def edit(model: torch.nn.Module, seed: int, ranks: tuple[int, ...]) -> None:
+    """Structured edits of a few elements of this rank's own shard of each weight in :data:`EDITED`, as a linear or
+    sampled check would miss them: a sign flip, a scaling by a power of two, two elements swapped, four permuted."""
+    if dist.get_rank() not in ranks:
+        return
+    g = torch.Generator().manual_seed(seed * 10 + dist.get_rank())
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name in EDITED:
+            flat = local_flat(params[name])
+            if flat.numel() < 16:
+                continue
+            a, b, c, d, e = (int(i) for i in torch.randperm(flat.numel() - 4, generator=g)[:5])
+            flat[a].neg_()
+            flat[b].mul_(2.0)
+            flat[c], flat[d] = flat[d].clone(), flat[c].clone()
+            flat[e : e + 4] = flat[e : e + 4][torch.tensor([2, 0, 3, 1])].clone()
+
+
+def main() -> None:
+    gatherer, ckpt, urls_arg = sys.argv[1:4]
+    faults = "faults" in sys.argv[4:]
+    urls = urls_arg.split(",")
+    if gatherer == "zero3":
+        deepspeed.init_distributed(dist_backend="gloo")
+    else:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    trainer, model, step = build(gatherer, ckpt)
+    sink = VLLMServerSink(urls, rank=rank, timeout=30, elements=True)
+    full = VLLMServerSink(urls, rank=rank, timeout=30, skip_unchanged=False)
+
+    def sync(label: str, into: VLLMServerSink = sink) -> None:
+        r = into.sync(ParamStream(trainer, group_by="layer"), version=label)
+        worker = dict(r.stages.get("worker") or {})
+        report(
+            rank=rank,
+            event="sync",
+            label=label,
+            tensors=r.tensors,
+            skipped=r.skipped_tensors,
+            sent_bytes=r.bytes,
+            gathered=r.gathered_bytes,
+            full_because=r.full_because,
+            elements=r.elements,
+            fraction=r.element_fraction,
+            kept=worker.get("kept_bytes"),
+            copy_bytes=worker.get("element_copy_bytes"),
+            line=r.summary(),
+            metrics=r.metrics(),
+        )
+
+    def served() -> list | None:  # type: ignore[type-arg]
+        return [server_generate(u) for u in urls] if rank == 0 else None
+
+    def same_as_full(label: str) -> None:
+        """What the element sync serves, against what a full sync of the same weights serves (on every server)."""
+        mine = served()
+        sync(f"{label}-full", full)
+        if rank == 0:
+            report(rank=rank, event="equal", label=label, equal=served() == mine)
+
+    step()
+    sync("v1")  # fresh servers: everything, and the engines keep a copy of what they loaded
+    edit(model, 1, (1,))
+    sync("v2")  # rank 1's few edited elements, and nothing gathered
+    same_as_full("v2")
+    sync("v3")  # the full sink wrote the servers: everything again
+    edit(model, 2, (0, 1))
+    sync("v4")
+    same_as_full("v4")
+    sync("v5")
+    step()  # AdamW moves every float32 element: elements would cost more than the tensors
+    sync("v6")
+    if faults:
+        for point in [p for p in FAULT_POINTS if p not in ("group:<k>", "verify")] + ["group:0", "decision-recorded"]:
+            sync(f"{point}-base")  # after a failed sync: everything
+            edit(model, 3, (0, 1))
+            sync(f"{point}-elements")  # the baseline and the engines' copy of that sync
+            edit(model, 4, (1,))
+            before = served()
+
+            def hook(p: str, point: str = point) -> None:
+                if rank == 1 and p == point:
+                    raise RuntimeError(f"injected failure at {p} on rank 1")
+
+            set_fault_hook(hook)
+            t = time.monotonic()
+            try:
+                sync(f"{point}-fails")
+                raise AssertionError("the sync should have raised")
+            except (RuntimeError, StreamAbortedError) as exc:
+                error = f"{type(exc).__name__}: {exc}"[:300]
+            finally:
+                set_fault_hook(None)
+            if rank == 0:
+                import requests
+
+                version = requests.get(f"{urls[0]}/weight_info", timeout=30).json()["weight_version"]
+                report(
+                    rank=rank,
+                    event="fault",
+                    point=point,
+                    error=error,
+                    equal=served() == before,
+                    version=version,
+                    seconds=time.monotonic() - t,
+                )
+        sync("after-faults")
+        edit(model, 5, (0, 1))
+        sync("after-faults-elements")
+        same_as_full("after-faults-elements")
+    finish()
+
+
+if __name__ == "__main__":
+    main()
