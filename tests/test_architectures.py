@@ -158,6 +158,7 @@ def vllm_records(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     names = {
         test_vllm_serves_the_merged_model_after_one_sync.__name__,
         test_after_the_adapter_moved_a_sync_sends_only_what_changed_and_serves_what_a_full_sync_does.__name__,
+        test_full_fine_tuning_sends_changed_elements_and_serves_what_a_full_sync_does.__name__,
     }
     selected = {item.callspec.params["arch"].id for item in request.session.items if item.originalname in names}
     archs = [a for a in ARCHS if a.id in selected]
@@ -190,6 +191,21 @@ def test_after_the_adapter_moved_a_sync_sends_only_what_changed_and_serves_what_
     assert partial["full_because"] is None and partial["skipped"] > 0, partial
     assert partial["tensors"] + partial["skipped"] == partial["full_tensors"], partial
     assert partial["generated"] and partial["same"], partial
+
+
+@pytest.mark.parametrize("arch", [in_vllm(a) for a in SERVED], ids=[a.id for a in SERVED])
+def test_full_fine_tuning_sends_changed_elements_and_serves_what_a_full_sync_does(
+    arch: Arch, vllm_records: Any
+) -> None:
+    """The base model fully fine-tuned, synced with ``elements=True`` into the same engine: after a full sync, a few
+    elements of every weight changed; they travel as elements (an output whose checkpoint conversion is not one
+    tensor as is goes whole), and the engine serves ``==`` what a full sync of the same weights makes it serve."""
+    e = find_event(vllm_records[arch.id], "elements", f"the records of {arch.id}: {vllm_records[arch.id]}")
+    assert e["ok"], e
+    assert e["first_full"] is not None and e["full_because"] is None, e
+    assert e["elements"]["tensors"] > 0 and 0 < e["elements"]["changed"] < e["elements"]["elements"], e
+    assert e["elements"]["bytes"] < e["elements"]["whole_bytes"] / 4, e
+    assert e["generated"] and e["same"], e
 
 
 def write_table(path: Path) -> None:

@@ -119,6 +119,7 @@ def check(p: Prepared) -> None:
             except Exception as exc:
                 say(event="synced", ok=True, tensors=record.tensors, error=f"{type(exc).__name__}: {str(exc)[:400]}")
         partial(p, llm, sink)
+        elements(p, llm)
     finally:
         del llm
 
@@ -162,6 +163,58 @@ def partial(p: Prepared, llm: Any, sink: Any) -> None:
         skipped=record.skipped_tensors,
         full_tensors=full.tensors,
         full_because=record.full_because,
+        generated=after[1] is None,
+        same=after == again,
+    )
+
+
+def _edit_elements(model: torch.nn.Module, seed: int) -> None:
+    """Structured edits of a few elements of every weight (a sign flip, a scaling by a power of two, a swap): what a
+    training step at an RL learning rate leaves in a bf16 model, a few elements per tensor."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            flat = p.data.view(-1)
+            if flat.numel() < 4:
+                continue
+            a, b, c, d = (int(i) for i in torch.randperm(flat.numel(), generator=g)[:4])
+            flat[a].neg_()
+            flat[b].mul_(2.0)
+            flat[c], flat[d] = flat[d].clone(), flat[c].clone()
+
+
+def elements(p: Prepared, llm: Any) -> None:
+    """Full fine-tuning of the base model (every weight trainable), synced with ``elements=True``: after a full sync,
+    a few elements of every weight change and only those travel (outputs whose checkpoint conversion is not one
+    tensor as is -- fused experts -- go whole, with the reason); the engine must then serve ``==`` what a full sync of
+    the same weights serves."""
+    from helpers import report
+
+    from lora_stream import ParamStream, VLLMColocatedSink
+
+    model = p.base
+    for q in model.parameters():
+        q.requires_grad_(True)
+    try:
+        sink = VLLMColocatedSink(llm, elements=True)
+        first = sink.sync(ParamStream(model, group_by="layer"))
+        _edit_elements(model, 3)
+        record = sink.sync(ParamStream(model, group_by="layer"))
+        after = generate_or_error(llm)
+        full = VLLMColocatedSink(llm, skip_unchanged=False).sync(ParamStream(model, group_by="layer"))
+        again = generate_or_error(llm)
+    except Exception as exc:
+        report(arch=p.arch_id, event="elements", ok=False, error=f"{type(exc).__name__}: {str(exc)[:1500]}")
+        return
+    report(
+        arch=p.arch_id,
+        event="elements",
+        ok=True,
+        first_full=first.full_because,
+        full_because=record.full_because,
+        elements=record.elements,
+        tensors=record.tensors,
+        full_tensors=full.tensors,
         generated=after[1] is None,
         same=after == again,
     )
