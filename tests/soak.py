@@ -11,6 +11,13 @@ After every round it checks the transaction's promises by their strongest observ
 - the next round's sync is taken (a plain round commits);
 - every response the client got during the whole soak is one a committed version gives.
 
+With ``elements=True`` the trainer fully fine-tunes the model (no LoRA) and syncs with element syncs
+(``VLLMServerSink(elements=True)``): between syncs it edits a few elements of each rank's own ZeRO-3 partition, so
+that a sync following a committed one (same trainer launch) sends only those elements, which the servers rebuild
+from the copy they keep; each such round must go as elements, and every other promise above holds unchanged (a
+committed server serves the trainer's own weights). Its plan puts two plain rounds after every fault round: the
+first is full (it follows a failure), the second goes as elements, and the next fault interrupts an element sync.
+
 Faults: ``raise`` / ``slow`` / ``die`` on a random rank at a random transaction point, ``kill-server`` and
 ``stop-server`` (SIGSTOP past the sink's timeout, then SIGCONT) on a random server mid-transfer; processes stopped
 rather than dead: ``stop-rank`` (a trainer rank SIGSTOPped past the lease at a random point, then continued) and
@@ -63,23 +70,26 @@ def soak_servers(checkpoint: str) -> list[Server]:
     ]
 
 
-def make_plan(seed: int, rounds: int, kinds: tuple[str, ...] = FAULTS) -> list[dict[str, Any]]:
+def make_plan(seed: int, rounds: int, kinds: tuple[str, ...] = FAULTS, plain_after: int = 0) -> list[dict[str, Any]]:
     """Rounds 0..rounds-1: a plain one first (the servers' first update also loads lora_stream's engine in their
     workers, which takes seconds on a loaded machine), every kind once (in a seeded order), then random kinds and
-    plain rounds; the last round is plain (the fleet must take a sync after everything before)."""
+    plain rounds; the last round is plain (the fleet must take a sync after everything before). ``plain_after``:
+    that many plain rounds after every fault round (an element soak's: a full sync after the failure, then an
+    element sync); 0 gives the plans it always gave for a seed."""
     rng = random.Random(seed)
     order = list(kinds)
     rng.shuffle(order)
     plan: list[dict[str, Any]] = []
     for k in range(rounds):
-        if k == 0 or k == rounds - 1:
+        slot, spacer = divmod(k - 1, plain_after + 1)
+        if k == 0 or k == rounds - 1 or spacer:
             kind = "none"
-        elif k - 1 < len(order):
-            kind = order[k - 1]
+        elif slot < len(order):
+            kind = order[slot]
         else:
             kind = rng.choice([*kinds, "none"])
         point = rng.choice(POINTS)
-        if kind == "stop-rank" and k - 1 < len(order):
+        if kind == "stop-rank" and slot < len(order):
             point = "commit"  # its first round: past the lease with its server loaded, just before the vote
         plan.append({"k": k, "fault": kind, "rank": rng.randrange(2), "point": point, "server": rng.randrange(2)})
     return plan
@@ -176,9 +186,17 @@ class Soak:
         seed: int = 0,
         timeouts: dict | None = None,  # type: ignore[type-arg]
         merge: str = "trainer",
+        elements: bool = False,
     ) -> None:
         #: Where the merge runs (the sink's ``merge=``): ``"engine"`` soaks the servers' own merges and base.
         self.merge = merge
+        #: Element syncs (the sink's ``elements=``): a fully fine-tuned trainer whose syncs send changed elements.
+        if elements and merge != "trainer":
+            raise ValueError("an element soak merges nothing: elements=True needs merge='trainer'")
+        self.elements = elements
+        #: The launch whose last round committed (``None``: the last round failed, or none ran): with elements, the
+        #: next committed round of that launch must have gone as elements.
+        self._committed_in: int | None = None
         self.servers = servers
         self.urls = [s.url for s in servers]
         self.checkpoint = checkpoint
@@ -215,7 +233,7 @@ class Soak:
         """``rounds`` random rounds of ``kinds`` (:func:`make_plan`), or exactly ``plan``; ``client=False``: no
         client generating meanwhile (the servers' state is still checked after every round)."""
         if plan is None:
-            plan = make_plan(self.seed, rounds, kinds)
+            plan = make_plan(self.seed, rounds, kinds, plain_after=2 if self.elements else 0)
         served = [[completion(u)] for u in self.urls]  # each server's outputs, per committed version, initial first
         versions: list[str | None] = [s.version() for s in self.servers]
         self._fresh_version = versions[0]  # what a freshly started server reports ("default" with vLLM 0.32)
@@ -252,7 +270,15 @@ class Soak:
         markers.mkdir(parents=True)
         plan_file = markers / "plan.json"
         plan_file.write_text(
-            json.dumps({"rounds": left, "timeouts": self.timeouts, "seed": self.seed, "merge": self.merge})
+            json.dumps(
+                {
+                    "rounds": left,
+                    "timeouts": self.timeouts,
+                    "seed": self.seed,
+                    "merge": self.merge,
+                    "elements": self.elements,
+                }
+            )
         )
         results: list[RankResult] = []
         job = threading.Thread(
@@ -378,6 +404,20 @@ class Soak:
                 problems.append(f"rank {o['rank']} took {o['seconds']:.1f} s, past its bound of {bound:.1f} s")
             if did_commit and not o.get("serves_trainer", False):
                 problems.append(f"rank {o['rank']}'s server does not serve the trainer's weights: {o.get('mismatch')}")
+        as_elements = did_commit and self.elements and all(o.get("elements", False) for o in alive)
+        if did_commit and self.elements:
+            if len({o.get("elements", False) for o in alive}) != 1:
+                said = [(o["rank"], o.get("elements")) for o in alive]
+                problems.append(f"the ranks disagreed on sending elements: {said}")
+            # A sync after a committed one by the same trainer, with no other writer in between (a restarted server
+            # follows a failed round), changes a few elements: it goes as elements.
+            if self._committed_in == self.report.launches and not as_elements:
+                why = [
+                    {key: o.get(key) for key in ("full_because", "elements_refused", "tensors", "skipped")}
+                    for o in alive
+                ]
+                problems.append(f"a sync after a committed one did not go as elements: {why}")
+        self._committed_in = self.report.launches if did_commit else None
         # The servers: a vanished trainer's are healed by their lease; give it that long (plus its heartbeat).
         within = t["lease"] * 1.5 + SLACK_S if died or kind in ("stop-server", *EITHER) else SLACK_S
         client.pause()
@@ -407,6 +447,8 @@ class Soak:
             "point": fault["point"],
             "server": fault["server"],
             "committed": did_commit,
+            "elements": as_elements,
+            "element_tensors": [o.get("element_tensors") if o else None for o in outcomes],
             "died": died,
             "seconds": [round(o["seconds"], 1) if o else None for o in outcomes],
             "errors": [o.get("error") if o else "died" for o in outcomes],

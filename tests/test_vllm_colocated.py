@@ -573,3 +573,26 @@ def test_the_engine_side_merge_is_refused_in_process_with_the_reason(untied) -> 
         VLLMColocatedSink(llm, merge="engine")
     with pytest.raises(ValueError, match="merge must be one of"):
         VLLMColocatedSink(llm, merge="nowhere")
+
+
+def test_element_syncs_of_full_fine_tuning_into_a_bf16_engine_are_exact_and_roll_back_bit_for_bit(
+    tmp_path: Path,
+) -> None:
+    """float32 master weights, AdamW, a bfloat16 engine (its own process: an engine of its own): each step's changed
+    elements travel, the engine's copy is the trainer's cast ``torch.equal``, it serves ``==`` what a full sync
+    serves, and a failure at every fault point of an element sync leaves the engine and its copy as they were."""
+    from helpers import event, results_of, run_child_engine_script
+
+    path = save_for_vllm(vllm_llama(tie=False), str(tmp_path / "m"))
+    out = run_child_engine_script("vllm_elements_bf16.py", path, in_process=True, timeout=400)
+    steps = [e for e in results_of(out) if e.get("event") == "step"]
+    assert len(steps) == 3, out[-3000:]
+    for e in steps:
+        assert e["full_because"] is None and e["elements"]["tensors"] > 0, e
+        assert 0 < e["fraction"] < 0.5 and e["elements"]["bytes"] < e["elements"]["whole_bytes"] / 2, e
+        assert e["copy_exact"] and e["same"], e
+    faults = [e for e in results_of(out) if e.get("event") == "fault"]
+    assert [e["point"] for e in faults] == ["prepare", "reload-check", "prefix-cache", "commit", "group:0"], faults
+    for e in faults:
+        assert e["raised"] and e["equal"] and e["copy_restored"] and e["version"] == "base", e
+    assert "failed" in event(out, "after")["full_because"]

@@ -101,6 +101,13 @@ def test_engine_in_a_child_process_through_the_worker_extension(child_engine: st
     assert "worker_extension_cls" in event(stdout, "no-extension-error")["message"]
 
 
+def test_element_syncs_into_an_engine_in_a_child_process(child_engine: str) -> None:
+    e = event(child_engine, "child-elements")
+    assert e["full_because"] is None and e["elements"]["tensors"] > 0 and e["verified"], e
+    assert e["raised"] and e["rolled_back"], e
+    assert e["again"]["tensors"] > 0 and e["same"], e
+
+
 def test_the_engine_side_merge_into_an_engine_in_a_child_process(child_engine: str) -> None:
     stdout = child_engine
     equal = event(stdout, "child-merge-equal")

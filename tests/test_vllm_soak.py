@@ -70,6 +70,30 @@ def test_the_soak_with_the_merge_in_the_engine_ends_every_round_on_the_last_comm
     assert report.answers > 0 and report.uncommitted_answers == 0, text
 
 
+def test_the_soak_with_elements_on_ends_every_round_on_the_last_committed_version(
+    checkpoint: str, servers: list[Server], tmp_path: Path
+) -> None:
+    """The same promises with element syncs (``elements=True``): a fully fine-tuned ZeRO-3 trainer edits a few
+    elements of each rank's partition before each sync, and the servers rebuild every tensor from the copy they
+    keep. A rank raising, dying, and stopped past its lease, each interrupting an element sync; after each, a plain
+    round (full: it follows a failure) and one more (elements), so that every sync after a committed one goes as
+    elements (the soak checks it) and the servers serve the trainer's own weights after every commit."""
+    for s in servers:
+        if not s.healthy():  # the other soak left it down
+            s.restart()
+    kinds = ("raise", "die", "stop-rank")
+    rounds = 1 + 3 * len(kinds)  # a plain round, then each fault with two plain rounds after it
+    # This seed's plan: a raise after the element blobs were sent (group:1), a death while the servers load them
+    # (reload-check), a rank stopped before the vote.
+    report = Soak(servers, checkpoint, tmp_path, seed=SEED + 7, elements=True).run(rounds, kinds=kinds)
+    text = json.dumps(report.as_json(), indent=1)
+    assert not report.problems, text
+    assert {r["fault"] for r in report.rounds} >= set(kinds) and report.rounds[-1]["committed"], text
+    assert report.answers > 0 and report.uncommitted_answers == 0, text
+    # The second plain round after each fault, at least, commits as elements (and the last round is one of them).
+    assert sum(r["elements"] for r in report.rounds) >= len(kinds) and report.rounds[-1]["elements"], text
+
+
 def test_a_trainer_rank_dying_or_slower_than_the_wait_at_every_point_leaves_every_server_healed_and_in_sync(
     checkpoint: str, servers: list[Server], tmp_path: Path
 ) -> None:

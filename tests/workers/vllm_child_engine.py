@@ -61,6 +61,7 @@ def main(path: str) -> None:
     from vllm_child_engine_merge import merge_in_the_engine
 
     merge_in_the_engine(llm, path)
+    elements_over_rpc(llm, path)
     del llm, sink
 
     from lora_stream import LoraStreamError
@@ -70,6 +71,62 @@ def main(path: str) -> None:
         VLLMColocatedSink(plain).sync(ParamStream(pm, group_by="layer"))
     except LoraStreamError as exc:
         report(event="no-extension-error", message=str(exc))
+
+
+def elements_over_rpc(llm, path: str) -> None:  # type: ignore[no-untyped-def]
+    """Full fine-tuning synced with ``elements=True`` into the child engine (tied: lm_head travels as the embedding's
+    alias, rebuilt with it), verified; a failure after the child rebuilt and loaded the elements is rolled back; what
+    it serves equals a full sync of the same weights."""
+    import torch
+    from helpers import report, vllm_generate
+    from transformers import LlamaForCausalLM
+
+    from lora_stream import ParamStream, VLLMColocatedSink
+    from lora_stream.testing import set_fault_hook
+
+    model = LlamaForCausalLM.from_pretrained(path)
+    sink = VLLMColocatedSink(llm, elements=True, verify=True)
+    full = VLLMColocatedSink(llm, skip_unchanged=False)
+
+    def edit(seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                flat = p.data.view(-1)
+                a, b = (int(i) for i in torch.randperm(flat.numel(), generator=g)[:2])
+                flat[a].neg_()
+                flat[b].mul_(2.0)
+
+    sink.sync(ParamStream(model, group_by="layer"), version="e1")
+    edit(1)
+    record = sink.sync(ParamStream(model, group_by="layer"), version="e2")
+    served = vllm_generate(llm)
+    edit(2)
+    set_fault_hook(lambda p: (_ for _ in ()).throw(RuntimeError("injected")) if p == "commit" else None)
+    try:
+        sink.sync(ParamStream(model, group_by="layer"), version="e3")
+        raised = False
+    except RuntimeError:
+        raised = True
+    finally:
+        set_fault_hook(None)
+    rolled_back = vllm_generate(llm) == served
+    edit(3)
+    sink.sync(ParamStream(model, group_by="layer"), version="e4")  # after the failure: everything
+    edit(4)
+    again = sink.sync(ParamStream(model, group_by="layer"), version="e5")
+    mine = vllm_generate(llm)
+    full.sync(ParamStream(model, group_by="layer"))
+    report(
+        event="child-elements",
+        elements=record.elements,
+        full_because=record.full_because,
+        verified=record.verified,
+        raised=raised,
+        rolled_back=rolled_back,
+        again=again.elements,
+        same=vllm_generate(llm) == mine,
+    )
 
 
 if __name__ == "__main__":

@@ -3,8 +3,13 @@ round, with the round's fault injected, and reports each round's outcome to the 
 
 Usage: vllm_soak.py PLAN_JSON URL_A URL_B CHECKPOINT MARKER_DIR
 PLAN_JSON: {"rounds": [{"k", "fault", "rank", "point", "server"}...], "timeouts": {...}, "seed": int, "merge": where
-the merge runs}, the rounds
-this launch runs (after a trainer death the driver launches the rest again). Server A is fed by rank 0, B by rank 1.
+the merge runs, "elements": element syncs}, the rounds this launch runs (after a trainer death the driver launches
+the rest again). Server A is fed by rank 0, B by rank 1.
+
+The trainer: a LoRA on every linear layer, an SGD step before each sync; with ``elements`` the whole model instead
+(full fine-tuning, every parameter trainable, ZeRO-3 with no persistent parameter), whose ranks each edit a few
+elements of their own partition before each sync (:func:`edit_own_elements`) and sync with
+``VLLMServerSink(elements=True)``.
 
 Faults (``fault``):
   none          a plain sync.
@@ -19,7 +24,8 @@ Faults (``fault``):
   stop-rank     ``rank`` signals ``fault<k>`` (with its pid) at ``point`` and waits for ``faulted<k>``: the driver
                 SIGSTOPs it for longer than the lease, then SIGCONTs it (a GC pause or a preemption, not a death).
 After each round every rank writes ``round<k>.rank<r>`` (JSON: committed or not, error, seconds, and, after a commit,
-whether its server serves the trainer's merged weights) and waits for ``go<k>`` (or ``exit``).
+whether its server serves the trainer's merged weights -- its own weights with ``elements`` -- and whether the sync
+went as elements) and waits for ``go<k>`` (or ``exit``).
 """
 
 from __future__ import annotations
@@ -91,6 +97,29 @@ def hook_for(fault: dict, rank: int, slow_s: float):  # type: ignore[no-untyped-
     return hook
 
 
+def edit_own_elements(module: torch.nn.Module, seed: int) -> None:
+    """Structured edits of a few elements of this rank's own ZeRO-3 partition of every weight matrix, exact in float32
+    (as ``tests/workers/element_sync.py``'s): a sign flip, a scaling by 2 or 1/2, two elements swapped, four permuted.
+    A few elements in thousands: the sync after a committed one sends them as elements; and they change what the
+    model generates, so that versions differ."""
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(seed * 10 + rank)
+    with torch.no_grad():
+        for p in module.parameters():
+            if len(p.ds_shape) < 2:  # the whole shape: a partitioned parameter's own is empty
+                continue
+            size = int(p.ds_tensor.ds_numel)
+            own = max(0, min(size, p.ds_numel - rank * size))  # the last partition may be padded
+            if own < 16:
+                continue
+            flat = p.ds_tensor.data.view(-1)[:own]
+            a, b, c, d, e = (int(i) for i in torch.randperm(own - 4, generator=g)[:5])
+            flat[a].neg_()
+            flat[b].mul_(2.0 if torch.rand((), generator=g) < 0.5 else 0.5)
+            flat[c], flat[d] = flat[d].clone(), flat[c].clone()
+            flat[e : e + 4] = flat[e : e + 4][torch.tensor([2, 0, 3, 1])].clone()
+
+
 def main() -> None:
     global MARKERS
     from transformers import AutoModelForCausalLM
@@ -106,7 +135,13 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     signal(f"pid.rank{rank}", {"pid": os.getpid()})
-    pm = lora(AutoModelForCausalLM.from_pretrained(ckpt), target_modules="all-linear", lora_alpha=16, seed=plan["seed"])
+    elements = bool(plan.get("elements", False))
+    if elements:  # full fine-tuning: every parameter trainable, each partitioned (stage3_param_persistence_threshold 0)
+        pm = AutoModelForCausalLM.from_pretrained(ckpt)
+    else:
+        pm = lora(
+            AutoModelForCausalLM.from_pretrained(ckpt), target_modules="all-linear", lora_alpha=16, seed=plan["seed"]
+        )
     template = copy.deepcopy(pm)
     opt = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=0.5)
     engine, *_ = deepspeed.initialize(model=pm, optimizer=opt, config=ZERO3_CONFIG)
@@ -117,11 +152,16 @@ def main() -> None:
         prefix_cache_timeout=t["prefix_cache"],
         lease=t["lease"],
         merge=plan.get("merge", "trainer"),
+        elements=elements,
     )
     for fault in plan["rounds"]:
         k = fault["k"]
-        engine.backward(engine(input_ids=IDS, labels=IDS).loss)
-        engine.step()
+        if elements:
+            # A step of SGD would move every float32 element (the sync would go whole): a few elements instead.
+            edit_own_elements(engine.module, plan["seed"] * 1000 + k)
+        else:
+            engine.backward(engine(input_ids=IDS, labels=IDS).loss)
+            engine.step()
         stream = ParamStream(engine, group_by="layer", timeout=t["stream"])
         wait_s, deadline_s = sink.wait_s(stream), sink.deadline_s(stream)
         set_fault_hook(hook_for(fault, rank, wait_s + t["slow_extra"]))
@@ -130,6 +170,16 @@ def main() -> None:
         try:
             record = sink.sync(stream, version=f"v{k}-{plan['seed']}")
             out.update(committed=True, replicas=list(record.replicas), resume_failure=record.resume_failure)
+            if elements:
+                out.update(
+                    elements=record.elements.get("tensors", 0) > 0,
+                    element_tensors=record.elements.get("tensors", 0),
+                    changed=record.elements.get("changed", 0),
+                    full_because=record.full_because,
+                    elements_refused=record.elements.get("refused"),
+                    tensors=record.tensors,
+                    skipped=record.skipped_tensors,
+                )
         except Exception as exc:  # every failure must be a raise on every rank, never a hang
             out.update(committed=False, error=type(exc).__name__, message=str(exc)[:600])
         finally:
@@ -137,8 +187,10 @@ def main() -> None:
         out["seconds"] = time.monotonic() - start
         if out["committed"]:
             # The served policy is the trainer's: every rank builds the merged reference (a collective), each checks
-            # the server it feeds (after the driver had no chance to touch it).
-            expected = copy.deepcopy(zero3_whole_into(engine, template)).float().merge_and_unload()
+            # the server it feeds (after the driver had no chance to touch it). Full fine-tuning: its own weights.
+            expected = zero3_whole_into(engine, template)
+            if not elements:
+                expected = copy.deepcopy(expected).float().merge_and_unload()
             try:
                 assert_vllm_serves(server_generate(urls[rank]), expected)
                 out["serves_trainer"] = True

@@ -108,6 +108,7 @@ class ElementShadow:
         payloads: dict[str, Any] = info.get("payloads") or {}
         aliases: dict[str, str] = info.get("aliases") or {}
         shadowed = set(info.get("shadow") or ())
+        later: list[tuple[str, str]] = []
         for name, tensor in pairs:
             primary = aliases.get(name)
             if name in payloads:
@@ -115,13 +116,15 @@ class ElementShadow:
                 self._built[name] = built
                 yield name, built
             elif primary is not None and primary in payloads:
-                if primary not in self._built:
-                    raise VLLMLoadError(f"lora_stream: the tied alias {name!r} arrived before {primary!r}")
-                yield name, self._built[primary]
+                later.append((name, primary))  # a transport may reorder a batch (safetensors sorts its keys)
             else:
                 if name in shadowed:
                     self._pending[name] = tensor.detach().to("cpu", copy=True).reshape(-1)
                 yield name, tensor
+        for name, primary in later:
+            if primary not in self._built:
+                raise VLLMLoadError(f"lora_stream: the tied alias {name!r} came without {primary!r} in its batch")
+            yield name, self._built[primary]
 
     def _rebuild(self, name: str, blob: torch.Tensor, spec: dict[str, Any]) -> torch.Tensor:
         dtype = getattr(torch, spec["dtype"])
