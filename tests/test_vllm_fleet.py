@@ -361,6 +361,8 @@ def test_the_engine_side_merge_on_a_tensor_parallel_server(checkpoint: str, tmp_
     server = Server(checkpoint, extra=("--tensor-parallel-size", "2"), env=env).wait_ready()
     try:
         results = launch("engine_merge_sync", "lora", checkpoint, server.url, timeout=600)
+        # Element syncs into the same tensor-parallel server: each worker rebuilds every tensor and loads its shard.
+        element_results = launch("element_sync", "zero3", checkpoint, server.url, timeout=600)
         # Both workers keep the base: one file, mapped by both (one copy in the page cache).
         from lora_stream.engine.merger import _FILE_PREFIX
 
@@ -374,3 +376,17 @@ def test_the_engine_side_merge_on_a_tensor_parallel_server(checkpoint: str, tmp_
     events = _engine_merge_checks(results)
     # The workers merged (each the whole tensor here; see docs/merge_location.md): timed on the feeding rank.
     assert all(e["merge_s"] > 0 for e in events["sync"] if e["label"] == "v2" and e["rank"] == 0)
+    assert_all_ok(element_results)
+    from test_vllm_server import _element_checks
+
+    _element_checks(element_results, faults=False)
+
+
+def test_element_syncs_keep_a_fleet_serving_exactly_a_full_sync(fleet: list[Server], checkpoint: str) -> None:
+    """Two servers fed by two FSDP2 ranks (one each): every server gets every rank's changed elements."""
+    from test_vllm_server import _element_checks
+
+    a, b = fleet
+    results = launch("element_sync", "fsdp2", checkpoint, f"{a.url},{b.url}", timeout=600)
+    assert_all_ok(results)
+    _element_checks(results, faults=False)
