@@ -10,25 +10,16 @@ from ..coordination import this_rank
 from ..redaction import REDACTED, is_sensitive, redact_text
 from ..reporting import sync_log_level
 
-__all__ = ["METRICS", "AdapterSyncRecord", "SyncRecord"]
+__all__ = ["ELEMENT_METRICS", "METRICS", "AdapterSyncRecord", "SyncRecord"]
 
 #: The names :meth:`SyncRecord.metrics` returns (after its prefix, ``lora_stream/`` by default), each a float: the
 #: sync's seconds, the MiB sent and skipped as unchanged, the tensors sent, the largest group gathered, ``partial``
 #: (1 when unchanged outputs stayed in the engine), ``verified`` (1 when the sync was verified and passed).
-#: With ``elements=True`` also: ``element_fraction`` (changed elements of the outputs sent as elements),
-#: ``element_mib`` (what those carried) and ``baseline_mib`` (this rank's element baseline in host memory); 0 without.
-METRICS = (
-    "sync_s",
-    "sent_mib",
-    "skipped_mib",
-    "tensors",
-    "peak_gathered_mib",
-    "partial",
-    "verified",
-    "element_fraction",
-    "element_mib",
-    "baseline_mib",
-)
+METRICS = ("sync_s", "sent_mib", "skipped_mib", "tensors", "peak_gathered_mib", "partial", "verified")
+#: Added to :data:`METRICS` for a sink built with ``elements=True``: ``element_fraction`` (changed elements of the
+#: outputs sent as elements; 0 when none went), ``element_mib`` (what those carried) and ``baseline_mib`` (this
+#: rank's element baseline in host memory).
+ELEMENT_METRICS = ("element_fraction", "element_mib", "baseline_mib")
 
 logger = logging.getLogger("lora_stream")
 
@@ -96,6 +87,7 @@ class SyncRecord:
         if self.full_because is not None:
             object.__setattr__(self, "full_because", redact_text(self.full_because))
         object.__setattr__(self, "stages", _redacted_stages(self.stages))
+        object.__setattr__(self, "elements", _redacted_stages(dict(self.elements)))
 
     @property
     def gbps(self) -> float:
@@ -178,7 +170,8 @@ class SyncRecord:
             logger.log(level, "%s", self.summary())
 
     def metrics(self, prefix: str = "lora_stream/") -> dict[str, float]:
-        """The sync's figures for a trainer's metrics (:data:`METRICS`, each name after ``prefix``): what the TRL
+        """The sync's figures for a trainer's metrics (:data:`METRICS`, and :data:`ELEMENT_METRICS` for a sink built
+        with ``elements=True``, each name after ``prefix``): what the TRL
         hook adds to the trainer's logged metrics, and the verl engine to its actor's."""
         figures = {
             "sync_s": self.seconds,
@@ -192,7 +185,8 @@ class SyncRecord:
             "element_mib": self.elements.get("bytes", 0) / 2**20,
             "baseline_mib": self.elements.get("baseline_bytes", 0) / 2**20,
         }
-        return {prefix + name: float(figures[name]) for name in METRICS}
+        names = METRICS + (ELEMENT_METRICS if self.elements else ())
+        return {prefix + name: float(figures[name]) for name in names}
 
 
 def _redacted_stages(value: Any) -> Any:

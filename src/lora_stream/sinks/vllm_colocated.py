@@ -99,6 +99,12 @@ class VLLMColocatedSink:
             merge travels with its trainable inputs and the engine's workers merge it onto the base they keep, as
             ``VLLMServerSink(merge="engine")`` does (docs "Where the merge runs"). Refused for an engine in this
             process, where it would save no bytes and cost a second copy of the base.
+        elements: full fine-tuning (docs "Element syncs"): each trainable output that is a parameter as is travels as
+            the elements of each rank's own shard that changed since the last committed sync (compared bit for bit
+            against a baseline each rank keeps in host memory), never gathered; the engine rebuilds each tensor from
+            a copy it keeps, proves it against the trainer's fingerprints, and loads it through vLLM's loaders.
+            Whole tensors go where that cannot be proven or would not save bytes, and the record says why
+            (``record.elements``). Needs ``skip_unchanged=True``; refused with ``merge="engine"``. Default ``False``.
     """
 
     name = "vllm-colocated"

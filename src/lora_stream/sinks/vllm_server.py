@@ -171,6 +171,13 @@ class VLLMServerSink:
             (QLoRA) base is refused in the pre-flight; fused MoE experts are converted to the checkpoint's layout by
             transformers' own conversion in the workers. Needs
             ``skip_unchanged=True``.
+        elements: full fine-tuning (docs "Element syncs"): each trainable output that is a parameter as is travels as
+            the elements of each rank's own shard that changed since the last committed sync (compared bit for bit
+            against a baseline each rank keeps in host memory: its shard in the served dtype), never gathered; the
+            engine rebuilds each tensor from a copy it keeps, proves it against the trainer's fingerprints, and
+            loads it through vLLM's loaders. Whole tensors go where that cannot be proven or would not save bytes,
+            and the record says why (``record.elements``). Needs ``skip_unchanged=True``; refused with
+            ``merge="engine"``. Default ``False``.
 
     **Timeouts and the deadline.** Every rank waits for the others at each agreement :meth:`wait_s` at most (the
     stream's ``timeout``, raised to cover what a feeding rank may spend between two agreements); each server gets

@@ -1,0 +1,241 @@
+"""Element syncs in one process, without an engine: the encodings, the trainer's diff and baseline, and the engine's
+copy (rebuild, proof, rollback). The routes run them against real engines in test_vllm_colocated.py,
+test_vllm_colocated_dist.py, test_vllm_server.py, test_vllm_fleet.py and test_architectures.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import lora, tiny_llama
+
+from lora_stream import ParamStream
+from lora_stream.element_codec import ENCODINGS, bits, decode, encode, encoded_size
+from lora_stream.elements import ElementBaseline, check_elements_option, diff_shards, eligible_steps, exchange
+from lora_stream.engine.elements import ElementShadow
+from lora_stream.engine.reload import VLLMLoadError
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 1000])
+@pytest.mark.parametrize("fraction", [0.0, 0.01, 0.2, 0.5, 0.97, 1.0])
+def test_every_encoding_carries_the_changed_elements_bit_for_bit_and_the_smallest_is_chosen(
+    dtype: torch.dtype, n: int, fraction: float
+) -> None:
+    g = torch.Generator().manual_seed(n)
+    new = torch.randn(n, generator=g).to(dtype)
+    # Values whose bits must travel as they are: NaN, -0.0, a subnormal, infinity.
+    special = torch.tensor([float("nan"), -0.0, torch.finfo(dtype).tiny / 2, float("inf")], dtype=dtype)
+    new[: min(n, 4)] = special[: min(n, 4)]
+    k = round(n * fraction)
+    index = torch.randperm(n, generator=g)[:k].sort().values
+    e = encode(new, index)
+    s = new.element_size()
+    sizes = {enc: encoded_size(enc, k, n, s) for enc in ENCODINGS}
+    assert e.blob.numel() == sizes[e.encoding] == min(sizes.values())
+    got_index, values = decode(e.encoding, e.blob, e.count, e.numel, e.dtype)
+    if got_index is None:
+        assert e.encoding == "dense" and torch.equal(bits(values), bits(new))
+    else:
+        assert torch.equal(got_index, index) and torch.equal(bits(values), bits(new[index]))
+
+
+def test_a_blob_that_is_not_what_its_descriptor_says_is_refused_never_guessed() -> None:
+    new = torch.arange(64, dtype=torch.float32)
+    e = encode(new, torch.tensor([3, 9]))
+    with pytest.raises(ValueError, match="bytes"):
+        decode(e.encoding, e.blob[:-1], e.count, e.numel, e.dtype)
+    with pytest.raises(ValueError, match="bytes"):
+        decode(e.encoding, e.blob, e.count + 1, e.numel, e.dtype)
+    backwards = torch.cat([torch.tensor([9, 3], dtype=torch.int32).view(torch.uint8), e.blob[8:]])
+    with pytest.raises(ValueError, match="ascending"):
+        decode("indices", backwards, 2, 64, torch.float32)
+    mask = encode(torch.arange(12, dtype=torch.float32), torch.arange(0, 12, 2))
+    assert mask.encoding == "bitmask"
+    past = mask.blob.clone()
+    past[1] |= 0x80  # bit 15: element 15 of a tensor of 12
+    with pytest.raises(ValueError, match="past the tensor's end|names"):
+        decode("bitmask", past, mask.count, 12, torch.float32)
+    with pytest.raises(ValueError, match="uint8"):
+        decode("dense", new, 64, 64, torch.float32)
+
+
+def _full_ft(seed: int = 0) -> torch.nn.Module:
+    model = tiny_llama(tie=False, seed=seed)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return model
+
+
+def test_the_diff_finds_every_structured_edit_and_only_those() -> None:
+    """Bit for bit: a sign flip, a power of two, a swap, a permutation, 0.0 -> -0.0 are changes; NaN -> the same NaN
+    is not; the baseline is what the engine holds only once the sync commits."""
+    model = _full_ft()
+    stream = ParamStream(model, dtype=torch.bfloat16)
+    eligible = [i for i, why in eligible_steps(stream).items() if why is None]
+    assert len(eligible) == len(stream.steps())  # every output of a fully fine-tuned dense model
+    baseline = ElementBaseline()
+    first = diff_shards(stream, eligible, baseline)
+    assert all(first.changed.values())  # no baseline: every element
+    baseline.stage(stream.plan_digest, first.new)
+    assert baseline.shards == {}  # staged only
+    baseline.commit()
+    assert baseline.valid_for(stream.plan_digest) and baseline.host_bytes == first.baseline_bytes
+    w = dict(model.named_parameters())["model.layers.0.mlp.down_proj.weight"]
+    flat = w.data.view(-1)
+    with torch.no_grad():
+        flat[0] = float("nan")
+        flat[5] = 0.0
+    baseline.stage(stream.plan_digest, diff_shards(stream, eligible, baseline).new)
+    baseline.commit()
+    with torch.no_grad():
+        flat[3].neg_()
+        flat[7].mul_(2.0)
+        flat[10], flat[11] = flat[11].clone(), flat[10].clone()
+        flat[20:23] = flat[20:23][torch.tensor([1, 2, 0])].clone()
+        flat[5] = -0.0
+        flat[0] = float("nan")  # the same NaN: unchanged
+    diff = diff_shards(stream, eligible, baseline)
+    names = [stream.steps()[i][0] for i in eligible]
+    step = eligible[names.index("model.layers.0.mlp.down_proj.weight")]
+    seg = diff.segments[step]
+    index, _ = decode(seg.encoded.encoding, seg.encoded.blob, seg.encoded.count, seg.encoded.numel, seg.encoded.dtype)
+    expected = {3, 7, 10, 11, 20, 21, 22, 5}
+    cast_before = baseline.shards[step]
+    same_bf16 = {i for i in expected if bits(cast_before[i : i + 1]).item() == bits(diff.new[step][i : i + 1]).item()}
+    assert index is not None and set(index.tolist()) == expected - same_bf16
+    assert diff.changed[step] and sum(diff.changed.values()) == 1
+    baseline.forget()
+    assert not baseline.valid_for(stream.plan_digest)
+
+
+def test_what_cannot_go_as_elements_says_why() -> None:
+    pm = lora(tiny_llama(tie=False), target_modules=["q_proj"], r=4)
+    pm.base_model.model.model.norm.weight.requires_grad_(True)
+    stream = ParamStream(pm)
+    why = {stream.steps()[i][0]: r for i, r in eligible_steps(stream).items()}
+    assert "merged LoRA" in why["model.layers.0.self_attn.q_proj.weight"]
+    assert "frozen" in why["model.layers.0.mlp.up_proj.weight"]
+    assert why["model.norm.weight"] is None  # trainable and as is
+
+
+def test_the_option_is_checked_at_construction() -> None:
+    assert check_elements_option(True, True, "trainer") is True
+    with pytest.raises(ValueError, match="skip_unchanged"):
+        check_elements_option(True, False, "trainer")
+    with pytest.raises(ValueError, match="merge='engine'"):
+        check_elements_option(True, True, "engine")
+    with pytest.raises(TypeError):
+        check_elements_option("yes", True, "trainer")  # type: ignore[arg-type]
+
+
+# -- the engine's copy -------------------------------------------------------------------------------------------------
+def _segments(name: str, old: torch.Tensor, new: torch.Tensor, ranks: int = 2) -> tuple[torch.Tensor, dict]:  # type: ignore[type-arg]
+    """What the trainer sends for one output: each rank's range, its changed elements encoded, its fingerprint."""
+    from lora_stream.elements import Segment
+    from lora_stream.fingerprint import fingerprint
+
+    flat_old, flat_new = old.reshape(-1), new.reshape(-1)
+    n = flat_new.numel()
+    size = -(-n // ranks)
+    segs = []
+    for r in range(ranks):
+        lo, hi = min(r * size, n), min((r + 1) * size, n)
+        index = (bits(flat_old[lo:hi]) != bits(flat_new[lo:hi])).nonzero().reshape(-1)
+        segs.append(Segment(lo, hi, encode(flat_new[lo:hi], index), fingerprint(flat_new[lo:hi].contiguous())))
+    blob = torch.cat([s.encoded.blob for s in segs])
+    spec = {"shape": list(new.shape), "dtype": str(new.dtype)[6:], "segments": [s.describe() for s in segs]}
+    return blob, spec
+
+
+def _shadow_with(tensors: dict[str, torch.Tensor], token: str = "s1") -> ElementShadow:
+    shadow = ElementShadow()
+    shadow.begin({"shadow": list(tensors), "payloads": {}, "aliases": {}}, None)
+    assert [n for n, _ in shadow.feed(tensors.items())] == list(tensors)
+    shadow.commit(token)
+    return shadow
+
+
+def test_the_engine_rebuilds_each_tensor_proves_it_and_rolls_back_only_the_changed_elements() -> None:
+    g = torch.Generator().manual_seed(0)
+    old = {"w": torch.randn(6, 10, generator=g).bfloat16(), "e": torch.randn(50, 4, generator=g).bfloat16()}
+    shadow = _shadow_with(old)
+    assert shadow.token == "s1" and shadow.host_bytes == sum(t.numel() * 2 for t in old.values())
+    new_w = old["w"].clone()
+    new_w.view(-1)[[3, 41, 59]] = torch.tensor([1.0, -2.0, 0.5]).bfloat16()
+    blob, spec = _segments("w", old["w"], new_w)
+    e_blob, e_spec = _segments("e", old["e"], old["e"])  # joined: nothing changed, rebuilt from the copy
+    info = {"shadow": ["w", "e"], "payloads": {"w": spec, "e": e_spec}, "aliases": {"lm": "e"}}
+    shadow.begin(info, "s1")
+    # A transport may deliver a batch in any order: the alias goes with its primary.
+    out = dict(shadow.feed([("lm", e_blob), ("w", blob), ("e", e_blob)]))
+    assert torch.equal(out["w"], new_w) and torch.equal(out["e"], old["e"]) and out["lm"] is out["e"]
+    assert shadow.kept_bytes == 3 * 2  # the old values of the three changed elements
+    shadow.rollback()
+    assert torch.equal(shadow.tensors["w"].view(6, 10), old["w"]) and shadow.token == "s1"
+    shadow.begin(info, "s1")
+    list(shadow.feed([("w", blob), ("e", e_blob), ("lm", e_blob)]))
+    shadow.commit("s2")
+    assert shadow.token == "s2" and torch.equal(shadow.tensors["w"].view(6, 10), new_w) and shadow.kept_bytes == 0
+
+
+def test_the_engine_refuses_elements_it_cannot_prove() -> None:
+    g = torch.Generator().manual_seed(1)
+    old = torch.randn(8, 8, generator=g)
+    shadow = _shadow_with({"w": old})
+    new = old.clone()
+    new[0, 0] = 5.0
+    blob, spec = _segments("w", old, new)
+    info = {"shadow": ["w"], "payloads": {"w": spec}, "aliases": {}}
+    # Computed against another sync: refused before anything is loaded.
+    with pytest.raises(VLLMLoadError, match="copy of the checkpoint tensors is of sync"):
+        shadow.begin(info, "s0")
+    # The copy drifted (a bit flipped in it): the rebuilt tensor is not the trainer's, the proof fails it.
+    shadow.tensors["w"][17] = shadow.tensors["w"][17] * 2
+    drifted = shadow.tensors["w"].clone()
+    shadow.begin(info, "s1")
+    with pytest.raises(VLLMLoadError, match=r"'w': elements \[0, 32\) rebuilt|'w': elements \[32, 64\) rebuilt"):
+        list(shadow.feed([("w", blob)]))
+    shadow.rollback()
+    assert torch.equal(shadow.tensors["w"], drifted)  # restored bit for bit, drift and all
+    # A tensor the engine holds no copy of, sent as a few elements: refused.
+    blob2, spec2 = _segments("v", old, new)
+    shadow.begin({"shadow": ["w", "v"], "payloads": {"v": spec2}, "aliases": {}}, "s1")
+    with pytest.raises(VLLMLoadError, match="holds no copy"):
+        list(shadow.feed([("v", blob2)]))
+    shadow.rollback()
+    # A blob cut short: refused with the reason, never read past.
+    shadow.begin(info, "s1")
+    with pytest.raises(VLLMLoadError, match="bytes"):
+        list(shadow.feed([("w", blob[:-1])]))
+    shadow.rollback()
+    # A sync without element info (a sink that sends none) drops the copy at its commit.
+    shadow.begin(None, None)
+    shadow.commit("s3")
+    assert shadow.tensors == {} and shadow.token is None
+
+
+def test_a_sync_left_open_is_rolled_back_when_the_next_begins_and_a_late_commit_changes_nothing() -> None:
+    old = torch.zeros(16)
+    shadow = _shadow_with({"w": old})
+    new = old.clone()
+    new[2] = 1.0
+    blob, spec = _segments("w", old, new)
+    info = {"shadow": ["w"], "payloads": {"w": spec}, "aliases": {}}
+    shadow.begin(info, "s1")
+    list(shadow.feed([("w", blob)]))
+    shadow.begin({"shadow": ["w"], "payloads": {}, "aliases": {}}, None)  # the trainer vanished; a new sync
+    assert torch.equal(shadow.tensors["w"], old)
+    shadow.rollback()
+    shadow.commit("late")  # nothing open: a no-op
+    assert shadow.token == "s1"
+
+
+def test_one_process_exchange_is_this_ranks_own() -> None:
+    from lora_stream.elements import Segment
+    from lora_stream.fingerprint import fingerprint
+
+    t = torch.arange(8, dtype=torch.float32)
+    seg = Segment(0, 8, encode(t, torch.tensor([1])), fingerprint(t))
+    assert exchange(None, False, {4: seg, 5: seg}, [5]) == {5: [seg]}
