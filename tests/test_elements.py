@@ -55,7 +55,7 @@ def test_a_blob_that_is_not_what_its_descriptor_says_is_refused_never_guessed() 
     assert mask.encoding == "bitmask"
     past = mask.blob.clone()
     past[1] |= 0x80  # bit 15: element 15 of a tensor of 12
-    with pytest.raises(ValueError, match="past the tensor's end|names"):
+    with pytest.raises(ValueError, match=r"past the tensor's end|names"):
         decode("bitmask", past, mask.count, 12, torch.float32)
     with pytest.raises(ValueError, match="uint8"):
         decode("dense", new, 64, 64, torch.float32)

@@ -41,7 +41,9 @@ def main(path: str) -> None:
     def copy_is_the_trainers() -> bool:
         shadow = ElementShadow.of(engine_model)
         return all(
-            torch.equal(shadow.tensors[n].view(torch.int16), p.detach().to(torch.bfloat16).reshape(-1).view(torch.int16))
+            torch.equal(
+                shadow.tensors[n].view(torch.int16), p.detach().to(torch.bfloat16).reshape(-1).view(torch.int16)
+            )
             for n, p in model.named_parameters()
         )
 
