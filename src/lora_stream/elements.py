@@ -23,6 +23,7 @@ Who calls it: step 1 of a sync (:mod:`lora_stream.sinks.decide`), on every rank,
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -239,17 +240,13 @@ def diff_shards(stream: Any, steps: Sequence[int], baseline: ElementBaseline) ->
     return ElementDiff(changed, segments, new, held, time.perf_counter() - t0)
 
 
-def exchange(
-    group: Any, collective: bool, segments: dict[int, Segment], steps: Sequence[int]
-) -> dict[int, list[Segment]]:
-    """Every rank's segments of ``steps`` (ascending by range), on every rank: one all-gather of the encoded changes
-    over ``group`` when the stream is sharded (``collective``); this rank's own otherwise (each rank holds every
-    element)."""
-    mine = {i: segments[i] for i in steps}
-    if not collective or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return {i: [s] for i, s in mine.items()}
-    wire = {
-        i: (
+def _frame(segments: dict[int, Segment]) -> torch.Tensor:
+    """This rank's segments as one ``uint8`` tensor: an 8-byte header length, a JSON header, the blobs (no pickle)."""
+    import json
+
+    head = [
+        [
+            i,
             s.lo,
             s.hi,
             s.fp,
@@ -257,17 +254,71 @@ def exchange(
             s.encoded.count,
             s.encoded.numel,
             str(s.encoded.dtype)[6:],
-            s.encoded.blob.numpy().tobytes(),
+            int(s.encoded.blob.numel()),
+        ]
+        for i, s in segments.items()
+    ]
+    raw = json.dumps(head).encode()
+    parts = [
+        torch.tensor([len(raw)], dtype=torch.int64).view(torch.uint8),
+        torch.frombuffer(bytearray(raw), dtype=torch.uint8),
+    ]
+    parts += [s.encoded.blob.reshape(-1).to(torch.uint8) for s in segments.values()]
+    return torch.cat(parts)
+
+
+def _unframe(frame: torch.Tensor) -> dict[int, Segment]:
+    import json
+
+    n = int(frame[:8].clone().view(torch.int64).item())
+    at = 8 + n
+    out: dict[int, Segment] = {}
+    for i, lo, hi, fp, encoding, count, numel, dtype, size in json.loads(bytes(frame[8:at].tolist()).decode()):
+        out[int(i)] = Segment(
+            lo, hi, Encoded(encoding, count, numel, getattr(torch, dtype), frame[at : at + size].clone()), fp
         )
-        for i, s in mine.items()
-    }
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, wire, group=group)
+        at += size
+    return out
+
+
+def exchange(
+    group: Any, collective: bool, segments: dict[int, Segment], steps: Sequence[int], timeout: float = 300.0
+) -> dict[int, list[Segment]]:
+    """Every rank's segments of ``steps`` (ascending by range), on every rank: two all-gathers over ``group`` (the
+    sizes, then the encoded changes, never the tensors) when the stream is sharded (``collective``); this rank's own
+    otherwise (each rank holds every element). Each waits ``timeout`` seconds at most, then raises: every rank
+    reaches it right after an agreement they all completed, so a rank missing from it has failed."""
+    from .errors import StreamAbortedError
+
+    mine = {i: segments[i] for i in steps}
+    if not collective or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return {i: [s] for i, s in mine.items()}
+    world = dist.get_world_size(group)
+    device = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    frame = _frame(mine).to(device)
+
+    def gather(t: torch.Tensor, what: str) -> list[torch.Tensor]:
+        outs = [torch.empty_like(t) for _ in range(world)]
+        try:
+            work = dist.all_gather(outs, t, group=group, async_op=True)
+            done = work.wait(timeout=datetime.timedelta(seconds=timeout))
+        except Exception as exc:
+            raise StreamAbortedError(f"the exchange of changed elements ({what}) failed: {exc}") from exc
+        if done is False:
+            raise StreamAbortedError(f"the exchange of changed elements ({what}) timed out after {timeout:.0f} s")
+        return outs
+
+    sizes = gather(torch.tensor([frame.numel()], dtype=torch.int64, device=device), "sizes")
+    longest = max(int(x.item()) for x in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: frame.numel()] = frame
+    frames = gather(padded, "changes")
     out: dict[int, list[Segment]] = {i: [] for i in steps}
-    for theirs in everyone:
-        for i, (lo, hi, fp, encoding, count, numel, dtype, blob) in theirs.items():
-            data = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
-            out[int(i)].append(Segment(lo, hi, Encoded(encoding, count, numel, getattr(torch, dtype), data), fp))
+    for size, theirs in zip(sizes, frames):
+        for i, seg in _unframe(theirs[: int(size.item())].cpu()).items():
+            out[i].append(seg)
     for segs in out.values():
         segs.sort(key=lambda s: s.lo)
     return out

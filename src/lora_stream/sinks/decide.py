@@ -211,7 +211,7 @@ def _exchange(tx: Transaction, stream: ParamStream, changes: Changes, diff: Any,
     t = time.perf_counter()
     g = stream.gatherer
     with tx.attempt():
-        out = exchange(g.process_group, g.collective, diff.segments, steps)
+        out = exchange(g.process_group, g.collective, diff.segments, steps, stream.agreement_timeout.total_seconds())
     stages["element_exchange_s"] = time.perf_counter() - t
     if tx.error is not None:
         raise tx.error
