@@ -591,6 +591,9 @@ def test_element_syncs_of_full_fine_tuning_into_a_bf16_engine_are_exact_and_roll
         assert e["full_because"] is None and e["elements"]["tensors"] > 0, e
         assert 0 < e["fraction"] < 0.5 and e["elements"]["bytes"] < e["elements"]["whole_bytes"] / 2, e
         assert e["copy_exact"] and e["same"], e
+        # What the sync kept to undo itself: the old values of exactly the changed elements (2 bytes each), not a
+        # copy of every module it reloaded (a rollback loads the restored copy again).
+        assert e["kept"] == 2 * e["elements"]["changed"], e
     faults = [e for e in results_of(out) if e.get("event") == "fault"]
     assert [e["point"] for e in faults] == ["prepare", "reload-check", "prefix-cache", "commit", "group:0"], faults
     for e in faults:

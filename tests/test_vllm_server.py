@@ -516,6 +516,8 @@ def _element_checks(results, *, faults: bool) -> dict[str, list[dict]]:  # type:
             assert e["sent_bytes"] < first["sent_bytes"] / 20, e
             assert "elements: " in e["line"] and e["metrics"]["lora_stream/element_fraction"] > 0, e
             assert e["elements"]["baseline_bytes"] > 0, e
+            if rank == 0:  # the feeding rank reads its server worker's figures: it kept the changed elements only
+                assert 0 < e["kept"] < first["kept"] / 20 and e["copy_bytes"] > 0, (e, first["kept"])
         # The full sink wrote the servers in between: everything again, and the line says why.
         assert "another" in syncs[rank, "v3"]["full_because"], syncs[rank, "v3"]
         # AdamW moved every float32 element: elements would cost more than the tensors; sent whole, and said so.

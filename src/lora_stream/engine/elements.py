@@ -19,12 +19,14 @@ The proof, every sync: the trainer sends, per rank, the fingerprint of *every* n
 every range means the rebuilt tensor is the trainer's, bit for bit (whatever the copy held: an engine whose copy
 drifted fails the sync, which is rolled back, and the next sync is full). The copy changes in place and keeps the
 old values of exactly the elements it changed, so its rollback is bit-exact and costs only those
-(:attr:`ElementShadow.kept_bytes`); the commit only drops them.
+(:attr:`ElementShadow.kept_bytes`); the commit only drops them. Where every tensor a sync sends is an element
+payload, the engine's modules roll back the same way (:meth:`ElementShadow.restorer`): the bracket keeps no copy of
+the modules it reloads, and a rollback loads the restored copy's tensors again, through the same loaders.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -182,6 +184,30 @@ class ElementShadow:
         self.stats["tensors"] += 1.0
         self.stats["elements"] += float(numel)
         return target.view(shape)
+
+    def restorer(self, expect: Collection[str] | None, optional: Collection[str] = ()) -> Callable[[], Any] | None:
+        """For :meth:`ReloadBracket.begin`'s ``restore``: a callable that gives, after :meth:`rollback`, every tensor
+        an element sync sends (``expect``) as the engine held it -- the copy, put back element for element -- so
+        that the bracket rolls the engine's modules back by loading those again instead of keeping a copy of every
+        module it reloads. ``None`` (the bracket keeps its copy) unless every name is an element payload (or its
+        tied alias) this engine holds a committed copy of; call it after :meth:`begin`."""
+        info = self._info
+        if info is None or not info.get("payloads") or expect is None:
+            return None
+        payloads: dict[str, Any] = info["payloads"]
+        aliases: dict[str, str] = info.get("aliases") or {}
+        names = list(expect)
+        for name in names:
+            primary = aliases.get(name, name)
+            if primary not in payloads or primary not in self.tensors:
+                return None
+        shapes = {n: [int(d) for d in payloads[aliases.get(n, n)]["shape"]] for n in names}
+        tensors = self.tensors
+
+        def produce() -> list[tuple[str, torch.Tensor]]:
+            return [(n, tensors[aliases.get(n, n)].view(shapes[n])) for n in names]
+
+        return produce
 
     def commit(self, token: str | None) -> None:
         """After the vote: the rebuilt and received tensors are the copy of sync ``token`` (references and a label,

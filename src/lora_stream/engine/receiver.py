@@ -228,11 +228,14 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
                 except VLLMLoadError:
                     self._drain(plan)  # as a refused merge: the reason reaches the trainer in the answer
                     raise
+                expect = update_info.names if update_info.base is not None else None
                 self._bracket.begin(
                     keep_previous=update_info.rollback,
-                    expect=update_info.names if update_info.base is not None else None,
+                    expect=expect,
                     base=update_info.base,
                     optional=update_info.optional_names,
+                    # An element sync rolls back by loading its restored copy again: no copy of every module.
+                    restore=shadow.restorer(expect, update_info.optional_names) if update_info.rollback else None,
                 )
             self._merge = merge
             if adapter is None:

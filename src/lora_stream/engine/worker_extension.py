@@ -43,9 +43,11 @@ class LoraStreamWorkerExtension:
         self.lora_stream_rollback()  # an update a vanished trainer left undecided: the safe outcome is the old one
         EngineMerger.of(self.model_runner.model).forget()  # weights this worker does not merge
         # Refused here, before the bracket opens, when this worker's copy is not of the sync the elements follow.
-        ElementShadow.of(self.model_runner.model).begin(elements, base)
+        shadow = ElementShadow.of(self.model_runner.model)
+        shadow.begin(elements, base)
+        restore = shadow.restorer(expect, optional or ()) if keep_previous else None
         bracket = ReloadBracket(self.model_runner.model, self.model_runner.model_config)
-        bracket.begin(keep_previous=keep_previous, expect=expect, base=base, optional=optional or ())
+        bracket.begin(keep_previous=keep_previous, expect=expect, base=base, optional=optional or (), restore=restore)
         self._lora_stream_bracket = bracket
 
     def lora_stream_begin_merge(

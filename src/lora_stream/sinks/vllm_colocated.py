@@ -254,8 +254,12 @@ class VLLMColocatedSink:
         if self._bracket is not None:
             from ..engine.elements import ElementShadow
 
-            ElementShadow.of(self._bracket.model).begin(elements, base)
-            self._bracket.begin(keep_previous=self.rollback, expect=expect, base=base, optional=source.aliases)
+            shadow = ElementShadow.of(self._bracket.model)
+            shadow.begin(elements, base)
+            restore = shadow.restorer(expect, source.aliases) if self.rollback else None
+            self._bracket.begin(
+                keep_previous=self.rollback, expect=expect, base=base, optional=source.aliases, restore=restore
+            )
         else:
             self._rpc("lora_stream_begin", self.rollback, expect, base, source.aliases, elements)
 
