@@ -172,6 +172,8 @@ class ElementDiff:
     #: Bytes of the baseline this rank keeps (the new shards), and of the diff's segments.
     baseline_bytes: int = 0
     seconds: float = 0.0
+    #: Why the other steps cannot go as elements: reason -> how many (what the record shows).
+    whole_because: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -50,6 +50,7 @@ def record_of(
     verification."""
     record = decision.source.record(sink, seconds)
     if decision.element_diff is not None:
-        elements = {**record.elements, "baseline_bytes": decision.element_diff.baseline_bytes}
+        diff = decision.element_diff
+        elements = {**record.elements, "baseline_bytes": diff.baseline_bytes, "whole_because": dict(diff.whole_because)}
         record = dataclasses.replace(record, elements=elements)
     return dataclasses.replace(record, stages={**decision.stages, **stages}, verification=verification)

@@ -109,6 +109,9 @@ def decide(
 
             eligible = eligible_steps(stream)
             diff = diff_shards(stream, [i for i, why in eligible.items() if why is None], memory.elements)
+            for why in eligible.values():
+                if why is not None:
+                    diff.whole_because[why] = diff.whole_because.get(why, 0) + 1
             stages["element_diff_s"] = diff.seconds
         engines = None
         if fingerprints is not None:  # the proof reads every weight: only for a sync that may be partial

@@ -74,7 +74,8 @@ class SyncRecord:
     #: An element sync's figures (sinks built with ``elements=True``; empty otherwise): ``tensors`` sent as
     #: elements, their ``changed`` and total ``elements``, the ``bytes`` those carried against ``whole_bytes`` as
     #: whole tensors, ``encodings`` (segments per encoding), ``baseline_bytes`` (this rank's baseline in host
-    #: memory) and ``refused`` (why this sync sent no elements, or ``None``).
+    #: memory), ``refused`` (why this sync sent no elements, or ``None``) and ``whole_because`` (why the other outputs
+    #: cannot go as elements: reason -> how many outputs).
     elements: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
