@@ -239,3 +239,39 @@ def test_one_process_exchange_is_this_ranks_own() -> None:
     t = torch.arange(8, dtype=torch.float32)
     seg = Segment(0, 8, encode(t, torch.tensor([1])), fingerprint(t))
     assert exchange(None, False, {4: seg, 5: seg}, [5]) == {5: [seg]}
+
+
+def test_the_figures_reach_the_line_the_record_and_a_trainers_metrics() -> None:
+    """An element sync's figures in its one line, its metrics and TRL's logged metrics (as TRL appends its own); a
+    sink without elements adds no element metrics. Credentials in a reason are redacted, as in every record."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from lora_stream.integrations.trl import _add_to_trainer_metrics
+    from lora_stream.sinks.record import ELEMENT_METRICS, METRICS, SyncRecord
+
+    figures = {
+        "tensors": 16,
+        "changed": 3_800,
+        "elements": 100_000,
+        "bytes": 22_800,
+        "whole_bytes": 200_000,
+        "encodings": {"indices": 15, "bitmask": 1},
+        "baseline_bytes": 2**20,
+        "refused": None,
+        "whole_because": {"frozen (skipped whole when unchanged)": 5},
+    }
+    record = SyncRecord("vllm-server/gloo", 16, 22_800, 4, 0.5, 10_000, 0, version="step-7", elements=figures)
+    assert record.element_fraction == pytest.approx(0.038)
+    line = record.summary()
+    assert "elements: 16 tensors, 3.80% changed" in line and "(bitmask 1, indices 15), baseline 1.0 MiB" in line
+    metrics = record.metrics()
+    assert set(metrics) == {f"lora_stream/{m}" for m in METRICS + ELEMENT_METRICS}
+    assert metrics["lora_stream/element_fraction"] == pytest.approx(0.038)
+    assert metrics["lora_stream/baseline_mib"] == 1.0
+    trainer = SimpleNamespace(_metrics={"train": defaultdict(list)}, model=SimpleNamespace(training=True))
+    _add_to_trainer_metrics(trainer, record)
+    assert trainer._metrics["train"]["lora_stream/element_mib"] == [22_800 / 2**20]
+    refused = SyncRecord("x", 1, 1, 1, 0.1, 1, 1, elements={"tensors": 0, "refused": "http://u:secret@h down"})
+    assert "no elements: " in refused.summary() and "secret" not in refused.summary()
+    assert set(SyncRecord("x", 1, 1, 1, 0.1, 1, 1).metrics()) == {f"lora_stream/{m}" for m in METRICS}
