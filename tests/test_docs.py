@@ -33,6 +33,7 @@ EXECUTED = {
     "stream_basics.py": "test_docs.py::test_stream_basics",
     "quickstart.py": "test_docs.py::test_quickstart",
     "recipe_zero3.py": "test_docs.py::test_recipe_zero3",
+    "recipe_full_finetune.py": "test_docs.py::test_recipe_full_finetune",
     "recipe_fsdp2.py": "test_docs.py::test_recipe_fsdp2_into_a_server",
     "recipe_checkpoint.py": "test_docs.py::test_recipe_checkpoint",
     "recipe_adapter.py": "test_docs.py::test_recipe_adapter",
@@ -273,6 +274,28 @@ def test_recipe_zero3(tiny_model: str) -> None:
     out = torchrun("recipe_zero3.py", tiny_model)
     assert_only_changes_after_the_first(steps(out, "synced"))
     steps(out, "vLLM now generates")
+
+
+def test_recipe_full_finetune(tiny_model: str) -> None:
+    """The first sync is full; after it, every sync goes as elements: a few percent of the bfloat16 elements changed,
+    a fraction of the whole bytes sent, nothing gathered, and the engine serves the new weights (the log-probability
+    of its greedy completion moves with every step)."""
+    require("deepspeed")
+    require("vllm")
+    clear_cpu_shm()
+    out = torchrun("recipe_full_finetune.py", tiny_model)
+    synced = steps(out, "synced")
+    assert "synced whole (no sync committed" in synced[0], synced
+    for line in synced[1:]:
+        m = re.search(r"as elements \((\d+) tensors, ([\d.]+)% changed\): sent (\d+) bytes of (\d+) whole", line)
+        assert m, synced
+        tensors, changed, sent, whole = int(m[1]), float(m[2]), int(m[3]), int(m[4])
+        assert tensors > 0 and 0 < changed < 20, line
+        assert sent < whole / 4, line
+        assert line.endswith("peak gathered 0 bytes"), line
+    generated = steps(out, "vLLM now generates")
+    logprobs = [float(re.search(r"log-prob (-?[\d.]+)\)", line)[1]) for line in generated]
+    assert len(set(logprobs)) == 3, generated
 
 
 def test_recipe_fsdp2_into_a_server(tiny_model: str) -> None:
