@@ -301,14 +301,14 @@ def write_json(path: str | Path, data: object, indent: int | None = 1) -> Path:
 
 
 def start_vllm_server(
-    model: str, env: Mapping[str, str] | None = None, args: Sequence[str] = ()
+    model: str, env: Mapping[str, str] | None = None, args: Sequence[str] = (), dtype: str = "float32"
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """A vLLM OpenAI server (dev mode, lora_stream's gloo weight transfer, float32, no tokenizer) for ``model`` on
+    """A vLLM OpenAI server (dev mode, lora_stream's gloo weight transfer, ``dtype``, no tokenizer) for ``model`` on
     127.0.0.1, with ``env`` on top of this process's and ``args`` after the common flags; returns it and its URL
     (:func:`wait_vllm_server`, :func:`stop_vllm_servers`; :func:`vllm_servers` does all three)."""
     port = free_port()
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "float32"]
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", dtype]
     cmd += ["--max-model-len", "128", "--enforce-eager", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--skip-tokenizer-init", "--weight-transfer-config", '{"backend": "gloo"}', *args]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -349,15 +349,16 @@ def vllm_servers(
     env: Mapping[str, str] | None = None,
     args: Sequence[str] = (),
     one_by_one: bool = False,
+    dtype: str = "float32",
 ) -> Iterator[list[tuple[subprocess.Popen[bytes], str]]]:
-    """``count`` servers of :func:`start_vllm_server` (``env``, ``args``) for ``model``, as ``(process, url)``
-    pairs, each ready (:func:`wait_vllm_server`, ``timeout`` seconds); stopped on leaving, however it is left
-    (:func:`stop_vllm_servers`). All start at once, or with ``one_by_one`` each once the previous one is ready (a
-    start-up takes the cores). ``with vllm_servers(path, timeout=600) as [(server, url)]:`` for one."""
+    """``count`` servers of :func:`start_vllm_server` (``env``, ``args``, ``dtype``) for ``model``, as
+    ``(process, url)`` pairs, each ready (:func:`wait_vllm_server`, ``timeout`` seconds); stopped on leaving, however
+    it is left (:func:`stop_vllm_servers`). All start at once, or with ``one_by_one`` each once the previous one is
+    ready (a start-up takes the cores). ``with vllm_servers(path, timeout=600) as [(server, url)]:`` for one."""
     servers: list[tuple[subprocess.Popen[bytes], str]] = []
     try:
         for _ in range(count):
-            servers.append(start_vllm_server(model, env, args))
+            servers.append(start_vllm_server(model, env, args, dtype))
             if one_by_one:
                 wait_vllm_server(*servers[-1], timeout)
         if not one_by_one:
