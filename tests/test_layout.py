@@ -27,6 +27,8 @@ ENGINE_MAY_IMPORT = (
     "lora_stream.transfer.protocol",
     "lora_stream.transfer.group",
     "lora_stream.transfer.packing",
+    # The element encodings both halves of an element sync speak (it imports only torch).
+    "lora_stream.element_codec",
     # The merge math both halves run (the merge in the engine runs the trainer's own Merge code on its base).
     "lora_stream.engine_merge",
     "lora_stream.buffers",
