@@ -8,7 +8,7 @@ import importlib
 import os
 import sys
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -498,6 +498,92 @@ def zero3_engine(model: nn.Module, config: dict[str, Any] | None = None, lr: flo
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config or ZERO3_CONFIG)
     return engine
+
+
+#: The sequence a test trainer's optimiser step trains on.
+STEP_IDS = [[1, 17, 42, 99, 5, 7, 300]]
+
+
+def train_sharded(
+    model: nn.Module,
+    gatherer: str,
+    optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+    *,
+    ds_config: dict[str, Any] | None = None,
+    shard: tuple[str, ...] = (),
+) -> tuple[Any, nn.Module, Callable[[], None]]:
+    """``model`` sharded for training over the default process group: a ZeRO-3 engine (``gatherer="zero3"``, with
+    ``ds_config``) or FSDP2 (``"fsdp2"``: each module whose name ends with one of ``shard``, then the root), its
+    ``optimizer`` built over the trainable parameters. Returns ``(trainer, module, step)``: what a ParamStream takes,
+    the module holding the parameters, and one optimiser step on :data:`STEP_IDS`."""
+    ids = torch.tensor(STEP_IDS)
+    if gatherer == "zero3":
+        import deepspeed
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        opt = optimizer([p for p in model.parameters() if p.requires_grad])
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config or ZERO3_CONFIG)
+
+        def zero3_step() -> None:
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+
+        return engine, engine.module, zero3_step
+    if gatherer != "fsdp2":
+        raise ValueError(f"gatherer: zero3 or fsdp2, got {gatherer!r}")
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for name, m in model.named_modules():
+        if shard and name.endswith(shard):
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = optimizer([p for p in model.parameters() if p.requires_grad])
+
+    def fsdp_step() -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    return model, model, fsdp_step
+
+
+def own_elements(p: torch.Tensor) -> torch.Tensor:
+    """This rank's own elements of ``p``, flat, as a view that writes through: ZeRO-3's partition without the
+    last partition's padding, FSDP2's local shard, or the whole tensor."""
+    if hasattr(p, "ds_tensor"):
+        import torch.distributed as dist
+
+        size = int(p.ds_tensor.ds_numel)
+        own = max(0, min(size, int(p.ds_numel) - dist.get_rank() * size))
+        return p.ds_tensor.data.view(-1)[:own]
+    if hasattr(p, "to_local"):
+        return p.to_local().view(-1)
+    return p.data.view(-1)
+
+
+def edit_a_few(flat: torch.Tensor, g: torch.Generator, *, halve_sometimes: bool = False) -> None:
+    """Structured edits of five elements of ``flat`` (at least 16), exact in any float dtype and missed by a linear
+    or sampled check: a sign flip, a scaling by 2 (or, with ``halve_sometimes``, by 1/2 half the time), two elements
+    swapped, four permuted."""
+    a, b, c, d, e = (int(i) for i in torch.randperm(flat.numel() - 4, generator=g)[:5])
+    flat[a].neg_()
+    flat[b].mul_(2.0 if not halve_sometimes or torch.rand((), generator=g) < 0.5 else 0.5)
+    flat[c], flat[d] = flat[d].clone(), flat[c].clone()
+    flat[e : e + 4] = flat[e : e + 4][torch.tensor([2, 0, 3, 1])].clone()
+
+
+def fail_on_rank_1(point: str, rank: int) -> Callable[[str], None]:
+    """A fault hook (``lora_stream.testing.set_fault_hook``) for the process of rank ``rank``: it raises at ``point``
+    on rank 1 only, so that every other rank learns of the failure through the sync's agreements."""
+
+    def hook(p: str) -> None:
+        if rank == 1 and p == point:
+            raise RuntimeError(f"injected failure at {p} on rank 1")
+
+    return hook
 
 
 def zero3_whole_into(engine: Any, template: nn.Module) -> nn.Module:

@@ -24,6 +24,7 @@ Who calls it: step 1 of a sync (:mod:`lora_stream.sinks.decide`), on every rank,
 from __future__ import annotations
 
 import datetime
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -133,13 +134,8 @@ def eligible_steps(stream: Any) -> dict[int, str | None]:
         if getattr(t.param, "quant_state", None) is not None or not torch.empty((), dtype=t.dtype).is_floating_point():
             out[i] = "a quantized parameter"
             continue
-        numel = 1
-        for d in step.outputs[0].shape:
-            numel *= int(d)
-        whole = 1
-        for d in stream.gatherer.full_shape(t.param):
-            whole *= int(d)
-        if whole != numel:
+        numel = math.prod(int(d) for d in step.outputs[0].shape)
+        if math.prod(int(d) for d in stream.gatherer.full_shape(t.param)) != numel:
             out[i] = "an output whose element count differs from its parameter's"
             continue
         shard = shard_of(stream.gatherer, t.param, numel)
@@ -223,10 +219,7 @@ def diff_shards(stream: Any, steps: Sequence[int], baseline: ElementBaseline) ->
     for i in steps:
         step = stream._steps[i]
         out = step.outputs[0]
-        numel = 1
-        for d in out.shape:
-            numel *= int(d)
-        shard = shard_of(stream.gatherer, step.inputs[0].param, numel)
+        shard = shard_of(stream.gatherer, step.inputs[0].param, math.prod(int(d) for d in out.shape))
         if isinstance(shard, str):  # eligible_steps said it has one: a placement changed under the plan
             raise ValueError(f"output {out.name!r}: {shard}")
         cast = shard.values.detach().to(device="cpu", dtype=out.dtype, copy=True).reshape(-1)

@@ -20,17 +20,12 @@ import time
 import deepspeed
 import torch
 import torch.distributed as dist
-from helpers import finish, report, server_generate
+from helpers import edit_a_few, fail_on_rank_1, finish, own_elements, report, server_generate, train_sharded
 
 from lora_stream import ParamStream, StreamAbortedError, VLLMServerSink
 from lora_stream.testing import FAULT_POINTS, set_fault_hook
 
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-DS = {
-    "train_micro_batch_size_per_gpu": 1,
-    "zero_allow_untested_optimizer": True,
-    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-}
 #: The weights the structured edits touch: an attention projection (vLLM fuses q, k and v: k and v travel along,
 #: rebuilt from the engine's copy with no element changed), an MLP weight, and the embedding.
 EDITED = ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight", "model.embed_tokens.weight")
@@ -40,61 +35,21 @@ def build(gatherer: str, ckpt: str):  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(ckpt)  # full fine-tuning: every weight trains
-    if gatherer == "zero3":
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=DS)
-
-        def step() -> None:
-            ids = torch.tensor([[1, 17, 42, 99, 5, 7, 300]])
-            engine.backward(engine(input_ids=ids, labels=ids).loss)
-            engine.step()
-
-        return engine, engine.module, step
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for name, m in model.named_modules():
-        if name.endswith(("layers.0", "layers.1")):
-            fully_shard(m, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-
-    def fsdp_step() -> None:
-        ids = torch.tensor([[1, 17, 42, 99, 5, 7, 300]])
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
-
-    return model, model, fsdp_step
-
-
-def local_flat(p: torch.Tensor) -> torch.Tensor:
-    """This rank's own elements of ``p``, flat: ZeRO-3's partition, FSDP2's local shard."""
-    if hasattr(p, "ds_tensor"):
-        return p.ds_tensor.data.view(-1)[: p.ds_tensor.ds_numel]
-    if hasattr(p, "to_local"):
-        return p.to_local().view(-1)
-    return p.data.view(-1)
+    return train_sharded(model, gatherer, lambda ps: torch.optim.AdamW(ps, lr=1e-5), shard=("layers.0", "layers.1"))
 
 
 def edit(model: torch.nn.Module, seed: int, ranks: tuple[int, ...]) -> None:
-    """Structured edits of a few elements of this rank's own shard of each weight in :data:`EDITED`, as a linear or
-    sampled check would miss them: a sign flip, a scaling by a power of two, two elements swapped, four permuted."""
+    """Structured edits of a few elements of this rank's own shard of each weight in :data:`EDITED`
+    (``helpers.edit_a_few``), on the ranks in ``ranks``."""
     if dist.get_rank() not in ranks:
         return
     g = torch.Generator().manual_seed(seed * 10 + dist.get_rank())
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name in EDITED:
-            flat = local_flat(params[name])
-            if flat.numel() < 16:
-                continue
-            a, b, c, d, e = (int(i) for i in torch.randperm(flat.numel() - 4, generator=g)[:5])
-            flat[a].neg_()
-            flat[b].mul_(2.0)
-            flat[c], flat[d] = flat[d].clone(), flat[c].clone()
-            flat[e : e + 4] = flat[e : e + 4][torch.tensor([2, 0, 3, 1])].clone()
+            flat = own_elements(params[name])
+            if flat.numel() >= 16:
+                edit_a_few(flat, g)
 
 
 def main() -> None:
@@ -160,11 +115,7 @@ def main() -> None:
             edit(model, 4, (1,))
             before = served()
 
-            def hook(p: str, point: str = point) -> None:
-                if rank == 1 and p == point:
-                    raise RuntimeError(f"injected failure at {p} on rank 1")
-
-            set_fault_hook(hook)
+            set_fault_hook(fail_on_rank_1(point, rank))
             t = time.monotonic()
             try:
                 sync(f"{point}-fails")

@@ -20,7 +20,7 @@ import time
 import deepspeed
 import torch
 import torch.distributed as dist
-from helpers import ZERO3_CONFIG, finish, perturb_adapters, report, server_generate
+from helpers import ZERO3_CONFIG, fail_on_rank_1, finish, perturb_adapters, report, server_generate
 
 from lora_stream import LoraStreamError, ParamStream, StreamAbortedError, VLLMServerSink
 from lora_stream.testing import FAULT_POINTS, set_fault_hook
@@ -124,11 +124,7 @@ def main() -> None:
     def failing(label: str, point: str) -> None:
         before = served()
 
-        def hook(p: str) -> None:
-            if rank == 1 and p == point:
-                raise RuntimeError(f"injected failure at {p} on rank 1")
-
-        set_fault_hook(hook)
+        set_fault_hook(fail_on_rank_1(point, rank))
         t = time.monotonic()
         error = ""
         try:

@@ -20,7 +20,7 @@ from pathlib import Path
 import deepspeed
 import torch
 import torch.distributed as dist
-from helpers import finish, lora, perturb_adapters, report, server_generate
+from helpers import finish, lora, own_elements, perturb_adapters, report, server_generate, train_sharded
 
 from lora_stream import ParamStream, StreamAbortedError, VLLMServerSink
 from lora_stream.testing import set_fault_hook
@@ -43,35 +43,13 @@ def build(gatherer: str, targets: str, ckpt: str):  # type: ignore[no-untyped-de
 
     pm = lora(AutoModelForCausalLM.from_pretrained(ckpt), target_modules=TARGETS[targets], lora_alpha=16)
     perturb_adapters(pm)  # random factors everywhere: peft's initial B = 0 would make a wrong merge look right
-    if gatherer == "zero3":
-        opt = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=0.5)
-        engine, *_ = deepspeed.initialize(
-            model=pm, optimizer=opt, config=DS_DEFAULT_PERSISTENCE if targets == "attn" else DS
-        )
-
-        def step() -> None:
-            ids = torch.tensor([[1, 17, 42, 99, 5, 7, 300]])
-            engine.backward(engine(input_ids=ids, labels=ids).loss)
-            engine.step()
-
-        return engine, engine.module, step
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for name, m in pm.named_modules():
-        if name.endswith(tuple(f"layers.{i}" for i in range(8))):
-            fully_shard(m, mesh=mesh)
-    fully_shard(pm, mesh=mesh)
-    opt = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=0.5)
-
-    def fsdp_step() -> None:
-        ids = torch.tensor([[1, 17, 42, 99, 5, 7, 300]])
-        pm(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
-
-    return pm, pm, fsdp_step
+    return train_sharded(
+        pm,
+        gatherer,
+        lambda ps: torch.optim.SGD(ps, lr=0.5),
+        ds_config=DS_DEFAULT_PERSISTENCE if targets == "attn" else DS,
+        shard=tuple(f"layers.{i}" for i in range(8)),
+    )
 
 
 def _sign_flip(t: torch.Tensor) -> None:
@@ -91,12 +69,7 @@ def edit_frozen_on_rank_1(model: torch.nn.Module, targets: str) -> str:
         if getattr(p, "ds_persist", False):
             _sign_flip(p.data)
         elif dist.get_rank() == 1:
-            if hasattr(p, "ds_tensor"):
-                _sign_flip(p.ds_tensor.data)
-            elif hasattr(p, "to_local"):
-                _sign_flip(p.to_local())
-            else:
-                _sign_flip(p.data)
+            _sign_flip(own_elements(p))
     return name
 
 

@@ -23,6 +23,7 @@ import os
 import sys
 import traceback
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -142,29 +143,46 @@ def partial(p: Prepared, llm: Any, sink: Any) -> None:
     """A training step's worth of change (the adapter only), synced by the sink that holds the engine: it sends
     only the LoRA-merged outputs (and what vLLM loads into one module with them); what the engine then serves must be
     ``==`` what a full sync of the same weights makes it serve."""
-    from helpers import perturb_adapters, report
+    from helpers import perturb_adapters
+
+    def prepare() -> tuple[Any, dict[str, Any]]:
+        perturb_adapters(p.pm, seed=7)
+        return sink, {}
+
+    _against_full(p, llm, "partial", p.pm, prepare)
+
+
+def _against_full(
+    p: Prepared, llm: Any, event: str, model: torch.nn.Module, prepare: Callable[[], tuple[Any, dict[str, Any]]]
+) -> None:
+    """Runs ``prepare`` (it returns the sink under test and fields to report), syncs ``model`` by that sink, then a
+    full sync of the same weights by another sink into the same engine, and reports ``event``: what the sync sent,
+    and whether the engine served the same after each (``same``); or the first error."""
+    from helpers import report
 
     from lora_stream import ParamStream, VLLMColocatedSink
 
-    perturb_adapters(p.pm, seed=7)
     try:
-        record = sink.sync(ParamStream(p.pm, group_by="layer"))
+        sink, fields = prepare()
+        record = sink.sync(ParamStream(model, group_by="layer"))
         after = generate_or_error(llm)
-        full = VLLMColocatedSink(llm, skip_unchanged=False).sync(ParamStream(p.pm, group_by="layer"))
+        full = VLLMColocatedSink(llm, skip_unchanged=False).sync(ParamStream(model, group_by="layer"))
         again = generate_or_error(llm)
     except Exception as exc:
-        report(arch=p.arch_id, event="partial", ok=False, error=f"{type(exc).__name__}: {str(exc)[:1500]}")
+        report(arch=p.arch_id, event=event, ok=False, error=f"{type(exc).__name__}: {str(exc)[:1500]}")
         return
     report(
         arch=p.arch_id,
-        event="partial",
+        event=event,
         ok=True,
         tensors=record.tensors,
         skipped=record.skipped_tensors,
         full_tensors=full.tensors,
         full_because=record.full_because,
+        elements=record.elements,
         generated=after[1] is None,
         same=after == again,
+        **fields,
     )
 
 
@@ -188,36 +206,19 @@ def elements(p: Prepared, llm: Any) -> None:
     a few elements of every weight change and only those travel (outputs whose checkpoint conversion is not one
     tensor as is -- fused experts -- go whole, with the reason); the engine must then serve ``==`` what a full sync of
     the same weights serves."""
-    from helpers import report
-
     from lora_stream import ParamStream, VLLMColocatedSink
 
     model = p.base
     for q in model.parameters():
         q.requires_grad_(True)
-    try:
+
+    def prepare() -> tuple[Any, dict[str, Any]]:
         sink = VLLMColocatedSink(llm, elements=True)
         first = sink.sync(ParamStream(model, group_by="layer"))
         _edit_elements(model, 3)
-        record = sink.sync(ParamStream(model, group_by="layer"))
-        after = generate_or_error(llm)
-        full = VLLMColocatedSink(llm, skip_unchanged=False).sync(ParamStream(model, group_by="layer"))
-        again = generate_or_error(llm)
-    except Exception as exc:
-        report(arch=p.arch_id, event="elements", ok=False, error=f"{type(exc).__name__}: {str(exc)[:1500]}")
-        return
-    report(
-        arch=p.arch_id,
-        event="elements",
-        ok=True,
-        first_full=first.full_because,
-        full_because=record.full_because,
-        elements=record.elements,
-        tensors=record.tensors,
-        full_tensors=full.tensors,
-        generated=after[1] is None,
-        same=after == again,
-    )
+        return sink, {"first_full": first.full_because}
+
+    _against_full(p, llm, "elements", model, prepare)
 
 
 def main(arch_ids: list[str], workdir: str) -> None:

@@ -32,6 +32,7 @@ import torch.distributed as dist  # noqa: E402
 from helpers import (  # noqa: E402
     assert_vllm_serves,
     count_exchanges,
+    fail_on_rank_1,
     lora,
     oracle,
     report,
@@ -172,12 +173,7 @@ def faults(rank: int, engine, sink, llm, step, expected, points) -> None:  # typ
     before = vllm_generate(llm)
     step()
     for point in points:
-
-        def hook(p: str, point: str = point) -> None:
-            if rank == 1 and p == point:
-                raise RuntimeError(f"injected failure at {p} on rank 1")
-
-        set_fault_hook(hook)
+        set_fault_hook(fail_on_rank_1(point, rank))
         start, ran = time.monotonic(), exchanges[0]
         try:
             sink.sync(ParamStream(engine, group_by="layer", timeout=timeout), version="v2")

@@ -30,7 +30,16 @@ import time
 import deepspeed
 import torch
 import torch.distributed as dist
-from helpers import assert_vllm_serves, finish, lora, perturb_adapters, report, server_generate, zero3_whole_into
+from helpers import (
+    assert_vllm_serves,
+    fail_on_rank_1,
+    finish,
+    lora,
+    perturb_adapters,
+    report,
+    server_generate,
+    zero3_whole_into,
+)
 
 from lora_stream import LoraStreamError, ParamStream, StreamAbortedError, VLLMServerSink
 
@@ -187,11 +196,7 @@ def faults(rank: int, url: str, engine, template, sink) -> None:  # type: ignore
         if point == "verify":
             continue  # the server sink has no verification yet (docs/guarantees.md)
 
-        def hook(p: str, point: str = point) -> None:
-            if rank == 1 and p == point:
-                raise RuntimeError(f"injected failure at {p} on rank 1")
-
-        set_fault_hook(hook)
+        set_fault_hook(fail_on_rank_1(point, rank))
         t = time.monotonic()
         try:
             sink.sync(ParamStream(engine, group_by="layer"), version="v2")

@@ -39,7 +39,16 @@ import time
 import deepspeed
 import torch
 import torch.distributed as dist
-from helpers import ZERO3_CONFIG, assert_vllm_serves, finish, lora, server_generate, zero3_whole_into
+from helpers import (
+    ZERO3_CONFIG,
+    assert_vllm_serves,
+    edit_a_few,
+    finish,
+    lora,
+    own_elements,
+    server_generate,
+    zero3_whole_into,
+)
 
 from lora_stream import ParamStream, VLLMServerSink
 from lora_stream.testing import set_fault_hook
@@ -99,25 +108,17 @@ def hook_for(fault: dict, rank: int, slow_s: float):  # type: ignore[no-untyped-
 
 def edit_own_elements(module: torch.nn.Module, seed: int) -> None:
     """Structured edits of a few elements of this rank's own ZeRO-3 partition of every weight matrix, exact in float32
-    (as ``tests/workers/element_sync.py``'s): a sign flip, a scaling by 2 or 1/2, two elements swapped, four permuted.
+    (``helpers.edit_a_few``): a sign flip, a scaling by 2 or 1/2, two elements swapped, four permuted.
     A few elements in thousands: the sync after a committed one sends them as elements; and they change what the
     model generates, so that versions differ."""
-    rank = dist.get_rank()
-    g = torch.Generator().manual_seed(seed * 10 + rank)
+    g = torch.Generator().manual_seed(seed * 10 + dist.get_rank())
     with torch.no_grad():
         for p in module.parameters():
             if len(p.ds_shape) < 2:  # the whole shape: a partitioned parameter's own is empty
                 continue
-            size = int(p.ds_tensor.ds_numel)
-            own = max(0, min(size, p.ds_numel - rank * size))  # the last partition may be padded
-            if own < 16:
-                continue
-            flat = p.ds_tensor.data.view(-1)[:own]
-            a, b, c, d, e = (int(i) for i in torch.randperm(own - 4, generator=g)[:5])
-            flat[a].neg_()
-            flat[b].mul_(2.0 if torch.rand((), generator=g) < 0.5 else 0.5)
-            flat[c], flat[d] = flat[d].clone(), flat[c].clone()
-            flat[e : e + 4] = flat[e : e + 4][torch.tensor([2, 0, 3, 1])].clone()
+            flat = own_elements(p)
+            if flat.numel() >= 16:
+                edit_a_few(flat, g, halve_sometimes=True)
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ the modules it reloads, and a rollback loads the restored copy's tensors again, 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any
 
@@ -131,9 +132,7 @@ class ElementShadow:
     def _rebuild(self, name: str, blob: torch.Tensor, spec: dict[str, Any]) -> torch.Tensor:
         dtype = getattr(torch, spec["dtype"])
         shape = [int(d) for d in spec["shape"]]
-        numel = 1
-        for d in shape:
-            numel *= d
+        numel = math.prod(shape)
         segments = spec["segments"]
         have = self.tensors.get(name)
         if have is not None and (have.numel() != numel or have.dtype != dtype):

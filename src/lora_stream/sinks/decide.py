@@ -147,22 +147,20 @@ def decide(
     full_because = changes.full_because if changes is not None else None
     if changes is None and adapter is None:
         full_because = "skip_unchanged=False"
-    if diff is not None and sends is not None:
-        assert changes is not None
-        needed = changes.needed if changes.needed is not None else frozenset(range(len(stream.steps())))
-        rest = Selection(needed - frozenset(sends))
+    if diff is not None:
+        refused = changes.elements_refused if changes is not None else None
+        if sends is not None:  # the element steps travel as elements; the pass sends the rest it needs
+            assert changes is not None
+            needed = changes.needed if changes.needed is not None else frozenset(range(len(stream.steps())))
+            selection, refused, full_because = Selection(needed - frozenset(sends)), None, None
         source: SyncSource = ElementSource(
-            stream, aliases, version, rest, sends, shadow=_shadowed(stream, diff), refused=None
-        )
-    elif diff is not None:
-        source = ElementSource(
             stream,
             aliases,
             version,
             selection,
-            {},
+            sends or {},
             shadow=_shadowed(stream, diff),
-            refused=changes.elements_refused if changes is not None else None,
+            refused=refused,
             full_because=full_because,
         )
     else:

@@ -293,6 +293,9 @@ class ElementSource(SyncSource):
         self._groups = [list(g) for g in self._element_groups] + self._groups
         self._meta = element_meta + self._meta
         self._primary_of = primary_of
+        # The element outputs and their aliases, which the stream's pass leaves out and counts as skipped.
+        sent = [meta[primary_of.get(n, n)] for names in self._element_groups for n in names]
+        self._element_outputs = (len(sent), sum(nbytes(torch.Size(m.shape), m.dtype) for m in sent))
 
     @property
     def element_info(self) -> dict[str, Any]:
@@ -320,14 +323,10 @@ class ElementSource(SyncSource):
         figures: dict[str, Any] = {**self.element_figures, "encodings": dict(self.encodings)}
         figures["refused"] = self.elements_refused if not self.sends else None
         if self.sends:
-            # The stream's pass left the element outputs out, and counted them (and their aliases) as skipped.
-            sent = [n for names in self._element_groups for n in names]
-            meta = {m.name: m for m in self.stream.metadata()}
-            of = [meta[self._primary_of.get(n, n)] for n in sent]
-            whole = sum(nbytes(torch.Size(m.shape), m.dtype) for m in of)
+            count, whole = self._element_outputs
             record = dataclasses.replace(
                 record,
-                skipped_tensors=max(0, record.skipped_tensors - len(sent)),
+                skipped_tensors=max(0, record.skipped_tensors - count),
                 skipped_bytes=max(0, record.skipped_bytes - whole),
             )
         return dataclasses.replace(record, elements=figures)
