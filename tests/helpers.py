@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 warnings.filterwarnings("ignore", message=".*Already unmerged.*")
@@ -33,8 +34,6 @@ def finish(code: int = 0) -> None:
 def report_aborted(exc: Any, start: float) -> None:
     """A rank worker's ``aborted`` record for a :class:`~lora_stream.StreamAbortedError`, then exit 3."""
     import time
-
-    import torch.distributed as dist
 
     report(
         rank=dist.get_rank(),
@@ -489,13 +488,21 @@ ZERO3_CONFIG: dict[str, Any] = {
 }
 
 
-def zero3_engine(model: nn.Module, config: dict[str, Any] | None = None, lr: float = 1e-2) -> Any:
-    """``deepspeed.initialize`` with AdamW over the trainable parameters (what ZeRO-3 needs to run backward)."""
+def zero3_engine(
+    model: nn.Module,
+    config: dict[str, Any] | None = None,
+    lr: float = 1e-2,
+    *,
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
+) -> Any:
+    """``deepspeed.initialize`` with ``optimizer`` (default: AdamW at ``lr``) over the trainable parameters (what
+    ZeRO-3 needs to run backward)."""
     import deepspeed
 
     # The shm comm op JIT-compiles with g++ for ~45 s on first use; plain gloo is all the tests need.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = optimizer(params) if optimizer is not None else torch.optim.AdamW(params, lr=lr)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config or ZERO3_CONFIG)
     return engine
 
@@ -507,7 +514,7 @@ STEP_IDS = [[1, 17, 42, 99, 5, 7, 300]]
 def train_sharded(
     model: nn.Module,
     gatherer: str,
-    optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
     *,
     ds_config: dict[str, Any] | None = None,
     shard: tuple[str, ...] = (),
@@ -518,11 +525,7 @@ def train_sharded(
     the module holding the parameters, and one optimiser step on :data:`STEP_IDS`."""
     ids = torch.tensor(STEP_IDS)
     if gatherer == "zero3":
-        import deepspeed
-
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        opt = optimizer([p for p in model.parameters() if p.requires_grad])
-        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config or ZERO3_CONFIG)
+        engine = zero3_engine(model, ds_config, optimizer=optimizer)
 
         def zero3_step() -> None:
             engine.backward(engine(input_ids=ids, labels=ids).loss)
@@ -531,7 +534,6 @@ def train_sharded(
         return engine, engine.module, zero3_step
     if gatherer != "fsdp2":
         raise ValueError(f"gatherer: zero3 or fsdp2, got {gatherer!r}")
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -554,8 +556,6 @@ def own_elements(p: torch.Tensor) -> torch.Tensor:
     """This rank's own elements of ``p``, flat, as a view that writes through: ZeRO-3's partition without the
     last partition's padding, FSDP2's local shard, or the whole tensor."""
     if hasattr(p, "ds_tensor"):
-        import torch.distributed as dist
-
         size = int(p.ds_tensor.ds_numel)
         own = max(0, min(size, int(p.ds_numel) - dist.get_rank() * size))
         return p.ds_tensor.data.view(-1)[:own]
@@ -565,9 +565,11 @@ def own_elements(p: torch.Tensor) -> torch.Tensor:
 
 
 def edit_a_few(flat: torch.Tensor, g: torch.Generator, *, halve_sometimes: bool = False) -> None:
-    """Structured edits of five elements of ``flat`` (at least 16), exact in any float dtype and missed by a linear
-    or sampled check: a sign flip, a scaling by 2 (or, with ``halve_sometimes``, by 1/2 half the time), two elements
-    swapped, four permuted."""
+    """Structured edits of five elements of ``flat``, exact in any float dtype and missed by a linear or sampled
+    check: a sign flip, a scaling by 2 (or, with ``halve_sometimes``, by 1/2 half the time), two elements swapped,
+    four permuted. A ``flat`` of fewer than 16 elements is left as it is."""
+    if flat.numel() < 16:
+        return
     a, b, c, d, e = (int(i) for i in torch.randperm(flat.numel() - 4, generator=g)[:5])
     flat[a].neg_()
     flat[b].mul_(2.0 if not halve_sometimes or torch.rand((), generator=g) < 0.5 else 0.5)

@@ -116,9 +116,7 @@ def edit_own_elements(module: torch.nn.Module, seed: int) -> None:
         for p in module.parameters():
             if len(p.ds_shape) < 2:  # the whole shape: a partitioned parameter's own is empty
                 continue
-            flat = own_elements(p)
-            if flat.numel() >= 16:
-                edit_a_few(flat, g, halve_sometimes=True)
+            edit_a_few(own_elements(p), g, halve_sometimes=True)
 
 
 def main() -> None:
