@@ -23,7 +23,8 @@ from lora_stream.engine.lease import (
     ROLLBACK_HEADER,
     SYNC_HEADER,
     UpdateLease,
-    _committed_version,
+    committed_version,
+    sync_name,
 )
 from lora_stream.engine.routes import CONTROL, SERVING, WRITING
 from lora_stream.sinks.server_replica import lease_lost
@@ -93,11 +94,21 @@ _APP = SimpleNamespace(
 )
 
 
+def _cred(sync: str) -> str:
+    """The credential of the test's sync ``sync`` (a label): a secret as long as a real one."""
+    return f"{sync}-credential-{'0' * 40}"
+
+
+def _name(sync: str) -> str:
+    """What the server shows of sync ``sync``: the digest of its credential."""
+    return sync_name(_cred(sync))
+
+
 def _call(lease: UpdateLease, path: str, sync: str | None = None, seconds: float = 2.0, root: str = "", **headers: str):
-    """One request; returns ``(status, body)``."""
+    """One request of sync ``sync`` (a label: its credential is sent); returns ``(status, body)``."""
     raw = [(k.encode(), v.encode()) for k, v in headers.items()]
     if sync is not None:
-        raw += [(SYNC_HEADER.encode(), sync.encode()), (LEASE_HEADER.encode(), str(seconds).encode())]
+        raw += [(SYNC_HEADER.encode(), _cred(sync).encode()), (LEASE_HEADER.encode(), str(seconds).encode())]
     scope = {"type": "http", "method": "POST", "path": path, "root_path": root, "headers": raw}
     out: dict[str, Any] = {}
 
@@ -123,21 +134,28 @@ def _call(lease: UpdateLease, path: str, sync: str | None = None, seconds: float
 def test_only_the_holding_sync_writes() -> None:
     lease, engine, ran = _server()
     assert _call(lease, "/pause", "A")[0] == 200 and lease.lease.holding
-    # An operator's /resume or /pause (no headers), another sync's /resume or /update_weights: refused, naming the
-    # holder.
-    for path, sync in (("/resume", None), ("/pause", None), ("/resume", "B"), ("/update_weights", "B")):
+    # An operator's /resume or /pause (no headers), another sync's /resume: refused, naming the holder (by its name,
+    # never its credential).
+    for path, sync in (("/resume", None), ("/pause", None), ("/resume", "B")):
         status, body = _call(lease, path, sync)
-        assert status == 409 and body["marker"] == BUSY and body["holder"] == "A", (path, sync, body)
+        assert status == 409 and body["marker"] == BUSY and body["holder"] == _name("A"), (path, sync, body)
         assert 0 < body["expires_in"] <= 2.0
+        assert _cred("A") not in json.dumps(body)
+    # Another sync's update route: that sync holds no update here, and never will by this request.
+    for path in ("/update_weights", "/finish_weight_update"):
+        status, body = _call(lease, path, "B")
+        assert status == 409 and body["marker"] == EXPIRED, (path, body)
     # A read-only route with made-up headers runs, and takes nothing of the lease.
     assert _call(lease, "/v1/models", "someone-else", seconds=1)[0] == 200
-    assert lease.lease.sync == "A" and lease.lease.holding and not engine.calls
+    assert lease.lease.sync == _name("A") and lease.lease.holding and not engine.calls
     assert ran == ["/pause", "/v1/models"]
     # The holder goes on.
     assert _call(lease, "/resume", "A")[0] == 200 and not lease.lease.holding
+    # Its credential acts on nothing now: a replay takes no server.
+    assert _call(lease, "/pause", "A")[0] == 409 and not lease.lease.holding
     # Another sync starting an update supersedes a holder (a trainer restarted after dying mid-sync): healed first.
-    assert _call(lease, "/pause", "A")[0] == 200 and lease.lease.holding
-    assert _call(lease, "/pause", "B")[0] == 200 and lease.lease.sync == "B"
+    assert _call(lease, "/pause", "C")[0] == 200 and lease.lease.holding
+    assert _call(lease, "/pause", "B")[0] == 200 and lease.lease.sync == _name("B")
     assert ("resume", None) in engine.calls and "superseded" in (lease.lease.last_heal or "")
 
 
@@ -182,11 +200,11 @@ def test_the_lease_counts_the_servers_running_time() -> None:
     assert abs(lease.lease.expires - expires) < 0.5
 
 
-def test_the_workers_refusal_names_the_committed_version() -> None:
+def test_the_workers_refusal_names_thecommitted_version() -> None:
     for version in ("v2", 'v"2\\x', None):
         text = f"{NOTHING_KEPT}: this update was committed by sync s as version {json.dumps(version)}: final"
-        assert _committed_version(text) == {"version": version}
-    assert _committed_version("some other error") is None
+        assert committed_version(text) == {"version": version}
+    assert committed_version("some other error") is None
 
 
 def test_while_a_sync_holds_the_server_only_serving_routes_run_for_anyone_else() -> None:
@@ -196,7 +214,7 @@ def test_while_a_sync_holds_the_server_only_serving_routes_run_for_anyone_else()
     assert _call(lease, "/start_weight_update", "A")[0] == 200 and lease.lease.holding
     for path in ("/weight_checker", "/brand_new_route", "/collective_rpc", "/reset_mm_cache", "/adapters/x"):
         status, body = _call(lease, path)
-        assert status == 409 and body["marker"] == BUSY and body["holder"] == "A", (path, body)
+        assert status == 409 and body["marker"] == BUSY and body["holder"] == _name("A"), (path, body)
     for path in ("/v1/completions", "/v1/responses/r-1", "/health", "/metrics", "/weight_info"):
         assert _call(lease, path)[0] == 200, path
     assert ran == [
@@ -207,7 +225,7 @@ def test_while_a_sync_holds_the_server_only_serving_routes_run_for_anyone_else()
         "/metrics",
         "/weight_info",
     ]
-    assert lease.lease.sync == "A" and lease.lease.weights_by == "A" and not engine.calls
+    assert lease.lease.sync == _name("A") and lease.lease.weights_by == _name("A") and not engine.calls
 
 
 def test_a_root_path_prefix_is_judged_as_the_app_routes_it() -> None:
@@ -233,11 +251,11 @@ def test_every_route_that_may_write_moves_weights_by() -> None:
     lease, _, _ = _server()
     assert _call(lease, "/start_weight_update", "A")[0] == 200
     assert _call(lease, "/finish_weight_update", "A")[0] == 200 and not lease.lease.holding
-    assert lease.lease.weights_by == "A"
+    assert lease.lease.weights_by == _name("A")
     for path in ("/v1/completions", "/pause", "/resume", "/reset_prefix_cache", "/start_profile"):
-        assert _call(lease, path)[0] == 200 and lease.lease.weights_by == "A", path
+        assert _call(lease, path)[0] == 200 and lease.lease.weights_by == _name("A"), path
     for path in ("/weight_checker", "/brand_new_route", "/wake_up", "/collective_rpc"):
-        lease.lease.weights_by = "A"
+        lease.lease.weights_by = _name("A")
         assert _call(lease, path)[0] == 200 and lease.lease.weights_by is None, path
 
 
@@ -289,7 +307,7 @@ def test_a_recorded_decision_rolls_forward_whatever_stops_after_it() -> None:
     assert _decide(lease, "A", "v2") == (200, {"recorded": True, "version": "v2"})
     lease.lease.expires = time.monotonic() - 1
     asyncio.run(lease._heal("test"))
-    assert engine.calls[0] == ("update_weights", {"command": "commit", "sync": "A", "version": "v2"}), engine.calls
+    assert engine.calls[0] == ("update_weights", {"command": "commit", "sync": _name("A"), "version": "v2"}), engine.calls
     assert ("finish", "v2") in engine.calls and engine.version == "v2" and not lease.lease.holding
     assert "rolled back" not in (lease.lease.last_heal or "")
     commit = {COMMIT_HEADER: json.dumps({"version": "v2"})}
@@ -334,7 +352,7 @@ def test_a_roll_forward_that_finds_no_session_still_labels_the_version_it_checks
     engine.no_session = True
     lease.lease.expires = time.monotonic() - 1
     asyncio.run(lease._heal("test"))
-    assert ("label", "v2") in engine.calls and engine.version == "v2" and lease.lease.forwarded == {"A": "v2"}
+    assert ("label", "v2") in engine.calls and engine.version == "v2" and lease.lease.forwarded == {_name("A"): "v2"}
 
 
 def test_a_heal_whose_workers_restored_nothing_says_so_and_still_ends_the_session() -> None:
@@ -347,3 +365,130 @@ def test_a_heal_whose_workers_restored_nothing_says_so_and_still_ends_the_sessio
     heal = lease.lease.last_heal or ""
     assert "NOT restored" in heal and "rolled back" not in heal.replace("not rolled back", ""), heal
     assert ("finish", None) in engine.calls and not lease.lease.holding
+
+
+# -- the credential: what anyone can read is never what a request must present --------------------------------------
+
+
+def _status(lease: UpdateLease, sync: str | None = None) -> dict:
+    return _call(lease, "/lora_stream/lease", sync)[1]
+
+
+def test_the_status_shows_a_digest_of_the_credential_and_presenting_it_back_acts_on_nothing() -> None:
+    """The forged decision: a client reads the holder's ``sync`` from the status, posts ``/lora_stream/decide`` with
+    it (headers of its own choosing), and the trainer dies before its vote. The server shows only the name, a digest;
+    a request presenting the name acts for nobody: its decision is refused, and the heal rolls the update back."""
+    lease, engine, _ = _server()
+    for path in ("/pause", "/start_weight_update", "/update_weights"):
+        assert _call(lease, path, "A")[0] == 200
+    shown = _status(lease)
+    assert shown["sync"] == _name("A") and shown["holding"] and _cred("A") not in json.dumps(shown)
+    forged = {SYNC_HEADER: shown["sync"], LEASE_HEADER: "2", COMMIT_HEADER: json.dumps({"version": "forged"})}
+    for headers in (forged, {COMMIT_HEADER: json.dumps({"version": "forged"})}):
+        status, body = _call(lease, DECIDE_PATH, **headers)
+        assert status == 409 and body["marker"] == EXPIRED and lease.lease.decided is None, (headers, body)
+    # The name on every other route the holder reaches: refused, or run as nobody's.
+    assert _call(lease, "/finish_weight_update", **forged)[0] == 409
+    assert _call(lease, "/update_weights", **{SYNC_HEADER: shown["sync"], LEASE_HEADER: "2"})[0] == 409
+    assert _call(lease, "/resume", **forged)[1]["marker"] == BUSY
+    assert lease.lease.session and lease.lease.paused and engine.calls == []
+    lease.lease.expires = time.monotonic() - 1  # the trainer died before its vote
+    asyncio.run(lease._heal("test"))
+    assert engine.calls[0] == ("update_weights", {"command": "rollback"}) and engine.version == "v1"
+    assert not any(c[0] == "update_weights" and c[1].get("command") == "commit" for c in engine.calls)
+
+
+def test_a_credential_shorter_than_the_least_length_is_no_credential() -> None:
+    lease, _, _ = _server()
+    raw = {SYNC_HEADER: "short", LEASE_HEADER: "2"}
+    assert _call(lease, "/pause", **raw)[0] == 200 and not lease.lease.holding  # run as nobody's: nothing held
+
+
+def test_the_lease_length_is_fixed_when_the_hold_starts() -> None:
+    """The pinned lease: one request carrying ``X-Lora-Stream-Lease: 86400`` made a dead trainer's lease a day long. A
+    later request -- the holder's own, or anyone's -- renews the lease for the length fixed at the start, never more."""
+    lease, engine, _ = _server()
+    assert _call(lease, "/pause", "A", seconds=2.0)[0] == 200
+    for sync in ("A", None):
+        _call(lease, "/weight_info", sync, seconds=86400.0)
+        _call(lease, "/lora_stream/lease", sync, seconds=86400.0)
+        assert lease.lease.lease_s == 2.0 and lease.lease.expires_in() <= 2.0, sync
+    forged = {SYNC_HEADER: _name("A"), LEASE_HEADER: "86400"}
+    _call(lease, "/weight_info", **forged)
+    assert lease.lease.expires_in() <= 2.0
+    lease.lease.expires = time.monotonic() - 1
+    asyncio.run(lease._heal("test"))
+    assert not lease.lease.holding and ("resume", None) in engine.calls
+
+
+def test_a_replayed_credential_of_an_earlier_sync_acts_on_nothing() -> None:
+    """Sync A held the server and released it. Its credential, replayed, takes no server, reaches no update route,
+    records no decision, renews nothing, and a write made with it is nobody's (``weights_by`` never says A)."""
+    lease, engine, ran = _server()
+    for path in ("/pause", "/start_weight_update", "/finish_weight_update", "/resume"):
+        assert _call(lease, path, "A")[0] == 200
+    assert not lease.lease.holding and lease.lease.weights_by == _name("A")
+    before = list(ran)
+    for path in ("/pause", "/start_weight_update", "/init_weight_transfer_engine", "/update_weights"):
+        status, body = _call(lease, path, "A")
+        assert status == 409 and body["marker"] == EXPIRED, (path, body)
+    assert _decide(lease, "A", "v9")[0] == 409
+    assert ran == before and not lease.lease.holding
+    assert _status(lease, "A")["yours"]["holding"] is False
+    # A write with the replayed credential runs as anyone's would between syncs, and says nobody wrote.
+    assert _call(lease, "/weight_checker", "A")[0] == 200 and lease.lease.weights_by is None
+    # A new sync takes the server as usual.
+    assert _call(lease, "/pause", "B")[0] == 200 and lease.lease.sync == _name("B")
+
+
+def test_the_holder_is_compared_in_constant_time(monkeypatch: Any) -> None:
+    import hmac
+
+    import lora_stream.engine.lease as module
+
+    seen: list[tuple[bytes, bytes]] = []
+    real = hmac.compare_digest
+
+    def compare(a: bytes, b: bytes) -> bool:
+        seen.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(module.hmac, "compare_digest", compare)
+    lease, _, _ = _server()
+    assert _call(lease, "/pause", "A")[0] == 200
+    seen.clear()
+    assert _call(lease, "/resume", "A")[0] == 200
+    assert (_name("A").encode(), _name("A").encode()) in seen
+
+
+# -- after the decision, only forward --------------------------------------------------------------------------------
+
+
+def test_a_decided_commit_answered_with_an_error_after_the_workers_committed_rolls_forward_under_its_label() -> None:
+    """The workers committed the decided update, then the commit's answer was a 500 (a worker raised after the update
+    stood, and vLLM ended the session): the lease keeps the session as unknown, never as ended-and-undone; the heal's
+    commit finds no session, which after a recorded decision only the commit ends, so it finishes under the decided
+    version and labels it."""
+    lease, engine, _ = _server()
+    failing: dict[str, Any] = {}
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        status = failing.pop(scope["path"], 200)
+        if status != 200:
+            engine.no_session = True  # the workers committed, then vLLM ended the session
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    lease.app = app
+    for path in ("/pause", "/start_weight_update", "/update_weights"):
+        assert _call(lease, path, "A")[0] == 200
+    assert _decide(lease, "A", "v2")[0] == 200
+    failing["/update_weights"] = 500
+    assert _call(lease, "/update_weights", "A", **{COMMIT_HEADER: json.dumps({"version": "v2"})})[0] == 500
+    assert lease.lease.session and lease.lease.decided == {"version": "v2"}  # unknown: not taken as rolled back
+    lease.lease.expires = time.monotonic() - 1  # the trainer vanished
+    engine.fails = "finish_weight_update must be called before update_weights"  # no session: the commit stood
+    asyncio.run(lease._heal("test"))
+    assert engine.version == "v2" and ("label", "v2") in engine.calls, engine.calls
+    assert not any(c[0] == "update_weights" and c[1].get("command") == "rollback" for c in engine.calls)
+    assert not lease.lease.holding and lease.lease.forwarded == {_name("A"): "v2"}

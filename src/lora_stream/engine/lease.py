@@ -6,14 +6,26 @@ ever roll the update back, end the session or resume generation: the server woul
 that were never committed, and refuse every later update ("start_weight_update called while a weight update is
 already active"). This ASGI middleware, in the server's API process, makes the server heal itself.
 
-**The lease.** Every request lora_stream's sink sends during a sync carries ``X-Lora-Stream-Sync`` (the sync's id)
-and ``X-Lora-Stream-Lease`` (seconds). From the sync's ``/pause`` or ``/start_weight_update`` until its
-``/resume`` and ``/finish_weight_update``, the sync *holds* the server. The lease runs while none of the sync's
-requests is in flight: each request's arrival, and each successful completion, renews it for ``lease`` seconds (a
-failed ``/update_weights`` renews nothing: the trainer that sent it may be gone). The sink sends its ``lease=``
-option (:class:`~lora_stream.VLLMServerSink`, default :data:`~lora_stream.sinks.vllm_server.DEFAULT_LEASE_S`), and
-its feeding rank renews the lease every ``lease / 6`` seconds while it lives, so that no legitimate silence of its
-own (a wait for the other trainer ranks, an HTTP call) lets it expire.
+**The credential.** Every request lora_stream's sink sends during a sync carries ``X-Lora-Stream-Sync``, the
+sync's *credential*: a secret of at least :data:`MIN_CREDENTIAL` characters the sink draws for this sync alone
+(:func:`new_credential`), and ``X-Lora-Stream-Lease`` (seconds). The server never stores, returns, logs or echoes
+the credential: it keeps only the sync's *name*, a digest of it (:func:`sync_name`), and everything it shows
+(``GET /lora_stream/lease``, a ``409``'s ``holder``, ``weights_by``, its log, the workers' record of the commit) shows
+the name. Presenting the name back is presenting nothing: a request acts for a sync only with the secret whose
+digest is that name, compared in constant time. A credential shorter than :data:`MIN_CREDENTIAL` is no credential.
+
+**The lease.** From the sync's ``/pause`` or ``/start_weight_update`` (:data:`START_PATHS`: only these take a free
+server) until its ``/resume`` and ``/finish_weight_update``, the sync *holds* the server. Its length is the
+``X-Lora-Stream-Lease`` of the request that took the server, fixed for the whole hold: a later request renews the
+lease for that length, never lengthens it. The lease runs while none of the sync's requests is in flight: each
+request's arrival, and each successful completion, renews it (a failed ``/update_weights`` renews nothing: the
+trainer that sent it may be gone). Once a sync released the server, its credential acts on nothing: it takes no
+server again, and its update routes are refused (:data:`EXPIRED`); a credential that never held this server (a
+server restarted under its sync) is refused on the update routes (:data:`UPDATE_PATHS`) too. The sink sends its
+``lease=`` option (:class:`~lora_stream.VLLMServerSink`, default
+:data:`~lora_stream.sinks.vllm_server.DEFAULT_LEASE_S`), and its feeding rank renews the lease every ``lease / 6``
+seconds while it lives, so that no legitimate silence of its own (a wait for the other trainer ranks, an HTTP call)
+lets it expire.
 
 **When it expires** (nothing in flight): the middleware rolls the update back through lora_stream's worker engine
 (the trainer's ``rollback`` command: the workers put back, bit for bit, what the update replaced), ends vLLM's
@@ -49,10 +61,14 @@ there the lease only reports, heals nothing, and says so in the log.
 from __future__ import annotations
 
 import asyncio
+import collections
+import hashlib
+import hmac
 import json
 import logging
 import math
 import re
+import secrets
 import time
 import uuid
 from typing import Any
@@ -68,17 +84,25 @@ __all__ = [
     "EXPIRED",
     "LEASED_PATHS",
     "LEASE_HEADER",
+    "MIN_CREDENTIAL",
     "NOTHING_KEPT",
     "RESTORE_HEADER",
     "ROLLBACK_HEADER",
     "STATUS_PATH",
     "SYNC_HEADER",
+    "UPDATE_PATHS",
     "UpdateLease",
+    "committed_version",
+    "new_credential",
+    "sync_name",
 ]
 
-#: Request headers lora_stream's sink sends on every call of a sync.
+#: Request headers lora_stream's sink sends on every call of a sync: the sync's credential (a secret, never shown by
+#: the server) and the lease's length in seconds (read once, when the sync takes the server).
 SYNC_HEADER = "x-lora-stream-sync"
 LEASE_HEADER = "x-lora-stream-lease"
+#: The shortest credential the lease takes (:func:`new_credential` draws 64 hexadecimal characters, 256 bits).
+MIN_CREDENTIAL = 32
 #: On an adapter sync's ``/v1/load_lora_adapter``: JSON ``{"lora_name", "lora_path"}`` of what a heal puts back
 #: (``lora_path`` ``null``: unload the name).
 RESTORE_HEADER = "x-lora-stream-restore"
@@ -115,9 +139,14 @@ LEASED_PATHS = frozenset(
         "/v1/unload_lora_adapter",
     }
 )
-#: The routes that start an update: another sync's request to one of them supersedes the holder (healing it first),
-#: as a trainer restarted after a death must; on every other guarded route it is refused.
+#: The routes that start an update: only these take a free server for a sync; another sync's request to one of them
+#: supersedes the holder (healing it first), as a trainer restarted after a death must; on every other guarded route
+#: it is refused.
 START_PATHS = frozenset({"/pause", "/start_weight_update", "/init_weight_transfer_engine"})
+#: The routes that act inside a sync's update: only the sync that holds the server reaches them with its credential.
+#: A credential that does not hold the server is refused there (:data:`EXPIRED`), never let through as nobody's: on a
+#: server restarted under a sync, vLLM's "no update session" answer would otherwise read as the sync's own commit.
+UPDATE_PATHS = frozenset({"/update_weights", "/finish_weight_update"})
 #: The late requests of a sync whose committed update a heal finished (rolled forward), answered as done.
 _FORWARDED_OK = frozenset({"/finish_weight_update", "/resume"})
 #: A gap this much longer than the watcher's tick means the server's own process did not run (stopped, paused,
@@ -129,12 +158,32 @@ EXPIRED = "lora_stream_lease_expired"
 BUSY = "lora_stream_lease_busy"
 _WATCH_S = 0.25
 _MAX_EXPIRED = 64
+#: How many released syncs' names the lease remembers, to refuse their credentials (16 bytes each): the syncs of days
+#: at one a minute. A credential older than that acts as a stranger's, which takes a free server as a new sync and
+#: writes under its own name: never under the name the sink's last commit holds (always among the remembered).
+_MAX_ENDED = 4096
 _MAX_LEASE_S = 24 * 3600.0
 #: What lora_stream's worker engine says when a rollback restores nothing: the update kept no copy (rollback=False),
 #: or it was committed (then the lease rolls it forward instead; see :attr:`_Lease.committed`).
 NOTHING_KEPT = "lora_stream_nothing_to_restore"
 # What vLLM's worker answers when no update session is open (the workers already ended it).
 _NO_SESSION = ("must be called before", "without a matching")
+
+
+def new_credential() -> str:
+    """A fresh sync credential: 256 random bits, as text (drawn by the sink for each sync)."""
+    return secrets.token_hex(32)
+
+
+def sync_name(credential: str) -> str:
+    """The public name of the sync whose credential is ``credential``: what the server shows and the workers record.
+    A digest, so that what anyone can read is never what a request must present."""
+    return hashlib.sha256(credential.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def _same(a: str | None, b: str | None) -> bool:
+    """Whether two sync names are the same, in constant time."""
+    return a is not None and b is not None and hmac.compare_digest(a.encode(), b.encode())
 
 
 def no_session(error: BaseException) -> bool:
@@ -163,6 +212,8 @@ class _Lease:
         #: The holding sync's lease ran out: it is being healed (a step that failed is retried every tick).
         self.expiring = False
         self.expired: list[str] = []
+        #: Names of syncs that held this server and released it: their credentials act on nothing any more.
+        self.ended: collections.OrderedDict[str, None] = collections.OrderedDict()
         #: Syncs whose committed update a heal finished, with their version: their late ``/finish_weight_update``
         #: and ``/resume`` are answered as done.
         self.forwarded: dict[str, str | None] = {}
@@ -173,6 +224,12 @@ class _Lease:
         #: The sync whose request last reached a route that may write the weights (``None``: one without
         #: lora_stream's headers, or none since the server started): what a partial sync must find unchanged.
         self.weights_by: str | None = None
+
+    def end(self, name: str) -> None:
+        """Sync ``name`` released this server: its credential acts on nothing from now on."""
+        self.ended[name] = None
+        while len(self.ended) > _MAX_ENDED:
+            self.ended.popitem(last=False)
 
     @property
     def holding(self) -> bool:
@@ -190,13 +247,13 @@ class _Lease:
         yours = None
         if asking is not None:
             yours = {
-                "holding": self.holding and self.sync == asking and not self.expiring,
+                "holding": self.holding and _same(self.sync, asking) and not self.expiring,
                 "expired": asking in self.expired,
                 "forwarded": asking in self.forwarded,
             }
         return {
             "yours": yours,
-            "sync": self.sync,
+            "sync": self.sync,  # the holder's name, a digest of its credential: presenting it back acts on nothing
             "holding": self.holding,
             "paused": self.paused,
             "session": self.session,
@@ -242,7 +299,7 @@ class UpdateLease:
         lease = self.lease
         own = _route_path(scope) if kind == "http" else None  # lora_stream's own routes, served here
         if own == STATUS_PATH:
-            if sync is not None and sync == lease.sync and self.disabled is None:  # the holder's heartbeat
+            if sync is not None and _same(sync, lease.sync) and self.disabled is None:  # the holder's heartbeat
                 await self._renew(sync)
             await _respond(send, 200, lease.status(self.disabled, sync, self._table().unclassified()))
             return
@@ -291,7 +348,23 @@ class UpdateLease:
                     },
                 )
                 return
-            if lease.holding and lease.sync != sync and sync is not None and path in START_PATHS:
+            if sync is not None and not _same(lease.sync, sync):
+                # A credential that does not hold this server: it takes a free one only through a route that starts
+                # an update, and only if it never held this server before; it never reaches an update's routes.
+                ended = sync in lease.ended
+                if path in UPDATE_PATHS or (ended and path in START_PATHS):
+                    why = (
+                        "it released this server already, and its credential acts on nothing any more"
+                        if ended
+                        else "the server holds no update of this sync (it restarted, or another sync took it)"
+                    )
+                    await _respond(
+                        send, 409, {"error": f"lora_stream: sync {sync} may not {path}: {why}", "marker": EXPIRED}
+                    )
+                    return
+                if path not in START_PATHS:
+                    sync = None  # acts for no sync: judged as any request without lora_stream's headers
+            if lease.holding and not _same(lease.sync, sync) and sync is not None and path in START_PATHS:
                 # Another sync starts an update (a trainer restarted after dying mid-sync): the holder is healed
                 # first, unless one of its requests is running.
                 if lease.inflight:
@@ -302,7 +375,7 @@ class UpdateLease:
                     )
                     return
                 await self._heal(f"sync {lease.sync} was superseded by sync {sync}")
-            if lease.holding and lease.sync != sync:
+            if lease.holding and not _same(lease.sync, sync):
                 if klass != "serving":
                     # Only the holding sync writes, or changes generation's state. Healing the holder's update on
                     # the word of a request that does not start an update would let any client end a live sync,
@@ -334,9 +407,12 @@ class UpdateLease:
                 if path == "/update_weights" and _header(scope, ROLLBACK_HEADER) is not None:
                     lease.decided = None  # the holder rolls back: withdrawn before the workers act on it
                 now = time.monotonic()
-                # A sync taking a free server starts its own lease: the previous holder's expiry is not its own.
-                lease.expires = now + lease_s if lease.sync != sync else max(lease.expires, now + lease_s)
-                lease.sync, lease.lease_s = sync, lease_s
+                if not _same(lease.sync, sync):
+                    # A sync taking a free server starts its own lease, of the length it asks for now: fixed until it
+                    # releases the server (a later request's header renews it, never lengthens it).
+                    lease.sync, lease.lease_s, lease.expires = sync, lease_s, now + lease_s
+                else:
+                    lease.expires = max(lease.expires, now + lease.lease_s)
                 lease.inflight += 1
                 self._watch_()
         if passing:
@@ -367,9 +443,8 @@ class UpdateLease:
             if lease.holding and lease.inflight == 0 and time.monotonic() > lease.expires:
                 await self._heal(f"sync {lease.sync}'s lease of {lease.lease_s:g} s expired")
             held = (
-                sync is not None
-                and self.disabled is None
-                and lease.sync == sync
+                self.disabled is None
+                and _same(lease.sync, sync)
                 and lease.holding
                 and lease.session
                 and not lease.expiring
@@ -400,8 +475,9 @@ class UpdateLease:
     ) -> None:
         lease = self.lease
         lease.inflight -= 1
-        if lease.sync != sync:
+        if not _same(lease.sync, sync):
             return  # healed and superseded meanwhile
+        held = lease.holding
         if 200 <= status < 300:
             lease.expires = max(lease.expires, time.monotonic() + lease.lease_s)
             if path == "/pause":
@@ -420,9 +496,14 @@ class UpdateLease:
             elif path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
                 # The sync swapped its adapter in (and said what to put back), or put the previous one back itself.
                 lease.restore = restore
-        elif path == "/update_weights" and answered and status >= 500:
-            lease.session = False  # the workers raised: vLLM's worker ends the session when an update fails
+        elif path == "/update_weights" and answered and status >= 500 and lease.decided is None:
+            # The workers raised on an undecided update: vLLM's worker ends the session when an update fails, and
+            # ours rolled it back. Once decided, an error answer proves nothing (the workers may have committed
+            # before the answer failed): the session is kept as open, and the decided update is rolled forward.
+            lease.session = False
         if not lease.holding and lease.inflight == 0:
+            if held:
+                lease.end(sync)  # it held the server and released it: its credential acts on nothing now
             lease.sync = None
 
     def _table(self) -> RouteTable:
@@ -478,7 +559,7 @@ class UpdateLease:
         lease = self.lease
         async with self._lock_():
             self._account_stall()
-            if lease.sync != sync or not lease.holding:
+            if not _same(lease.sync, sync) or not lease.holding:
                 return
             now = time.monotonic()
             if lease.inflight == 0 and now > lease.expires:
@@ -545,15 +626,24 @@ class UpdateLease:
         lease = self.lease
         decided = lease.decided or {}
         info = {"command": "commit", "sync": lease.sync, "version": decided.get("version")}
+        committed: dict[str, Any] | None = dict(decided)
         try:
             await engine.update_weights(request=WeightTransferUpdateRequest(update_info=info))
+            steps.append("the workers committed the decided update")
         except Exception as exc:
-            committed = _committed_version(str(exc))
-            if committed is None:
+            committed = committed_version(str(exc))
+            if committed is not None:
+                steps.append("the workers had committed it")
+            elif no_session(exc):
+                # After a recorded decision, only a commit ends the workers' session (a rollback withdraws the
+                # decision first; a restart is another server): the commit reached them, and stands.
+                committed = dict(decided)
+                lease.session = False
+                steps.append("the workers had committed it and ended the session")
+            else:
                 steps.append(f"the decided commit failed ({type(exc).__name__}: {str(exc)[:200]})")
                 return
-        lease.committed = dict(decided)
-        steps.append("the workers committed the decided update")
+        lease.committed = committed
 
     async def _heal_steps(self, why: str) -> None:
         """Roll the holding sync's update back, end vLLM's session, put its adapter back, resume generation. Each
@@ -585,7 +675,7 @@ class UpdateLease:
                 rolled_back = True
                 steps.append("rolled back")
             except Exception as exc:
-                committed = _committed_version(str(exc))
+                committed = committed_version(str(exc))
                 if committed is not None:
                     # The workers committed, though this process did not see their answer: roll forward.
                     lease.committed = committed
@@ -689,9 +779,11 @@ def _header(scope: Any, name: str) -> str | None:
 
 
 def _lease_headers(scope: Any) -> tuple[str | None, float]:
-    sync = _header(scope, SYNC_HEADER)
+    """The request's sync, by its name (the credential itself is dropped here: nothing after this sees it), and the
+    lease it asks for; ``(None, 0.0)`` for a request that acts for no sync."""
+    credential = _header(scope, SYNC_HEADER)
     raw = _header(scope, LEASE_HEADER)
-    if sync is None or raw is None:
+    if credential is None or raw is None or not MIN_CREDENTIAL <= len(credential) <= 512:
         return None, 0.0
     try:
         lease_s = float(raw)
@@ -699,10 +791,10 @@ def _lease_headers(scope: Any) -> tuple[str | None, float]:
         return None, 0.0
     if not math.isfinite(lease_s) or lease_s <= 0:
         return None, 0.0
-    return sync[:128], min(max(1.0, lease_s), _MAX_LEASE_S)
+    return sync_name(credential), min(max(1.0, lease_s), _MAX_LEASE_S)
 
 
-def _committed_version(error: str) -> dict[str, Any] | None:
+def committed_version(error: str) -> dict[str, Any] | None:
     """``{"version": ...}`` from the worker's refusal to roll back a committed update, or ``None``."""
     if NOTHING_KEPT not in error:
         return None

@@ -352,6 +352,10 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
         from .lease import NOTHING_KEPT
 
         if command == "commit":
+            if self._committed is not None:
+                # A repeated commit (the trainer retries one whose answer it did not get, as it must after the
+                # decision): the update already stands; nothing to do, nothing to raise.
+                return
             try:
                 self._bracket.abort()  # a no-op after a complete update
                 self._bracket.commit(sync)

@@ -50,15 +50,32 @@ class VLLMServerClient:
         api_key = api_key.strip() if api_key else api_key  # a key read from a file keeps its newline
         self._secret = api_key or None
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        #: ``(sync id, seconds)`` while a sink's sync holds this server: sent with every request, it is the sync's
-        #: lease on the server (:mod:`lora_stream.engine.lease`).
+        #: ``(credential, seconds)`` while a sink's sync holds this server: sent with every request, it is the sync's
+        #: lease on the server (:mod:`lora_stream.engine.lease`). The credential is a secret: never in an error, a log
+        #: or a record (:meth:`hold`).
         self.lease: tuple[str, float] | None = None
+        #: The public name of the sync holding this server (a digest of its credential: what the server shows and its
+        #: workers record), or ``None``.
+        self.sync: str | None = None
         #: Seconds this server's calls may still wait until the sink's next agreement (each call's time is taken
         #: from it; local work between calls is not), or ``None``: no budget.
         self.budget_s: float | None = None
         #: The server did not answer within its timeout or budget, or could not be reached, earlier in this sync:
         #: it is not called again until the sink resets this at its next sync.
         self.unresponsive = False
+
+    def hold(self, credential: str, seconds: float) -> None:
+        """From now on every request carries this sync's ``credential`` and asks for a lease of ``seconds`` (the server
+        fixes the length when the sync takes it)."""
+        from ..engine.lease import sync_name
+
+        self.lease = (credential, seconds)
+        self.sync = sync_name(credential)
+
+    def release(self) -> None:
+        """The sync ended: requests carry no credential any more."""
+        self.lease = None
+        self.sync = None
 
     def remaining(self, timeout: float | None = None) -> float:
         """Seconds the next call may wait: ``timeout`` (or this client's), cut to the budget."""
@@ -69,7 +86,8 @@ class VLLMServerClient:
 
     def _redact(self, what: object) -> str:
         """``what`` as text, with the API key replaced: no error, log or reason sent to the peers carries it."""
-        return redact_text(str(what), secrets=[self._secret])
+        # The sync's credential too: the server never echoes it, but a transport error may quote a request.
+        return redact_text(str(what), secrets=[self._secret, self.lease[0] if self.lease is not None else None])
 
     def spend(self, seconds: float) -> None:
         """Take ``seconds`` spent waiting on this server from its budget."""

@@ -171,6 +171,10 @@ class ServerUpdate:
         self.adapter_path: str | None = None
         self.loaded = False  # every chunk reached the workers, which loaded and checked it
         self.committed = False
+        #: Every server of the sync recorded the decision to commit: from then on only forward, never rolled back.
+        self.decided = False
+        #: Its forward steps did not finish within the sync's timeout: left to its lease, which rolls it forward.
+        self.left_forward = False
         self.version: str | None = None
         #: Why this sync no longer holds the server (its heartbeat's answer), or ``None``.
         self.lease_lost: str | None = None

@@ -14,13 +14,12 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
-import uuid
 import warnings
 from typing import TYPE_CHECKING, Any
 
 from ..adapter import ADAPTER_PREFIX, AdapterStream
 from ..changes import EngineState
-from ..engine.lease import NOTHING_KEPT, no_session
+from ..engine.lease import NOTHING_KEPT, committed_version, new_credential, no_session
 from ..errors import LoraStreamError, ReplicaError
 from ..lockstep import describe_error
 from ..stream import ParamStream
@@ -62,14 +61,17 @@ class ServerRoute:
         self.resume_note: str | None = None
         #: This sync's decision timings on this rank (:meth:`commit`): ``record_s``, ``window_s``.
         self.decision_s: dict[str, float] | None = None
+        #: After the decision: the servers this rank left to their lease to finish forward, and why.
+        self.forward_notes: list[str] = []
 
     def start(self) -> None:
         """The servers this rank feeds each start this sync from scratch, under a new lease."""
-        sync_id = uuid.uuid4().hex
+        credential = new_credential()  # this sync's secret: sent to its servers only, shown nowhere
         self.decision_s = None
+        self.forward_notes = []
         for r in self.mine:
             r.was_excluded, r.failure, r.state = r.failure is not None, None, ServerUpdate()
-            r.client.lease = (sync_id, self.sink.lease)
+            r.client.hold(credential, self.sink.lease)
             r.client.unresponsive = False
             if r.engine is not None:  # where the previous sync's transfer stood is not this one's
                 r.engine.started, r.engine.pending, r.engine.stalled = False, None, False
@@ -78,7 +80,7 @@ class ServerRoute:
         """On every path, last: stop the heartbeat and release each server from this sync."""
         self.keeper.stop()
         for r in self.mine:
-            r.client.lease = None
+            r.client.release()
             r.client.budget_s = None
 
     def _phase(self) -> None:
@@ -233,11 +235,15 @@ class ServerRoute:
     def commit(self, tx: Transaction, decision: Decision) -> None:
         """Every server learns the decision before any server commits: each feeding rank records it at its servers
         (``POST /lora_stream/decide``, answered only while this sync holds the server), and a vote carries the
-        outcome. Only then does each rank commit; a server whose lease runs out after recording rolls forward, never
-        back. A server that could not record (its lease ran out while its rank waited in the vote to commit, or it
+        outcome. A server that could not record (its lease ran out while its rank waited in the vote, or it
         restarted) fails the sync on every rank, which rolls every server back (the holder's rollback withdraws the
-        recorded decision first), or, under ``"exclude"``, excludes it. A second vote carries the outcome of the
-        commits; under ``"exclude"``, every rank then learns which servers were excluded."""
+        recorded decision first), or, under ``"exclude"``, excludes it.
+
+        Once every server recorded the decision, it is final, and **only forward** (:meth:`_forward`): no path sends
+        a rollback, whatever a server answers. A commit or finish answered with an error, or not answered, is
+        retried within the sync's timeout, its label read and set; a server still unfinished is left to its lease,
+        which rolls the recorded decision forward. A second vote carries the trainer ranks' outcome; under
+        ``"exclude"``, every rank then learns which servers were excluded."""
         self._phase()
         version = decision.source.weight_version
         began = time.monotonic()
@@ -252,9 +258,12 @@ class ServerRoute:
         self.decision_s = {"record_s": recorded - began, "window_s": time.monotonic() - began}
         if not agreed:
             return
+        self._phase()  # the forward steps' own budget of calls per server
+        for r in self._live():
+            r.state.decided = True  # from here on, no path rolls it back (the abort finishes it forward too)
         with tx.attempt():
             for r in self._live():
-                self._on(r, lambda r=r: self._commit(r, version, decision.adapter))
+                self._forward(r, version, decision.adapter)
         tx.vote("after committing")
         self.excluded, self.readmitted = self._agree_on_fleet(tx)
         self._phase()
@@ -383,21 +392,113 @@ class ServerRoute:
             replica.state.lease_lost = str(exc)
             raise LeaseExpiredError(f"vLLM server at {replica.url}: after the vote to commit, {exc}") from exc
 
-    def _commit(self, replica: Replica, version: str | None, adapter: dict[str, Any] | None) -> None:
-        replica.state.version = version
-        sync = replica.client.lease[0] if replica.client.lease is not None else None
-        replica.client.update_weights({"command": "commit", "sync": sync, "version": version})
-        replica.state.committed = True
-        replica.client.finish_weight_update(version)
-        replica.state.session = False
+    def _forward(self, replica: Replica, version: str | None, adapter: dict[str, Any] | None) -> None:
+        """Finish ``replica``'s decided update forward: its workers commit, vLLM's session ends under ``version``, and
+        ``/weight_info`` names it. Every server recorded the decision, so nothing here rolls back: an error answer
+        (with or without the work done), a timeout and a lost connection are all retried within the sync's timeout
+        (each step is safe to repeat: a second commit is a no-op, a finish that finds no session is done, the label
+        is read before it is set). A server still unfinished then is left to its lease, which rolls the recorded
+        decision forward (:mod:`lora_stream.engine.lease`): noted (:attr:`forward_notes`), forgotten (its next sync
+        is full), and under ``"exclude"`` excluded, never rolled back. Raises only for a server that lost the update
+        (it restarted after recording, and serves its checkpoint): that one cannot be finished by anyone."""
+        state, client = replica.state, replica.client
+        state.version = version
+        deadline = time.monotonic() + self.sink.timeout
+        pause = 0.05
+        while True:
+            try:
+                self._forward_once(replica)
+                break
+            except LeaseExpiredError as exc:
+                if self._forwarded_by_lease(replica):
+                    state.committed, state.session = True, False
+                    break
+                error = LeaseExpiredError(
+                    f"vLLM server at {replica.url} lost this sync's decided update ({exc}): it does not serve version "
+                    f"{version!r}, and nothing can finish it forward"
+                )
+                if self.sink.on_replica_failure == "exclude":
+                    replica.failure = error  # excluded; it serves what it names (a restarted server's checkpoint)
+                    logger.warning(
+                        "lora_stream: excluding the vLLM server at %s from this sync: %s", replica.url, error
+                    )
+                    return
+                raise error from exc
+            except ServerError as exc:
+                if client.unresponsive or time.monotonic() + pause >= min(
+                    deadline, time.monotonic() + client.remaining()
+                ):
+                    self._leave_forward(replica, exc)
+                    return
+                time.sleep(pause)  # an error answered: the server is there; try the step again
+                pause = min(1.0, pause * 2)
         if adapter is not None:
             replica.serving_path = adapter["path"]
-            replica.written_by = sync  # the base weights are untouched: the workers hold what they held
+            replica.written_by = client.sync  # the base weights are untouched: the workers hold what they held
         else:
             status = replica.status or {}
-            replica.holds = replica.written_by = sync
+            replica.holds = replica.written_by = client.sync
             replica.boot = status.get("boot")
             replica.units = replica.engine.last_units if replica.engine is not None else None
+
+    def _forward_once(self, replica: Replica) -> None:
+        """One try of each forward step not yet done on ``replica`` (raises :class:`ServerError` to be retried)."""
+        state, client = replica.state, replica.client
+        if not state.committed:
+            try:
+                client.update_weights({"command": "commit", "sync": client.sync, "version": state.version})
+            except LeaseExpiredError:
+                raise
+            except ServerError as exc:
+                named = committed_version(str(exc))
+                if named is not None:
+                    state.version = named["version"]  # the workers committed, and say as what: that is what they serve
+                elif not no_session(exc):
+                    raise
+                # No session after a recorded decision: only the commit ends it (the workers committed, and vLLM
+                # ended the session when a worker raised after the update stood).
+                state.session = False
+            state.committed = True
+        if state.session:
+            try:
+                client.finish_weight_update(state.version)
+            except ServerError as exc:
+                if not no_session(exc) or isinstance(exc, LeaseExpiredError):
+                    raise
+            state.session = False
+        if state.version is not None and client.weight_version() != state.version:
+            # The session ended without the label (vLLM ends it when a worker raises, or a finish answered an error
+            # after ending it): the bytes are the committed ones, so the label must say so.
+            client.update_weight_version(state.version)
+            if client.weight_version() != state.version:
+                raise ServerError(
+                    f"vLLM server at {replica.url}: its version is not {state.version!r} after setting it"
+                )
+
+    def _forwarded_by_lease(self, replica: Replica) -> bool:
+        """Whether ``replica``'s lease finished this sync's decided update forward (its status says ``forwarded``)."""
+        try:
+            status = replica.client.lease_status()
+        except ServerError:
+            return False
+        yours = (status or {}).get("yours") or {}
+        return bool(yours.get("forwarded"))
+
+    def _leave_forward(self, replica: Replica, error: BaseException) -> None:
+        """``replica``'s forward steps did not finish within the sync's timeout: its lease finishes them (this rank
+        stops renewing it when the sync ends). Never rolled back; forgotten; excluded under ``"exclude"``."""
+        note = (
+            f"{replica.url} recorded the decision but did not finish it within {self.sink.timeout:g} s "
+            f"({describe_error(error)}); its lease ({self.sink.lease:g} s) rolls it forward to version "
+            f"{replica.state.version!r} and resumes generation"
+        )
+        replica.state.left_forward = True
+        replica.client.unresponsive = True  # not called again in this sync: no resume, no heartbeat; its lease heals
+        if self.sink.on_replica_failure == "exclude":
+            replica.failure = ServerError(note)  # excluded as the fleet agrees; its lease still rolls it forward
+            logger.warning("lora_stream: excluding the vLLM server at %s from this sync: %s", replica.url, note)
+        else:
+            self.forward_notes.append(note)  # committed, with this note on every rank (agree_on_resume)
 
     def _abort_replica(self, replica: Replica, error: BaseException) -> None:
         """Put ``replica`` back as it was before this sync, whatever its workers' state: an update still open
@@ -409,10 +510,13 @@ class ServerRoute:
             self.sink.timeout + self.sink.prefix_cache_timeout
         )  # the abort's own budget, whatever came before
         try:
-            if state.committed:
-                if state.session and not client.unresponsive:  # committed, but finishing failed: end the session
-                    client.finish_weight_update(state.version)
-                    state.session = False
+            if state.decided:
+                # Every server recorded the decision: never rolled back, whatever failed since; finished forward.
+                if not client.unresponsive and (state.session or not state.committed):
+                    try:
+                        self._forward(replica, state.version, None)
+                    except LeaseExpiredError as exc:
+                        error.add_note(f"lora_stream: {describe_error(exc)}")
                 return
             if replica.engine is not None and not state.loaded:
                 self._settle_transfer(replica)  # the pass failed before this server's transfer ended
@@ -432,6 +536,13 @@ class ServerRoute:
                     try:
                         client.update_weights({"command": "rollback"})
                     except ServerError as exc:
+                        named = committed_version(str(exc))
+                        if named is not None:
+                            # The workers committed (as the refusal names): never relabelled as the old version.
+                            state.committed, state.version = True, named["version"]
+                            self._forward(replica, state.version, None)
+                            error.add_note(f"lora_stream: {replica.url} had committed as version {state.version!r}")
+                            return
                         if NOTHING_KEPT not in str(exc):
                             raise
                         # The worker restored nothing it had kept: never reported as rolled back. The session
@@ -462,12 +573,12 @@ class ServerRoute:
         """Resume generation on every server this rank paused, on every path; what failed is kept
         (:attr:`resume_failures`) and added to ``error`` as notes. A server that stopped answering, or whose lease
         already resumed it, is skipped."""
-        failures: list[str] = []
+        failures: list[str] = list(self.forward_notes)
         for r in self.mine:
             if not r.state.paused:
                 continue
             if r.client.unresponsive:
-                if error is None and r.failure is None:
+                if error is None and r.failure is None and not r.state.left_forward:
                     failures.append(f"{r.url} stopped answering before generation could be resumed")
                 continue
             try:
