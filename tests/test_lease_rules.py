@@ -307,7 +307,9 @@ def test_a_recorded_decision_rolls_forward_whatever_stops_after_it() -> None:
     assert _decide(lease, "A", "v2") == (200, {"recorded": True, "version": "v2"})
     lease.lease.expires = time.monotonic() - 1
     asyncio.run(lease._heal("test"))
-    assert engine.calls[0] == ("update_weights", {"command": "commit", "sync": _name("A"), "version": "v2"}), engine.calls
+    assert engine.calls[0] == ("update_weights", {"command": "commit", "sync": _name("A"), "version": "v2"}), (
+        engine.calls
+    )
     assert ("finish", "v2") in engine.calls and engine.version == "v2" and not lease.lease.holding
     assert "rolled back" not in (lease.lease.last_heal or "")
     commit = {COMMIT_HEADER: json.dumps({"version": "v2"})}
@@ -424,7 +426,7 @@ def test_the_lease_length_is_fixed_when_the_hold_starts() -> None:
 def test_a_replayed_credential_of_an_earlier_sync_acts_on_nothing() -> None:
     """Sync A held the server and released it. Its credential, replayed, takes no server, reaches no update route,
     records no decision, renews nothing, and a write made with it is nobody's (``weights_by`` never says A)."""
-    lease, engine, ran = _server()
+    lease, _engine, ran = _server()
     for path in ("/pause", "/start_weight_update", "/finish_weight_update", "/resume"):
         assert _call(lease, path, "A")[0] == 200
     assert not lease.lease.holding and lease.lease.weights_by == _name("A")

@@ -390,3 +390,76 @@ def test_element_syncs_keep_a_fleet_serving_exactly_a_full_sync(fleet: list[Serv
     results = launch("element_sync", "fsdp2", checkpoint, f"{a.url},{b.url}", timeout=600)
     assert_all_ok(results)
     _element_checks(results, faults=False)
+
+
+# -- after every server recorded the decision, only forward -----------------------------------------------------------
+
+
+def _settled(servers: list[Any], timeout: float = 30.0) -> None:
+    """Wait until no sync holds any of ``servers`` (a lease left to finish a decided update has finished it)."""
+    import requests
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(requests.get(f"{s.url}/lora_stream/lease", timeout=10).json()["holding"] for s in servers):
+            return
+        time.sleep(0.25)
+    raise AssertionError("a server is still held by a sync")
+
+
+def test_an_error_after_every_server_recorded_the_decision_finishes_forward_under_both_policies(
+    fleet: list[Server], checkpoint: str
+) -> None:
+    """Two servers, one trainer feeding both. Once both recorded the decision, an error answer (the work done or not
+    done) or a lost connection on any later call -- the commit, the finish, the resume -- on server B is finished
+    forward: retried within the sync's timeout, or left to B's lease, never rolled back. Under both policies the
+    fleet ends on one version, and each server's ``/weight_info`` names the weights it serves (its outputs equal the
+    trainer's model of that version)."""
+    import warnings
+
+    import torch
+    from fault_proxy import FaultProxy
+    from helpers import assert_vllm_serves, server_generate, vllm_llama
+
+    from lora_stream import ParamStream, VLLMServerSink
+
+    a, b = fleet
+    _settled(fleet)
+    proxies = [FaultProxy(a.url), FaultProxy(b.url)]
+    model = vllm_llama(tie=False)  # what the checkpoint holds
+    g = torch.Generator().manual_seed(5)
+    step = 0
+    try:
+        for policy in ("abort", "exclude"):
+            sink = VLLMServerSink(
+                [p.url for p in proxies], lease=3.0, timeout=10.0, on_replica_failure=policy, checkpoint=checkpoint
+            )
+            cases = [(call, mode) for call in ("commit", "finish", "resume") for mode in ("before", "after")]
+            for call, mode in [*cases, ("commit", "drop")]:
+                step += 1
+                with torch.no_grad():  # a training step: every layer moves
+                    for p in model.parameters():
+                        p.add_(torch.randn(p.shape, generator=g) * 0.02)
+                version = f"{policy}-{call}-{mode}"
+                proxies[1].fail(call, mode)
+                with warnings.catch_warnings(record=True) as warned:
+                    warnings.simplefilter("always")
+                    record = sink.sync(ParamStream(model), version=version)
+                assert proxies[1].injected == 1, (version, proxies[1].seen)
+                proxies[1].clear()
+                assert record.version == version
+                if policy == "exclude" and mode == "drop":  # left to its lease, and named so
+                    assert list(record.excluded) == [proxies[1].url], (version, record.excluded)
+                elif call == "resume" or mode == "drop":  # committed, with a note: its lease resumes it
+                    assert record.resume_failure, (version, record)
+                else:  # retried and finished within the sync
+                    assert not record.excluded and not record.resume_failure, (version, record)
+                if record.resume_failure:
+                    assert any(version in str(w.message) for w in warned), version
+                _settled(fleet)
+                for s in fleet:
+                    assert s.version() == version, (version, s.url, s.version())
+                    assert_vllm_serves(server_generate(s.url), model)
+    finally:
+        for p in proxies:
+            p.close()

@@ -11,6 +11,9 @@ Each entry of :data:`CONTRACT` names the lora_stream module that relies on it (`
 no reason, and a use with no entry is a blind spot.
 
 Usage: ``python tests/vllm_contract.py PATH...`` (a wheel, or a directory holding ``vllm/``) prints the violations.
+
+The routes of the API server are read by :func:`read_routes` (every way FastAPI and Starlette register a route or a
+mount); where a release runs, :func:`running_routes` builds its apps, so that the reading is checked against them.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ import sys
 import zipfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, lru_cache
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "CONTRACT",
@@ -33,9 +37,14 @@ __all__ = [
     "Mentions",
     "Module",
     "Route",
+    "RouteReading",
+    "RouteSite",
     "Source",
     "Value",
+    "app_routes",
     "check",
+    "read_routes",
+    "running_routes",
 ]
 
 
@@ -89,12 +98,18 @@ class Source:
         """``rel`` parsed (cached); ``None`` when it is missing."""
         if rel not in self._trees:
             text = self.read(rel)
-            self._trees[rel] = None if text is None else ast.parse(text, rel)
+            self._trees[rel] = None if text is None else _parse(text, rel)
         return self._trees[rel]
 
     def module_tree(self, module: str) -> ast.Module | None:
         rel = self.module_file(module)
         return None if rel is None else self.tree(rel)
+
+
+@lru_cache(maxsize=4096)
+def _parse(text: str, rel: str) -> ast.Module:
+    """``text`` parsed, once per text: the tests read many copies of one release that differ in a file or two."""
+    return ast.parse(text, rel)
 
 
 Definition = ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef | ast.Assign | ast.AnnAssign
@@ -220,7 +235,7 @@ class Class:
 
 @dataclass(frozen=True)
 class Route:
-    """An HTTP route registered in vLLM's API server sources (``@router.post("/path")`` anywhere under
+    """An HTTP route registered in vLLM's API server sources (in any form :func:`read_routes` reads, anywhere under
     ``vllm/entrypoints``), whose handler reads or answers these ``fields`` (as a parameter of the handler or a string
     literal in its body: a query parameter, a JSON body field, a key of its answer).
 
@@ -793,28 +808,717 @@ def _identifiers(tree: ast.AST) -> set[str]:
     return out
 
 
+# -- the API server's routes, read from the sources -------------------------------------------------------------------
+
+Handler = ast.FunctionDef | ast.AsyncFunctionDef
+#: What routes are registered on: ``(module, scope, name)`` of the variable holding a router or app (scope ``""`` for a
+#: module-level one, else the dotted name of the function that binds it).
+RouterKey = tuple[str, str, str]
+
+#: FastAPI's method decorators (``@router.post("/x")``, on ``APIRouter`` and ``FastAPI`` alike).
+_HTTP_VERBS = ("get", "post", "put", "delete", "patch", "options", "head", "trace")
+#: Classes that hold routes: ``include_router``, ``mount`` and the route decorators register on their instances.
+_ROUTERS = ("APIRouter", "Router", "FastAPI", "Starlette")
+#: Classes whose instances are served apps (:attr:`RouteReading.apps`).
+_APPS = ("FastAPI", "Starlette")
+#: Route objects: built, they are registered on whatever router holds them (``routes=[...]``, ``x.routes.append``).
+_ROUTE_OBJECTS = ("Route", "APIRoute", "WebSocketRoute", "APIWebSocketRoute", "Mount", "Host")
+#: The documentation routes ``FastAPI(...)`` adds itself (``FastAPI.setup``), by keyword, with FastAPI's defaults: a
+#: keyword given as ``None`` drops its route, ``docs_url`` and ``redoc_url`` need ``openapi_url``, the OAuth2 redirect
+#: needs ``docs_url``. The same defaults stand for ``app.<keyword>`` read off an app whose constructor is not seen
+#: (vLLM's offline docs register ``@app.get(app.swagger_ui_oauth2_redirect_url)``).
+_FASTAPI_DOCS = {
+    "openapi_url": "/openapi.json",
+    "docs_url": "/docs",
+    "swagger_ui_oauth2_redirect_url": "/docs/oauth2-redirect",
+    "redoc_url": "/redoc",
+}
+#: Routes that a library vLLM calls adds for it: ``model_hosting_container_standards.sagemaker``'s handler decorators
+#: (``bootstrap(app)``, which vLLM's ``build_app`` always runs, includes a router with a route for each decorated
+#: handler; ``sagemaker_router.get_sagemaker_route_config`` and ``lora.routes.LORA_ROUTE_REGISTRY`` give these paths).
+#: ``Instrumentator(...).expose(app, endpoint=...)`` (prometheus-fastapi-instrumentator) adds ``GET endpoint``
+#: (default ``/metrics``). The running-app tests check these against the app vLLM builds.
+_SAGEMAKER_ROUTES = {
+    "register_ping_handler": ("GET", "/ping"),
+    "register_invocation_handler": ("POST", "/invocations"),
+    "register_load_adapter_handler": ("POST", "/adapters"),
+    "register_unload_adapter_handler": ("DELETE", "/adapters/{adapter_name}"),
+}
+
+
+@dataclass(frozen=True)
+class RouteSite:
+    """One route a vLLM source registers: ``method`` (an HTTP method, ``WEBSOCKET``, ``MOUNT`` or ``HOST``) and the
+    ``path`` the app's router holds (prefixes applied; a ``HOST`` route's host), where and how (``form``)."""
+
+    method: str
+    path: str
+    where: str
+    form: str
+
+
+@dataclass
+class RouteReading:
+    """What :func:`read_routes` found: every route, each with the handlers registered for it, where each was
+    registered, the registrations whose path (or methods, or prefix) cannot be read statically (``unresolved``, each
+    ``file:line: form: why``; a route there is unseen), and the functions that build an app (``apps``,
+    ``module:function``)."""
+
+    routes: dict[tuple[str, str], list[Handler]] = field(default_factory=dict)
+    sites: list[RouteSite] = field(default_factory=list)
+    unresolved: list[str] = field(default_factory=list)
+    apps: set[str] = field(default_factory=set)
+
+
+class _Scope:
+    """The names a module, function or class binds (not descending into nested functions or classes)."""
+
+    def __init__(self, module: str, qualname: str, parent: _Scope | None, node: ast.AST) -> None:
+        self.module, self.qualname, self.parent, self.node = module, qualname, parent, node
+        #: name -> what binds it: ("assign", value), ("def", node), ("import", module, attr or None),
+        #: ("for", iterable), ("other", None)
+        self.bindings: dict[str, list[tuple[Any, ...]]] = {}
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            a = node.args
+            for arg in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg):
+                if arg is not None:
+                    self.bind(arg.arg, ("other", None))
+
+    def bind(self, name: str, what: tuple[Any, ...]) -> None:
+        self.bindings.setdefault(name, []).append(what)
+
+    def lookup(self, name: str) -> tuple[_Scope, list[tuple[Any, ...]]] | None:
+        scope: _Scope | None = self
+        while scope is not None:
+            if name in scope.bindings:
+                return scope, scope.bindings[name]
+            scope = scope.parent
+        return None
+
+
+def _module_name(rel: str) -> str:
+    name = rel[: -len(".py")].replace("/", ".")
+    return name[: -len(".__init__")] if name.endswith(".__init__") else name
+
+
+def _starlette_methods(methods: list[str] | None) -> list[str]:
+    """A Starlette ``Route``'s methods: GET when none are given (a function endpoint), and HEAD wherever GET is."""
+    out = {m.upper() for m in methods} if methods is not None else {"GET"}
+    return sorted(out | ({"HEAD"} if "GET" in out else set()))
+
+
+class _RouteReader:
+    """Reads every route registration under ``vllm/entrypoints`` (see :func:`read_routes` for the forms)."""
+
+    def __init__(self, src: Source) -> None:
+        self.src = src
+        self.scopes: dict[str, _Scope] = {}  # rel -> module scope
+        self.scope_of: dict[int, _Scope] = {}  # id(function or class node) -> its scope
+        self.constructors: dict[RouterKey, ast.Call] = {}  # a router or app variable -> the call that built it
+        self.done: set[int] = set()  # route-object calls already registered (inside a routes=[...] or Mount)
+        self.registrations: list[tuple[RouterKey | None, str, str, RouteSite, Handler | None]] = []
+        self.edges: dict[RouterKey, list[tuple[RouterKey | None, str]]] = {}  # child -> [(parent, prefix)]
+        self.reading = RouteReading()
+
+    # -- scopes and names --
+
+    def module_scope(self, rel: str) -> _Scope | None:
+        if rel not in self.scopes:
+            tree = self.src.tree(rel)
+            if tree is None:
+                return None
+            scope = _Scope(_module_name(rel), "", None, tree)
+            self.scopes[rel] = scope
+            for stmt in tree.body:
+                self._collect(stmt, scope, rel.endswith("__init__.py"))
+        return self.scopes[rel]
+
+    def _collect(self, node: ast.AST, scope: _Scope, is_package: bool) -> None:
+        """Bind in ``scope`` the names ``node`` binds; a nested function or class gets a scope of its own."""
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            scope.bind(node.name, ("def", node))
+            inner = _Scope(scope.module, f"{scope.qualname}.{node.name}".lstrip("."), scope, node)
+            self.scope_of[id(node)] = inner
+            for stmt in node.body:
+                self._collect(stmt, inner, is_package)
+            return
+        if isinstance(node, ast.Lambda):
+            return
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.NamedExpr)) and node.value is not None:
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(t, ast.Name):
+                    scope.bind(t.id, ("assign", node.value))
+                    if isinstance(node.value, ast.Call) and self.class_name(node.value.func, scope) in _ROUTERS:
+                        self.constructors[(scope.module, scope.qualname, t.id)] = node.value
+                else:
+                    for el in ast.walk(t):
+                        if isinstance(el, ast.Name):
+                            scope.bind(el.id, ("other", None))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname:
+                    scope.bind(alias.asname, ("import", alias.name, None))
+                else:
+                    top = alias.name.split(".")[0]
+                    scope.bind(top, ("import", top, None))
+        elif isinstance(node, ast.ImportFrom):
+            origin = _absolute(scope.module, is_package, node)
+            for alias in node.names:
+                scope.bind(alias.asname or alias.name, ("import", origin, alias.name))
+        elif isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)):
+            for el in ast.walk(node.target):
+                if isinstance(el, ast.Name):
+                    scope.bind(el.id, ("for", node.iter))
+        elif isinstance(node, (ast.With, ast.AsyncWith)):
+            for item in node.items:
+                for el in ast.walk(item.optional_vars) if item.optional_vars is not None else ():
+                    if isinstance(el, ast.Name):
+                        scope.bind(el.id, ("other", None))
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            scope.bind(node.name, ("other", None))
+        for child in ast.iter_child_nodes(node):
+            self._collect(child, scope, is_package)
+
+    def class_name(self, func: ast.expr, scope: _Scope) -> str | None:
+        """The name of the class (or function) a call calls, through an import alias (``import X as Y``)."""
+        if isinstance(func, ast.Attribute):
+            return func.attr
+        if isinstance(func, ast.Name):
+            found = scope.lookup(func.id)
+            if found is not None:
+                for what in found[1]:
+                    if what[0] == "import" and what[2] is not None:
+                        return str(what[2])
+            return func.id
+        return None
+
+    def _imported_module(self, expr: ast.expr, scope: _Scope) -> str | None:
+        """The vLLM module ``expr`` (a name) stands for, when it names an imported module."""
+        if not isinstance(expr, ast.Name):
+            return None
+        found = scope.lookup(expr.id)
+        if found is None or len(found[1]) != 1 or found[1][0][0] != "import":
+            return None
+        _, module, attr = found[1][0]
+        full = module if attr is None else f"{module}.{attr}"
+        return full if self.src.module_file(full) is not None else None
+
+    def _global(self, module: str, name: str) -> tuple[str, ast.AST | None]:
+        """``module.name`` followed through re-exports: (defining module, its definition or ``None``)."""
+        found = resolve(self.src, module, name)
+        return (module, None) if found is None else found
+
+    def key(self, expr: ast.expr, scope: _Scope, depth: int = 0) -> RouterKey | None:
+        """The router or app variable ``expr`` names (``router``, ``app``, ``app.router``, ``module.router``)."""
+        if depth > 8:
+            return None
+        if isinstance(expr, ast.Attribute):
+            module = self._imported_module(expr.value, scope)
+            if module is not None:  # module.router
+                return self._global_key(module, expr.attr)
+            if expr.attr == "router":  # app.router: the app's own router
+                return self.key(expr.value, scope, depth + 1)
+            return None
+        if not isinstance(expr, ast.Name):
+            return None
+        found = scope.lookup(expr.id)
+        if found is None:
+            return (scope.module, "", expr.id)
+        where, binds = found
+        if len(binds) == 1 and binds[0][0] == "import" and binds[0][2] is not None:
+            return self._global_key(binds[0][1], binds[0][2])
+        if len(binds) == 1 and binds[0][0] == "assign" and isinstance(binds[0][1], (ast.Name, ast.Attribute)):
+            return self.key(binds[0][1], where, depth + 1)
+        return (where.module, where.qualname, expr.id)
+
+    def _global_key(self, module: str, name: str) -> RouterKey:
+        defining, node = self._global(module, name)
+        if isinstance(node, ast.Assign):
+            names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+            name = names[0] if names else name
+        return (defining, "", name)
+
+    def string(self, expr: ast.expr | None, scope: _Scope, depth: int = 0) -> str | None:
+        """The string ``expr`` evaluates to when it can be read statically: a literal, a name bound once to one (here
+        or in another vLLM module), ``+`` and f-strings of those, and FastAPI's URL attributes; else ``None``."""
+        if expr is None or depth > 8:
+            return None
+        if isinstance(expr, ast.Constant):
+            return expr.value if isinstance(expr.value, str) else None
+        if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.Add):
+            left, right = self.string(expr.left, scope, depth + 1), self.string(expr.right, scope, depth + 1)
+            return None if left is None or right is None else left + right
+        if isinstance(expr, ast.JoinedStr):
+            parts = []
+            for v in expr.values:
+                if isinstance(v, ast.FormattedValue):
+                    if v.format_spec is not None or v.conversion not in (-1, ord("s")):
+                        return None
+                    part = self.string(v.value, scope, depth + 1)
+                else:
+                    part = self.string(v, scope, depth + 1)
+                if part is None:
+                    return None
+                parts.append(part)
+            return "".join(parts)
+        if isinstance(expr, ast.Attribute):
+            module = self._imported_module(expr.value, scope)
+            if module is not None:
+                return self._global_string(module, expr.attr, depth)
+            if expr.attr in _FASTAPI_DOCS:
+                owner = self.key(expr.value, scope)
+                call = self.constructors.get(owner) if owner is not None else None
+                given = next((k.value for k in call.keywords if k.arg == expr.attr), None) if call else None
+                return _FASTAPI_DOCS[expr.attr] if given is None else self.string(given, scope, depth + 1)
+            return None
+        if isinstance(expr, ast.Name):
+            found = scope.lookup(expr.id)
+            if found is None:
+                return None
+            where, binds = found
+            values = set()
+            for what in binds:
+                if what[0] == "assign":
+                    values.add(self.string(what[1], where, depth + 1))
+                elif what[0] == "import" and what[2] is not None:
+                    values.add(self._global_string(what[1], what[2], depth))
+                else:
+                    return None
+            return values.pop() if len(values) == 1 else None
+        return None
+
+    def _global_string(self, module: str, name: str, depth: int) -> str | None:
+        defining, node = self._global(module, name)
+        rel = self.src.module_file(defining)
+        scope = self.module_scope(rel) if rel is not None else None
+        if scope is None or not isinstance(node, (ast.Assign, ast.AnnAssign)):
+            return None
+        return self.string(node.value, scope, depth + 1)
+
+    def strings(self, expr: ast.expr | None, scope: _Scope) -> list[str] | None:
+        """A list, tuple or set of strings (``methods=[...]``), or ``None``."""
+        if isinstance(expr, ast.Name):
+            found = scope.lookup(expr.id)
+            if found and len(found[1]) == 1 and found[1][0][0] == "assign":
+                return self.strings(found[1][0][1], found[0])
+            return None
+        if not isinstance(expr, (ast.List, ast.Tuple, ast.Set)):
+            return None
+        out = [self.string(e, scope) for e in expr.elts]
+        return None if any(s is None for s in out) else [s for s in out if s is not None]
+
+    def function(self, expr: ast.expr | None, scope: _Scope) -> Handler | None:
+        """The function ``expr`` names (a handler passed to ``add_api_route``, ``Route(...)``)."""
+        if isinstance(expr, ast.Attribute):
+            module = self._imported_module(expr.value, scope)
+            node = self._global(module, expr.attr)[1] if module is not None else None
+            return node if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+        if not isinstance(expr, ast.Name):
+            return None
+        found = scope.lookup(expr.id)
+        if found is None:
+            return None
+        for what in found[1]:
+            if what[0] == "def" and isinstance(what[1], (ast.FunctionDef, ast.AsyncFunctionDef)):
+                return what[1]
+            if what[0] == "import" and what[2] is not None:
+                node = self._global(what[1], what[2])[1]
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    return node
+        return None
+
+    # -- registrations --
+
+    def unresolved(self, rel: str, node: ast.AST, form: str, why: str) -> None:
+        self.reading.unresolved.append(f"{rel}:{getattr(node, 'lineno', 0)}: {form}: {why}")
+
+    def register(
+        self,
+        rel: str,
+        scope: _Scope,
+        node: ast.AST,
+        form: str,
+        receiver: ast.expr | None,
+        path: ast.expr | None,
+        methods: list[str] | None,
+        handler: Handler | None,
+        *,
+        own_prefix: bool = False,
+        key: RouterKey | None = None,
+        prefix: str = "",
+        mount: bool = False,
+    ) -> str | None:
+        """Register ``methods`` on ``path`` (an expression) for the router ``receiver`` (or ``key``), under
+        ``prefix``; ``own_prefix``: FastAPI's forms, which put the router's own ``APIRouter(prefix=...)`` first;
+        ``mount``: a mount path, whose trailing ``/`` Starlette strips. Returns the path registered (``None``: none)."""
+        if receiver is not None:
+            key = self.key(receiver, scope)
+        copied = self._copied_routers(path, scope)
+        if copied is not None:  # for route in (*a.routes, *b.routes): app.add_api_route(route.path, ...)
+            for source in copied:
+                if source is None or source not in self.constructors:
+                    self.unresolved(rel, node, form, "it copies the routes of a router not built in these sources")
+                elif source != key:
+                    self.edges.setdefault(source, []).append((key, prefix))
+            return None
+        if methods is None:
+            self.unresolved(rel, node, form, "its methods cannot be read statically")
+            return None
+        text = self.string(path, scope)
+        if text is None:
+            what = "no path" if path is None else f"its path {ast.unparse(path)!r}"
+            self.unresolved(rel, node, form, f"{what} cannot be read statically")
+            return None
+        if mount:
+            text = text.rstrip("/")
+        if own_prefix and key is not None and key in self.constructors:
+            given = next((k.value for k in self.constructors[key].keywords if k.arg == "prefix"), None)
+            mine = "" if given is None else self.string(given, scope)
+            if mine is None and given is not None:
+                self.unresolved(rel, node, form, f"its router's prefix {ast.unparse(given)!r} cannot be read")
+                return None
+            text = (mine or "") + text
+        text = prefix + text
+        where = f"{rel}:{getattr(node, 'lineno', 0)}"
+        for method in methods:
+            self.registrations.append(
+                (key, method.upper(), text, RouteSite(method.upper(), text, where, form), handler)
+            )
+        return text
+
+    def _copied_routers(self, path: ast.expr | None, scope: _Scope) -> list[RouterKey | None] | None:
+        """For ``x.path`` where ``x`` loops over routers' ``.routes``: those routers (their routes are re-registered
+        under the same paths)."""
+        if not (isinstance(path, ast.Attribute) and path.attr == "path" and isinstance(path.value, ast.Name)):
+            return None
+        found = scope.lookup(path.value.id)
+        if found is None or len(found[1]) != 1 or found[1][0][0] != "for":
+            return None
+        iterable = found[1][0][1]
+        items = iterable.elts if isinstance(iterable, (ast.Tuple, ast.List)) else [iterable]
+        routers = []
+        for item in items:
+            item = item.value if isinstance(item, ast.Starred) else item
+            if not (isinstance(item, ast.Attribute) and item.attr == "routes"):
+                return None
+            routers.append(self.key(item.value, found[0]))
+        return routers
+
+    def _method_ref(self, func: ast.expr, scope: _Scope) -> tuple[str, ast.expr, _Scope] | None:
+        """``(method name, object, its scope)`` for ``obj.method``, also through a name bound to it once
+        (``add = app.add_api_route``)."""
+        if isinstance(func, ast.Attribute):
+            return func.attr, func.value, scope
+        if isinstance(func, ast.Name):
+            found = scope.lookup(func.id)
+            if found is not None and len(found[1]) == 1 and found[1][0][0] == "assign":
+                value = found[1][0][1]
+                if isinstance(value, ast.Attribute):
+                    return value.attr, value.value, found[0]
+        return None
+
+    def decorator(self, rel: str, scope: _Scope, d: ast.expr, fn: Handler | None, site: ast.AST) -> bool:
+        """Register the route a decorator declares (``@router.post("/x")``, ``@router.api_route``, ``@app.route``,
+        ``@router.websocket``, ``@app.websocket_route``, the SageMaker handler decorators); ``False`` if it declares
+        none."""
+        if isinstance(d, ast.Attribute) and d.attr in _SAGEMAKER_ROUTES:
+            method, fixed = _SAGEMAKER_ROUTES[d.attr]
+            self.register(rel, scope, site, f"@{d.attr}", None, ast.Constant(fixed), [method], fn)
+            return True
+        ref = self._method_ref(d.func, scope) if isinstance(d, ast.Call) else None
+        if ref is None or not isinstance(d, ast.Call):
+            return False
+        attr, receiver, where = ref
+        if attr in _SAGEMAKER_ROUTES:
+            return self.decorator(rel, scope, ast.Attribute(receiver, attr), fn, site)
+        if attr not in (*_HTTP_VERBS, "api_route", "route", "websocket", "websocket_route"):
+            return False
+        key = self.key(receiver, where)
+        path = d.args[0] if d.args else next((k.value for k in d.keywords if k.arg == "path"), None)
+        given = next((k.value for k in d.keywords if k.arg == "methods"), None)
+        listed = None if given is None else self.strings(given, scope)
+        form = f"@{ast.unparse(d.func)}"
+        fastapi = attr not in ("route", "websocket_route")  # FastAPI's forms put APIRouter(prefix=) first
+        methods: list[str] | None
+        if attr in _HTTP_VERBS:
+            methods = [attr.upper()]
+        elif attr == "api_route":
+            methods = ["GET"] if given is None else listed
+        elif attr == "route":
+            methods = None if given is not None and listed is None else _starlette_methods(listed)
+        else:
+            methods = ["WEBSOCKET"]
+        self.register(rel, scope, site, form, None, path, methods, fn, own_prefix=fastapi, key=key)
+        return True
+
+    def route_objects(self, rel: str, scope: _Scope, expr: ast.expr, key: RouterKey | None, prefix: str) -> None:
+        """Register the route objects in ``expr`` (``Route(...)``, a list of them, a ``Mount`` with ``routes=``) on
+        ``key``, under ``prefix``."""
+        if isinstance(expr, (ast.List, ast.Tuple, ast.Set)):
+            for el in expr.elts:
+                self.route_objects(rel, scope, el.value if isinstance(el, ast.Starred) else el, key, prefix)
+            return
+        if not isinstance(expr, ast.Call):
+            return
+        cls = self.class_name(expr.func, scope)
+        if cls not in _ROUTE_OBJECTS:
+            return
+        self.done.add(id(expr))
+        kw = {k.arg: k.value for k in expr.keywords if k.arg}
+        first = expr.args[0] if expr.args else kw.get("host" if cls == "Host" else "path")
+        endpoint = expr.args[1] if len(expr.args) > 1 else kw.get("endpoint")
+        form = f"{cls}(...)"
+        if cls in ("Mount", "Host"):
+            method = "MOUNT" if cls == "Mount" else "HOST"
+            sub = expr.args[1] if len(expr.args) > 1 else kw.get("app")
+            routes = expr.args[2] if len(expr.args) > 2 else kw.get("routes")
+            mount = cls == "Mount"
+            text = self.register(  # a host is no path: no prefix goes before it
+                rel,
+                scope,
+                expr,
+                form,
+                None,
+                first,
+                [method],
+                None,
+                key=key,
+                prefix=prefix if mount else "",
+                mount=mount,
+            )
+            if text is None:
+                return
+            inner = text if mount else prefix  # a Host's routes keep their paths
+            if routes is not None:
+                self.route_objects(rel, scope, routes, key, inner)
+            if sub is not None:
+                self.mount_edge(sub, scope, key, inner)
+            return
+        if cls in ("WebSocketRoute", "APIWebSocketRoute"):
+            methods: list[str] | None = ["WEBSOCKET"]
+        else:
+            given = kw.get("methods")
+            listed = None if given is None else self.strings(given, scope)
+            if given is not None and listed is None:
+                methods = None
+            elif cls == "Route":
+                methods = _starlette_methods(listed)
+            else:
+                methods = listed if listed is not None else ["GET"]
+        self.register(
+            rel, scope, expr, form, None, first, methods, self.function(endpoint, scope), key=key, prefix=prefix
+        )
+
+    def mount_edge(self, sub: ast.expr, scope: _Scope, parent: RouterKey | None, prefix: str) -> None:
+        """A mounted router or app whose routes the reader sees: they are served under the mount's path."""
+        child = self.key(sub, scope)
+        if child is not None and child in self.constructors and child != parent:
+            self.edges.setdefault(child, []).append((parent, prefix or ""))
+
+    def call(self, rel: str, scope: _Scope, node: ast.Call) -> None:
+        func = node.func
+        kw = {k.arg: k.value for k in node.keywords if k.arg}
+        if isinstance(func, ast.Call) and node.args:  # router.post("/x")(handler): a decorator, applied by hand
+            if self.decorator(rel, scope, func, self.function(node.args[0], scope), node):
+                return
+        ref = self._method_ref(func, scope)
+        if ref is not None:
+            attr, receiver, where = ref
+            key = self.key(receiver, where)
+            path = node.args[0] if node.args else kw.get("host" if attr == "host" else "path")
+            endpoint = node.args[1] if len(node.args) > 1 else kw.get("endpoint")
+            given = kw.get("methods")
+            listed = None if given is None else self.strings(given, scope)
+            form = f"{ast.unparse(func)}(...)"
+            handler = self.function(endpoint, scope)
+            if attr == "add_api_route":
+                methods = ["GET"] if given is None else listed
+                self.register(rel, scope, node, form, None, path, methods, handler, own_prefix=True, key=key)
+            elif attr == "add_route":
+                methods = None if given is not None and listed is None else _starlette_methods(listed)
+                self.register(rel, scope, node, form, None, path, methods, handler, key=key)
+            elif attr == "add_api_websocket_route":
+                self.register(rel, scope, node, form, None, path, ["WEBSOCKET"], handler, own_prefix=True, key=key)
+            elif attr == "add_websocket_route":
+                self.register(rel, scope, node, form, None, path, ["WEBSOCKET"], handler, key=key)
+            elif attr == "mount":
+                text = self.register(rel, scope, node, form, None, path, ["MOUNT"], None, mount=True, key=key)
+                sub = node.args[1] if len(node.args) > 1 else kw.get("app")
+                if text is not None and sub is not None:
+                    self.mount_edge(sub, scope, key, text)
+            elif attr == "host":
+                self.register(rel, scope, node, form, None, path, ["HOST"], None, key=key)
+            elif attr == "include_router":
+                router = node.args[0] if node.args else kw.get("router")
+                self.include(rel, scope, node, key, router, kw)
+            elif attr == "expose" and self._instrumentator(receiver, where):
+                app = node.args[0] if node.args else kw.get("app")
+                endpoint_path = kw.get("endpoint", ast.Constant("/metrics"))
+                self.register(rel, scope, node, "Instrumentator.expose(...)", app, endpoint_path, ["GET"], None)
+            elif attr in ("append", "insert", "extend") and isinstance(receiver, ast.Attribute):
+                if receiver.attr == "routes" and node.args:
+                    self.route_objects(rel, scope, node.args[-1], self.key(receiver.value, where), "")
+        cls = self.class_name(func, scope)
+        if cls in _ROUTE_OBJECTS and id(node) not in self.done:
+            self.route_objects(rel, scope, node, None, "")
+        elif cls in _ROUTERS:
+            owner = next((k for k, c in self.constructors.items() if c is node), None)
+            routes = kw.get("routes")
+            if routes is None and cls == "Router" and node.args:
+                routes = node.args[0]
+            elif routes is None and cls == "Starlette" and len(node.args) > 1:
+                routes = node.args[1]
+            if routes is not None:
+                self.route_objects(rel, scope, routes, owner, "")
+            if cls in _APPS:
+                self.reading.apps.add(f"{scope.module}:{scope.qualname or '<module>'}")
+            if cls == "FastAPI":
+                self.fastapi_docs(rel, scope, node, owner, kw)
+
+    def _instrumentator(self, expr: ast.expr, scope: _Scope) -> bool:
+        """Whether ``expr`` is a chain of calls on ``Instrumentator(...)`` (``Instrumentator().instrument(app)``)."""
+        while isinstance(expr, ast.Call):
+            if self.class_name(expr.func, scope) == "Instrumentator":
+                return True
+            expr = expr.func.value if isinstance(expr.func, ast.Attribute) else expr.func
+        return False
+
+    def fastapi_docs(
+        self, rel: str, scope: _Scope, node: ast.Call, owner: RouterKey | None, kw: dict[str, ast.expr]
+    ) -> None:
+        urls: dict[str, str | None] = {}
+        for name, default in _FASTAPI_DOCS.items():
+            given = kw.get(name)
+            if given is None:
+                urls[name] = default
+            elif isinstance(given, ast.Constant) and given.value is None:
+                urls[name] = None
+            else:
+                urls[name] = self.string(given, scope)
+                if urls[name] is None:
+                    self.unresolved(rel, node, "FastAPI(...)", f"its {name} {ast.unparse(given)!r} cannot be read")
+        shown = ["openapi_url"] if urls["openapi_url"] else []
+        if urls["openapi_url"] and urls["docs_url"]:
+            shown += ["docs_url"] + (
+                ["swagger_ui_oauth2_redirect_url"] if urls["swagger_ui_oauth2_redirect_url"] else []
+            )
+        if urls["openapi_url"] and urls["redoc_url"]:
+            shown.append("redoc_url")
+        for name in shown:
+            self.register(
+                rel, scope, node, f"FastAPI({name}=)", None, ast.Constant(urls[name]), ["GET", "HEAD"], None, key=owner
+            )
+
+    def include(
+        self,
+        rel: str,
+        scope: _Scope,
+        node: ast.Call,
+        parent: RouterKey | None,
+        router: ast.expr | None,
+        kw: dict[str, ast.expr],
+    ) -> None:
+        given = kw.get("prefix")
+        prefix = "" if given is None else self.string(given, scope)
+        child = None if router is None else self.key(router, scope)
+        form = f"{ast.unparse(node.func)}(...)"
+        if prefix is None and given is not None:
+            self.unresolved(rel, node, form, f"its prefix {ast.unparse(given)!r} cannot be read statically")
+            return
+        if child is None or child not in self.constructors:
+            # a router passed in, or built outside vllm/entrypoints: its routes, or which routes the prefix goes to,
+            # are not in the sources read here
+            what = ast.unparse(router) if router is not None else "no router"
+            self.unresolved(rel, node, form, f"the router it includes ({what}) is not one built in these sources")
+            return
+        if child != parent:
+            self.edges.setdefault(child, []).append((parent, prefix or ""))
+
+    def walk(self, rel: str, node: ast.AST, scope: _Scope) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for d in node.decorator_list:
+                self.decorator(rel, scope, d, node, node)
+            inner = self.scope_of[id(node)]
+            for stmt in node.body:
+                self.walk(rel, stmt, inner)
+            return
+        if isinstance(node, ast.ClassDef):
+            inner = self.scope_of[id(node)]
+            for stmt in node.body:
+                self.walk(rel, stmt, inner)
+            return
+        if isinstance(node, ast.Call):
+            self.call(rel, scope, node)
+        for child in ast.iter_child_nodes(node):
+            self.walk(rel, child, scope)
+
+    def paths(self, key: RouterKey | None, path: str, depth: int = 0) -> set[str]:
+        """``path`` registered on ``key`` as the apps serve it: under every prefix it is included or mounted with."""
+        if key is None or key not in self.edges or depth > 16:
+            return {path}
+        out: set[str] = set()
+        for parent, prefix in self.edges[key]:
+            out |= self.paths(parent, prefix + path, depth + 1)
+        return out
+
+    def read(self) -> RouteReading:
+        files = self.src.files_under("vllm/entrypoints/")
+        for rel in files:
+            self.module_scope(rel)
+        for rel in files:
+            scope = self.module_scope(rel)
+            if scope is not None:
+                self.walk(rel, scope.node, scope)
+        for key, _, path, site, handler in self.registrations:
+            for full in sorted(self.paths(key, path)):
+                shown = site if full == site.path else RouteSite(site.method, full, site.where, site.form)
+                self.reading.sites.append(shown)
+                handlers = self.reading.routes.setdefault((site.method, full), [])
+                if handler is not None and handler not in handlers:
+                    handlers.append(handler)
+        return self.reading
+
+
 @cache
-def _routes(src: Source) -> dict[tuple[str, str], list[ast.FunctionDef | ast.AsyncFunctionDef]]:
-    """Every ``@x.get/post/put/delete("/path")`` handler under ``vllm/entrypoints``, by (METHOD, path)."""
-    routes: dict[tuple[str, str], list[ast.FunctionDef | ast.AsyncFunctionDef]] = {}
-    for rel in src.files_under("vllm/entrypoints/"):
-        tree = src.tree(rel)
-        if tree is None:
-            continue
-        for fn in ast.walk(tree):
-            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            for d in fn.decorator_list:
-                if (
-                    isinstance(d, ast.Call)
-                    and isinstance(d.func, ast.Attribute)
-                    and d.func.attr in ("get", "post", "put", "delete")
-                    and d.args
-                    and isinstance(d.args[0], ast.Constant)
-                    and isinstance(d.args[0].value, str)
-                ):
-                    routes.setdefault((d.func.attr.upper(), d.args[0].value), []).append(fn)
-    return routes
+def read_routes(src: Source) -> RouteReading:
+    """Every route the sources under ``vllm/entrypoints`` register, in any of the ways FastAPI and Starlette offer:
+
+    - the method decorators ``@x.get / post / put / delete / patch / options / head / trace(path)`` (the path
+      positional or ``path=``), ``@x.api_route(path, methods=[...])`` (GET by default), Starlette's
+      ``@x.route(path, methods=[...])``, and ``@x.websocket(path)`` / ``@x.websocket_route(path)``; the same
+      decorators applied by hand (``x.post("/p")(handler)``);
+    - the calls ``x.add_api_route(path, endpoint, methods=[...])``, ``x.add_route(...)`` (Starlette),
+      ``x.add_api_websocket_route(...)``, ``x.add_websocket_route(...)``, ``x.mount(path, app)`` (``MOUNT path``:
+      the mount path is what the app's router matches) and ``x.host(host, app)`` (``HOST host``);
+    - route objects, wherever they are built: ``Route(...)`` / ``APIRoute(...)`` / ``WebSocketRoute(...)`` /
+      ``APIWebSocketRoute(...)`` / ``Mount(path, app=..., routes=[...])`` / ``Host(...)``, in a ``routes=[...]`` of
+      ``FastAPI`` / ``Starlette`` / ``APIRouter`` / ``Router``, in ``x.routes.append / insert / extend(...)``, or
+      anywhere else (a route object is built to be registered); the routes of a ``Mount(..., routes=[...])`` under
+      the mount's path;
+    - the routes ``FastAPI(...)`` adds itself: ``/openapi.json``, ``/docs``, ``/docs/oauth2-redirect``, ``/redoc``
+      (GET and HEAD), as its keywords set or drop them;
+    - routes a library adds for a call in the sources: SageMaker's handler decorators (:data:`_SAGEMAKER_ROUTES`) and
+      ``Instrumentator(...).expose(app)`` (``GET /metrics``);
+    - routes re-registered from routers' own lists (``for r in router.routes: app.add_api_route(r.path, ...)``).
+
+    Prefixes are applied where they can be read statically: ``APIRouter(prefix=...)`` for FastAPI's forms on that
+    router; ``include_router(router, prefix=...)``, nested to any depth, the router found by its variable here or
+    imported from another vLLM module; a router or app mounted by ``mount(path, app)`` / ``Mount(path, app=...)``.
+    A path is read when it is a literal, a name bound once to one (here or in another vLLM module), ``+`` or an
+    f-string of those, or FastAPI's ``app.openapi_url`` / ``docs_url`` / ``swagger_ui_oauth2_redirect_url`` /
+    ``redoc_url``. Methods are read from a literal list, tuple or set. A registration whose path, methods or prefix
+    cannot be read is listed in :attr:`RouteReading.unresolved`, not dropped: its route is unseen, and the tests fail
+    on it.
+
+    Each route is ``(METHOD, path)``: an HTTP method (Starlette's forms add HEAD to GET, as Starlette does),
+    ``WEBSOCKET``, ``MOUNT`` or ``HOST``. Over-reading is safe (a route the table must classify that no app serves);
+    under-reading is not (tests/test_vllm_contract.py compares this with the apps a release builds, where it runs)."""
+    return _RouteReader(src).read()
+
+
+def _routes(src: Source) -> dict[tuple[str, str], list[Handler]]:
+    """Every route under ``vllm/entrypoints`` by ``(METHOD, path)``, with its handlers (:func:`read_routes`)."""
+    return read_routes(src).routes
 
 
 def _has_method(src: Source, module: str, cls: str, method: str) -> bool:
@@ -829,8 +1533,11 @@ def _check_route(src: Source, entry: Route) -> list[str]:
     if entry.when is not None and not _has_method(src, *entry.when):
         return []  # the protocol the route belongs to is not in this release: lora_stream's use of it is not either
     handlers = _routes(src).get((entry.method, entry.path))
-    if not handlers:
+    if handlers is None:
         return [f"route {entry.method} {entry.path}: not registered by the API server (used by {entry.used_by})"]
+    if entry.fields and not handlers:
+        fields = list(entry.fields)
+        return [f"route {entry.method} {entry.path}: its handler cannot be found to read {fields} ({entry.used_by})"]
     seen: set[str] = set()
     for fn in handlers:
         seen |= _identifiers(fn)
@@ -999,8 +1706,131 @@ def check(path: str | Path | Source, contract: Sequence[Entry] = CONTRACT) -> li
     return problems
 
 
+# -- the routes of the apps a release builds, where it runs ------------------------------------------------------------
+
+#: The environment :func:`running_routes` builds vLLM's apps in: every switch of vLLM's that adds routes. lora_stream's
+#: servers run with the first two (tests/vllm_server.py: dev mode always, runtime LoRA updating for adapter syncs);
+#: the Cohere API needs the optional ``cohere`` SDK as well.
+RUNNING_ENV = {
+    "VLLM_SERVER_DEV_MODE": "1",
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
+    "VLLM_ENABLE_COHERE_API": "1",
+    "VLLM_LOGGING_LEVEL": "ERROR",
+}
+#: The ``vllm serve`` flags that add routes, all on (``enable_offline_docs`` is built both ways: it drops ``/redoc``;
+#: ``profiler_config`` is set to a torch profiler, which adds the profiling routes).
+RUNNING_FLAGS = {
+    "enable_fault_tolerance": True,
+    "enable_scale_out": True,
+    "tokens_only": True,
+    "enable_tokenizer_info_endpoint": True,
+}
+
+
+def app_routes(routes: Sequence[Any], prefix: str = "") -> set[tuple[str, str]]:
+    """The ``(METHOD, path)`` of every route in a Starlette or FastAPI route list, as :func:`read_routes` names them:
+    ``MOUNT``/``HOST`` for a mount or host route and the routes inside it, ``WEBSOCKET`` for a websocket route. A route
+    of another type fails, so that nothing is skipped unseen."""
+    from starlette.routing import Host, Mount, Route, WebSocketRoute
+
+    out: set[tuple[str, str]] = set()
+    for r in routes:
+        if isinstance(r, Mount):
+            out.add(("MOUNT", prefix + r.path))
+            out |= app_routes(r.routes, prefix + r.path)
+        elif isinstance(r, Host):
+            out.add(("HOST", r.host))
+            out |= app_routes(r.routes, prefix)
+        elif isinstance(r, WebSocketRoute):  # FastAPI's APIWebSocketRoute too
+            out.add(("WEBSOCKET", prefix + r.path))
+        elif isinstance(r, Route):  # FastAPI's APIRoute too
+            out |= {(m, prefix + r.path) for m in r.methods or ()}
+        else:
+            raise TypeError(f"a route of type {type(r).__module__}.{type(r).__name__}: teach app_routes to list it")
+    return out
+
+
+def running_routes() -> dict[str, Any]:
+    """Build every app the installed vLLM's entrypoints build (:attr:`RouteReading.apps`), without an engine, with
+    every route switched on (:data:`RUNNING_ENV`, :data:`RUNNING_FLAGS`, every task vLLM knows), and list their
+    routes: ``{"version": ..., "apps": {"module:function": [[METHOD, path], ...]}}``.
+
+    The API server's app is vLLM's own ``build_app(args, supported_tasks, model_config)``, as ``vllm serve`` calls it
+    (args from vLLM's own parser); ``model_config`` is a stand-in that reports an embedding model, which is all the
+    pooling routes ask of it. Run this in a process of its own (``python tests/vllm_contract.py --running OUT``): it
+    sets environment variables vLLM reads, and builds apps that register metrics and handlers process-wide."""
+    import importlib
+    import importlib.util
+    import os
+    import tempfile
+    from types import SimpleNamespace
+
+    os.environ.update(RUNNING_ENV)
+    import vllm
+    import vllm.tasks
+
+    def api_server() -> list[Any]:
+        from vllm.config import ProfilerConfig
+        from vllm.entrypoints.launchers.app import build_app
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        tasks = tuple(
+            dict.fromkeys(
+                (
+                    *vllm.tasks.GENERATION_TASKS,
+                    *vllm.tasks.POOLING_TASKS,
+                    *getattr(vllm.tasks, "FRONTEND_TASKS", ()),
+                )
+            )
+        )
+        model_config = SimpleNamespace(get_pooling_task=lambda tasks: "embed", hf_config=SimpleNamespace(num_labels=1))
+        apps = []
+        for offline_docs in (False, True):
+            args = make_arg_parser(FlexibleArgumentParser()).parse_args([])
+            for name, value in RUNNING_FLAGS.items():
+                setattr(args, name, value)
+            args.enable_offline_docs = offline_docs
+            # never written: the profiler runs only on a /start_profile request
+            args.profiler_config = ProfilerConfig(
+                profiler="torch", torch_profiler_dir=os.path.join(tempfile.gettempdir(), "lora_stream_unused_profile")
+            )
+            apps.append(build_app(args, tasks, model_config))
+        return apps
+
+    def with_stub(module: str, name: str) -> Any:
+        # a health app whose handlers read the stand-in only when a request comes
+        return lambda: [getattr(importlib.import_module(module), name)(SimpleNamespace(is_ready=True))]
+
+    builders = {
+        "vllm.entrypoints.launchers.app:build_app": api_server,
+        "vllm.entrypoints.launchers.dp_supervisor:_build_dp_supervisor_app": with_stub(
+            "vllm.entrypoints.launchers.dp_supervisor", "_build_dp_supervisor_app"
+        ),
+        "vllm.entrypoints.cli.preload:_build_health_app": with_stub(
+            "vllm.entrypoints.cli.preload", "_build_health_app"
+        ),
+    }
+    apps: dict[str, list[list[str]]] = {}
+    for site, build in builders.items():
+        module = site.split(":")[0]
+        if importlib.util.find_spec(module) is None:
+            continue  # not in this release (the test compares the apps built with the apps the sources build)
+        routes: set[tuple[str, str]] = set()
+        for app in build():
+            routes |= app_routes(app.routes)
+        apps[site] = sorted([m, p] for m, p in routes)
+    return {"version": vllm.__version__, "apps": apps}
+
+
 def main(argv: Sequence[str]) -> int:
-    """Print each release's violations; exit 1 if any."""
+    """Print each release's violations; exit 1 if any. ``--running OUT``: write :func:`running_routes` to ``OUT`` as
+    JSON instead (for the installed vLLM, in this process)."""
+    if argv[:1] == ["--running"]:
+        import json
+
+        Path(argv[1]).write_text(json.dumps(running_routes()))
+        return 0
     bad = 0
     for path in argv:
         problems = check(path)

@@ -110,7 +110,7 @@ def only_the_holder_writes(sync, url: str, rank: int) -> None:  # type: ignore[n
 
     def hook(point: str) -> None:
         if rank == 0 and point == "prefix-cache":
-            forged = {SYNC_HEADER: "someone-else", LEASE_HEADER: "1"}
+            forged = {SYNC_HEADER: "someone-else-" + "0" * 40, LEASE_HEADER: "1"}
             seen["models"] = requests.get(f"{url}/v1/models", headers=forged, timeout=30).status_code
             resumed = requests.post(f"{url}/resume", timeout=30)
             seen["resume"] = (resumed.status_code, resumed.text[:300])

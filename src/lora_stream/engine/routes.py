@@ -59,6 +59,8 @@ SERVING = frozenset(
         "/docs",
         "/docs/oauth2-redirect",
         "/redoc",
+        # the bundled Swagger UI's files (--enable-offline-docs mounts them: GET and HEAD, never the engine)
+        "/static",
         # state reports
         "/server_info",
         "/weight_info",
@@ -77,7 +79,8 @@ SERVING = frozenset(
         "/v1/messages/render",
         "/v1/responses/render",
         "/v1/messages/count_tokens",
-        # generation and pooling: they read the weights (and cancel their own requests)
+        # generation and pooling: they read the weights (the abort routes cancel the requests they name, anyone's:
+        # generation's own state, never the weights or the pause)
         "/v1/chat/completions",
         "/v1/chat/completions/batch",
         "/v1/completions",
