@@ -137,6 +137,29 @@ def test_under_zero3_trl_gathers_the_whole_model_and_the_hook_one_layer(zero3_ho
         assert m["hook_peak_gathered"] <= m["hook_bound"] == m["record_peak_gathered"] < m["total_bytes"], m
 
 
+def test_full_fine_tuning_under_zero3_trains_with_verified_element_syncs(tmp_path: Path) -> None:
+    """Full fine-tuning (no peft_config) on 2 ZeRO-3 ranks, colocate, with the options a full fine-tuning team turns
+    on: verify=True and elements=True. Verification's probe forward once broke the next backward here (DeepSpeed
+    recorded it as the step's trace, so TRL's fused LM head met a released weight): the run trains every step. TRL's
+    engine serves bfloat16, so the hook streams bfloat16 and only the elements that changed in it travel; each
+    sync's line shows its elements and its verification."""
+    require("deepspeed")
+    results = launch("trl_grpo", "full", str(tmp_path), world=2, timeout=400, env={"LORA_STREAM_TEST_ZERO3": "1"})
+    assert_all_ok(results)
+    for r in results:
+        rec = _outcome(r.output)
+        assert rec["outcome"] == "trained" and len(rec["checks"]) == 3, describe(results)
+        assert all(c["max_err"] < c["tol"] for c in rec["checks"]), rec["checks"]
+        assert len(rec["verified"]) == 3, rec["verified"]
+        first, *later = rec["elements"]
+        assert not first.get("tensors"), first  # the first sync is whole: no baseline yet
+        for e, line in zip(later, rec["lines"][1:]):
+            # Most bfloat16 values stay at a small step: the element path, not "too many elements changed".
+            assert e.get("tensors", 0) > 0 and not e.get("refused"), (e, line)
+            assert e["changed"] < e["elements"] / 2, e
+            assert "elements: " in line and "verified: " in line, line
+
+
 def test_server_mode_on_two_zero3_ranks_serves_the_merged_model(tmp_path: Path) -> None:
     """TRL's server mode against a real vLLM OpenAI server (float32) started with the documented command (lora_stream's
     engine and TRL's own flags: lora_stream.integrations.trl.SERVER_FLAGS), over the gloo transport; the trainer is

@@ -24,6 +24,10 @@ Usage: trl_grpo.py SCENARIO WORKDIR
             adapter on the same TRL generation is refused at once (max_lora_rank 8).
   rloo      RLOOTrainer instead of GRPOTrainer, colocate, 2 steps, the hook with sink_options={"verify": True}: the
             hook scenario's checks, and the sink's own verification of every sync.
+  full      full fine-tuning (no peft_config, learning rate FULL_LR), the hook with sink_options={"verify": True,
+            "elements": True} (LORA_STREAM_TEST_SINK_OPTIONS, JSON, overrides them): the hook scenario's per-sync
+            check against the trainer's model, each sync's verification, element figures and logged line. One
+            process, or 2 ZeRO-3 ranks with LORA_STREAM_TEST_ZERO3=1.
   measure   ZeRO-3, at the first sync: the most bytes held gathered during TRL's own gather-and-merge (its
             _iter_named_params, without the load that fails on this vLLM) and during the hooked sync, every rank.
 
@@ -55,9 +59,13 @@ def reward(completions: list[str], **_: object) -> list[float]:
 
 
 LORA = {"r": 4, "lora_alpha": 16, "target_modules": "all-linear"}
+#: Full fine-tuning's learning rate (scenario ``full``).
+FULL_LR = 2e-5
 
 
-def build_trainer(workdir: str, zero3: bool, adapter: bool = False, rloo: bool = False) -> tuple[object, object]:
+def build_trainer(
+    workdir: str, zero3: bool, adapter: bool = False, rloo: bool = False, full: bool = False
+) -> tuple[object, object]:
     """The trainer, and an unsharded peft model of the same structure to hold its weights for the reference (built
     before the DeepSpeed config exists: transformers would build it under zero.Init afterwards)."""
     from datasets import Dataset
@@ -76,7 +84,8 @@ def build_trainer(workdir: str, zero3: bool, adapter: bool = False, rloo: bool =
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    template = get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(**LORA))  # type: ignore[arg-type]
+    base = AutoModelForCausalLM.from_pretrained(path)
+    template = base if full else get_peft_model(base, LoraConfig(**LORA))  # type: ignore[arg-type]
     extra: dict[str, object] = {}
     server = os.environ.get("LORA_STREAM_TEST_SERVER")
     if server:
@@ -102,7 +111,8 @@ def build_trainer(workdir: str, zero3: bool, adapter: bool = False, rloo: bool =
         num_generations=4,
         max_completion_length=8,
         max_steps=2 if rloo else 3,
-        learning_rate=0.05,
+        # Full fine-tuning: a step small enough that most bf16 values stay (what an element sync is for).
+        learning_rate=FULL_LR if full else 0.05,
         logging_steps=1,
         report_to=[],
         save_strategy="no",
@@ -127,7 +137,7 @@ def build_trainer(workdir: str, zero3: bool, adapter: bool = False, rloo: bool =
             args=args,
             train_dataset=Dataset.from_dict({"prompt": prompts}),
             processing_class=AutoTokenizer.from_pretrained(path),
-            peft_config=LoraConfig(**LORA),  # type: ignore[arg-type]
+            peft_config=None if full else LoraConfig(**LORA),  # type: ignore[arg-type]
         )
     return trainer, template
 
@@ -140,7 +150,8 @@ def merged_logprobs(trainer: object, template: object, zero3: bool) -> tuple[lis
     model = trainer.model  # type: ignore[attr-defined]
     if zero3:  # a gather: every rank takes part
         model = zero3_whole_into(trainer.model_wrapped, template)  # type: ignore[arg-type,attr-defined]
-    merged = copy.deepcopy(model).float().merge_and_unload().eval()
+    merged = copy.deepcopy(model).float()
+    merged = (merged.merge_and_unload() if hasattr(merged, "merge_and_unload") else merged).eval()
     with torch.no_grad():
         logits = merged(torch.tensor([PROBE])).logits[0].float()
     lp = torch.log_softmax(logits, -1)
@@ -221,7 +232,8 @@ def main(scenario: str, workdir: str) -> None:
         os.environ.setdefault(k, v)
     zero3 = os.environ.get("LORA_STREAM_TEST_ZERO3") == "1"
     server_url = os.environ.get("LORA_STREAM_TEST_SERVER")
-    trainer, template = build_trainer(workdir, zero3, adapter=scenario == "adapter", rloo=scenario == "rloo")
+    full = scenario == "full"
+    trainer, template = build_trainer(workdir, zero3, adapter=scenario == "adapter", rloo=scenario == "rloo", full=full)
     rank = int(os.environ.get("RANK", "0"))
     gen = trainer.vllm_generation  # type: ignore[attr-defined]
     from lora_stream.integrations.trl import use_lora_stream
@@ -247,6 +259,11 @@ def main(scenario: str, workdir: str) -> None:
     options: dict[str, object] = {"adapter": adapter, "lora_name": "policy"}
     if scenario == "rloo":
         options["sink_options"] = {"verify": True}
+    if full:  # as docs/trl.md's full fine-tuning route: every sync verified, only the changed elements sent
+        options["sink_options"] = json.loads(os.environ.get("LORA_STREAM_TEST_SINK_OPTIONS", "null")) or {
+            "verify": True,
+            "elements": True,
+        }
     refused: dict[str, object] = {}
     if scenario in ("hook", "server"):
         # This engine (or server) serves no LoRA: refused now, on every rank, not at the first sync in train().
@@ -265,7 +282,7 @@ def main(scenario: str, workdir: str) -> None:
         refused["rank"] = refusal(lambda: use_lora_stream(other, adapter=True, lora_name="policy"))
         refused["unchanged"] = "sync_weights" not in vars(gen) and not hasattr(gen, "_lora_stream_hook")
     caught: list[str] = []
-    if scenario in ("hook", "removed", "measure", "server", "adapter", "rloo"):
+    if scenario in ("hook", "removed", "measure", "server", "adapter", "rloo", "full"):
         hook = use_lora_stream(trainer, **options)  # type: ignore[arg-type]
         assert use_lora_stream(trainer, **options) is hook, "a second call with the same options returns the hook"  # type: ignore[arg-type]
         if scenario == "hook":
@@ -297,7 +314,7 @@ def main(scenario: str, workdir: str) -> None:
 
         gen.sync_weights = measuring
     via_server = scenario == "server" or (adapter and server_url is not None)
-    if scenario in ("hook", "server", "adapter", "rloo"):
+    if scenario in ("hook", "server", "adapter", "rloo", "full"):
         synced = gen.sync_weights
 
         def checked() -> None:
@@ -332,12 +349,16 @@ def main(scenario: str, workdir: str) -> None:
             **after,
         )
         finish(0)
-    records = [r.tensors for r in hook.records] if scenario in ("hook", "measure", "server", "adapter", "rloo") else []
+    hooked = scenario in ("hook", "measure", "server", "adapter", "rloo", "full")
+    records = [r.tensors for r in hook.records] if hooked else []
     verified = [
         {"max_abs_diff": r.verification.max_abs_diff, "tolerance": r.verification.tolerance}
-        for r in (hook.records if scenario == "rloo" else [])
+        for r in (hook.records if scenario in ("rloo", "full") else [])
         if r.verification is not None
     ]
+    # Full fine-tuning: each sync's element figures and its line (what rank 0 logs).
+    lines = [r.summary() for r in hook.records] if full else []
+    elements = [dict(r.elements) for r in hook.records] if full else []
     trainer_class = type(trainer).__name__
     # The hook's figures as TRL logged them (trainer.log() averaged trainer._metrics["train"] into each logging
     # step's entry): each lora_stream/ name, and in how many logged steps it appears; and any left unlogged.
@@ -360,6 +381,8 @@ def main(scenario: str, workdir: str) -> None:
         logged_metrics=logged,
         unlogged_metrics=unlogged,
         measured=measured or None,
+        lines=lines,
+        elements=elements,
     )
     finish(0)
 

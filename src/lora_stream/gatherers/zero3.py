@@ -429,3 +429,61 @@ class ZeroThreeGatherer(ShardedGathererBase):
             if p.ds_status == ZeroParamStatus.AVAILABLE and not getattr(p, "ds_persist", False)
         )
         return int(self._held + fallback + self.kept_bytes)
+
+
+def _zero3_offload(model: nn.Module) -> Any | None:
+    """DeepSpeed's ``DeepSpeedZeRoOffload`` whose hooks fetch and release ``model``'s partitioned parameters in a
+    forward: the engine's (``engine.optimizer`` without an optimizer, else ``engine.optimizer.parameter_offload``),
+    or, for the module itself, the one its start-of-forward hook belongs to (DeepSpeed keeps no other reference)."""
+    optimizer = getattr(model, "optimizer", None)
+    candidates = [optimizer, getattr(optimizer, "parameter_offload", None)]
+    for module in (model, getattr(model, "module", None)):
+        for hook in list(getattr(module, "_forward_pre_hooks", {}).values()):
+            candidates.extend(cell.cell_contents for cell in getattr(hook, "__closure__", None) or ())
+    for c in candidates:
+        if callable(getattr(c, "get_param_coordinator", None)) and hasattr(c, "param_coordinator"):
+            return c
+    return None
+
+
+@contextmanager
+def untraced_forward(model: nn.Module) -> Iterator[None]:
+    """A forward of the ZeRO-3 ``model`` that DeepSpeed does not learn from: it runs under a parameter coordinator
+    of its own, a copy of the trainer's with an empty trace, and the trainer's is put back after it.
+
+    Why: DeepSpeed records the order in which the first step after a reset fetches each submodule, and from then on
+    prefetches and releases parameters by that trace. A forward of lora_stream's own (verification's probe, run
+    between the trainer's steps) would otherwise be recorded as the step's trace, or invalidate it. Under TRL that
+    broke the next backward: the probe's forward calls ``lm_head``, which TRL's fused loss reads directly, so the
+    trace prefetched ``lm_head.weight``, TRL's fused head skipped its own gather, and the gradient met a released
+    weight (``The size of tensor a (0) must match the size of tensor b ...``).
+
+    The copy shares the parameters and the in-flight registry (the probe's gathers and releases are real), and
+    nothing else it changes: every parameter the probe fetched is released by DeepSpeed's own hooks after its
+    submodule's forward, as in any step without a complete trace. Raises :class:`~lora_stream.LoraStreamError` when
+    DeepSpeed's coordinator cannot be found (a DeepSpeed release that keeps it elsewhere): the forward would then
+    change the trainer's state."""
+    import copy
+
+    from ..errors import LoraStreamError
+
+    offload = _zero3_offload(model)
+    if offload is None:
+        raise LoraStreamError(
+            "verify= under DeepSpeed ZeRO-3: this DeepSpeed keeps the parameter coordinator of the model's forward "
+            "where lora_stream cannot find it, so the probe's forward would change the trace DeepSpeed prefetches "
+            "by and break the next backward. Pass the DeepSpeedEngine (not its module) to the stream, or sync "
+            "without verify="
+        )
+    trainer_coordinator = offload.param_coordinator
+    own = copy.copy(trainer_coordinator)
+    # Fresh trace structures for the copy, so nothing it records lands in the trainer's lists.
+    if own.is_invalid_trace():
+        own._clear_trace_structures()
+    else:
+        own._invalidate_trace()
+    offload.param_coordinator = own
+    try:
+        yield
+    finally:
+        offload.param_coordinator = trainer_coordinator

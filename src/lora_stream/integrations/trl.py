@@ -124,9 +124,9 @@ class TrlSyncHook:
     #: The stream every sync reuses: planned once (at install, by the pre-flight), and with ``adapter=True`` its
     #: gatherer keeps its buffer between syncs (``AdapterStream``'s ``keep_bytes``). Dropped after a failed sync.
     _stream_in_use: ParamStream | None = None
-    #: Server mode, merged sync: the dtype every tensor is sent in, when the server serves a 16-bit dtype other than
-    #: the trainer's (what vLLM would cast each tensor to, logging a warning per tensor): decided at install from
-    #: the server's ``/server_info``, the same on every rank. ``stream_options["dtype"]`` overrides it.
+    #: Merged sync: the dtype every tensor is sent in, when the engine serves a 16-bit dtype other than the trainer's
+    #: (what vLLM would cast each tensor to): decided at install from the server's ``/server_info`` (server mode,
+    #: the same on every rank) or the colocated engine's model config. ``stream_options["dtype"]`` overrides it.
     _send_dtype: Any = None
 
     def __repr__(self) -> str:  # never the options as given: sink_options may hold the server's api_key
@@ -486,22 +486,44 @@ def _decide_send_dtype(hook: TrlSyncHook, timeout: float) -> None:
             served = ""
     coordinator = Coordinator(None, "lora_stream.integrations.trl.served_dtype", datetime.timedelta(seconds=timeout))
     served = coordinator.share(served, "sharing the dtype the vLLM server serves")[0]
+    _choose_send_dtype(hook, served, say=getattr(gen, "vllm_client", None) is not None)
+
+
+def _engine_dtype_name(gen: Any) -> str:
+    """The dtype TRL's colocated engine serves (``"bfloat16"``, ...; ``""`` if it does not say)."""
+    dtype = getattr(getattr(getattr(getattr(gen, "llm", None), "llm_engine", None), "model_config", None), "dtype", "")
+    return str(dtype).removeprefix("torch.") if dtype else ""
+
+
+def _choose_send_dtype(hook: TrlSyncHook, served: str, *, say: bool) -> None:
+    """A merged sync sends in the engine's dtype when it serves a 16-bit dtype other than the trainer's: what vLLM
+    stores anyway (vLLM would cast each tensor), and what an element sync must compare (``elements=True`` diffs
+    the values sent: float32 values that AdamW moved everywhere would make every sync whole, although most of them
+    round to the same bfloat16). The same rule in colocate and server mode; ``stream_options["dtype"]`` overrides
+    it. ``say``: this rank logs the choice (rank 0)."""
     dtype = _dtype_named(served)
     if dtype is None or dtype.itemsize != 2 or "dtype" in hook.stream_options:
         return
     trainer_dtypes = _base_dtypes(hook._model())
     if trainer_dtypes and trainer_dtypes != {dtype}:
         hook._send_dtype = dtype
-        if getattr(gen, "vllm_client", None) is not None:
+        if say:
             held = ", ".join(sorted(str(d).removeprefix("torch.") for d in trainer_dtypes))
+            where = "TRL's vLLM engine" if hook.generation.mode == "colocate" else "the vLLM server"
+            widest = str(max(trainer_dtypes, key=lambda d: d.itemsize)).removeprefix("torch.")
+            fix = (
+                f"build TRL's engine in {widest} (its dtype follows the checkpoint's, or vLLM's choice on this device)"
+                if hook.generation.mode == "colocate"
+                else f"start the server with --dtype {widest}"
+            )
             logger.info(
-                "lora_stream: the vLLM server serves %s and the trainer holds %s: every sync sends %s (what vLLM "
-                "stores; vLLM would cast each tensor and log a warning per tensor). To serve the trainer's precision, "
-                "start the server with --dtype %s",
+                "lora_stream: %s serves %s and the trainer holds %s: every sync sends %s (what vLLM stores; vLLM "
+                "would cast each tensor). To serve the trainer's precision, %s",
+                where,
                 served,
                 held,
                 served,
-                max(trainer_dtypes, key=lambda d: d.itemsize).__str__().removeprefix("torch."),
+                fix,
             )
 
 
@@ -784,6 +806,8 @@ def use_lora_stream(
     try:
         if gen.mode == "server" and not adapter:  # a collective: every rank, before any can raise
             _decide_send_dtype(hook, _agreement_seconds(hook.stream_options))
+        elif not adapter:  # colocate: each rank's own engine says what it serves
+            _choose_send_dtype(hook, _engine_dtype_name(gen), say=gen.accelerator.process_index == 0)
         hook._preflight()
     except Exception as exc:
         error = exc

@@ -20,7 +20,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,19 +150,33 @@ def model_vocab_size(model: torch.nn.Module) -> int:
     raise LoraStreamError("verify=: the trainer's model has no config.vocab_size and no embedding to size the probe")
 
 
+@contextmanager
+def as_found(model: torch.nn.Module) -> Iterator[None]:
+    """Evaluation mode for the probe's forward, and the trainer's state after it as it was before: every module's
+    own training flag (not one flag for all: a trainer may hold some modules in eval mode), and under ZeRO-3 the
+    trace DeepSpeed prefetches by (:func:`~lora_stream.gatherers.zero3.untraced_forward`; the probe's forward
+    would otherwise become the trace of the trainer's next step, which broke its backward under TRL)."""
+    from ..gatherers.zero3 import is_zero3_model, untraced_forward
+
+    modes = [(m, m.training) for m in model.modules()]
+    with untraced_forward(model) if is_zero3_model(model) else nullcontext():
+        model.eval()  # a DeepSpeedEngine's eval() reaches its module's; its own flag is restored below with the rest
+        try:
+            yield
+        finally:
+            for m, training in modes:
+                m.training = training
+
+
 def trainer_logprobs(model: torch.nn.Module, ids: list[int]) -> tuple[torch.Tensor, float]:
     """The policy's per-token log-probabilities of the probe (``len(ids) - 1`` values) and its largest absolute
-    logit. Runs the trainer's forward, with its adapters active: under ZeRO-3 or FSDP a collective (every rank)."""
+    logit. Runs the trainer's forward, with its adapters active: under ZeRO-3 or FSDP a collective (every rank).
+    The trainer's state is left as found (:func:`as_found`)."""
     param = next(model.parameters(), None)
     device = param.device if param is not None and param.device.type != "meta" else torch.device("cpu")
     x = torch.tensor([ids], device=device)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            out = model(input_ids=x)
-    finally:
-        model.train(was_training)
+    with as_found(model), torch.no_grad():
+        out = model(input_ids=x)
     logits = (out.logits if hasattr(out, "logits") else out[0])[0].float()
     logprobs = torch.log_softmax(logits[:-1], dim=-1)
     picked = logprobs.gather(1, x[0, 1:].unsqueeze(1)).squeeze(1)
