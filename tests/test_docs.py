@@ -323,3 +323,58 @@ def test_recipe_adapter(tiny_model: str) -> None:
     out = run([sys.executable, str(EXAMPLES / "recipe_adapter.py"), tiny_model])
     assert all("synced 28 LoRA tensors" in line and "as policy" in line for line in steps(out, "synced"))
     steps(out, "through the adapter generates")
+
+
+def _release_statements(text: str) -> list[tuple[str, str]]:
+    """Each statement of a supported vLLM or TRL range in ``text``: (what, the range as stated)."""
+    found: list[tuple[str, str]] = []
+    for line in text.splitlines():
+        lower = line.lower()
+        for low, high in re.findall(r">=\s*(\d+\.\d+)(?:\.0)?\s*,\s*<\s*(\d+\.\d+)", line):
+            what = "trl" if low.startswith("1.") else "vllm"
+            if what == "vllm" and "vllm" not in lower and "unsupportedvllmerror" not in lower:
+                continue
+            found.append((what, f">={low},<{high}"))
+        for low, high in re.findall(r"(?:accepts?|accepted|\(|supports?) vLLM (0\.\d+) to (0\.\d+)", line):
+            found.append(("vllm-span", f"{low} to {high}"))
+        for single in re.findall(r"vLLM outside (0\.\d+)\b(?! to)", line.replace("\n", " ")):
+            found.append(("vllm-single", single))
+    return found
+
+
+def test_every_page_states_the_releases_the_guards_accept() -> None:
+    """One statement of the supported vLLM and TRL releases, the guards' (SUPPORTED_VLLM, TESTED_TRL): a page that
+    states a range, a span or a single release other than theirs fails here (a page once said vLLM outside 0.32 was
+    refused, after the guard accepted 0.31 to 0.34)."""
+    from lora_stream.engine.vllm_version import SUPPORTED_VLLM
+    from lora_stream.integrations.trl import TESTED_TRL
+
+    vllm_range = f">={SUPPORTED_VLLM[0].line},<0.{SUPPORTED_VLLM[-1].release[1] + 1}"
+    trl_range = ">={},<{}".format(*(".".join(v.split(".")[:2]) for v in TESTED_TRL))
+    expected = {
+        "vllm": vllm_range,
+        "trl": trl_range,
+        "vllm-span": f"{SUPPORTED_VLLM[0].line} to {SUPPORTED_VLLM[-1].line}",
+    }
+    root = ROOT
+    pages = [root / "README.md", *sorted(DOCS.glob("*.md"))]
+    wrong = []
+    seen = 0
+    for page in pages:
+        if page.name == "changelog.md":  # history: what was true then
+            continue
+        text = re.sub(r"\s*\n\s*", " ", page.read_text())  # statements wrap across lines
+        for what, stated in _release_statements(text):
+            seen += 1
+            if stated != expected.get(what):
+                wrong.append(f"{page.relative_to(root)}: {what} {stated!r}, the guard says {expected.get(what)!r}")
+    assert not wrong, "\n".join(wrong)
+    assert seen >= 5, "the statements were not found: the pattern no longer reads the pages"
+
+
+def test_the_release_statement_reader_catches_each_form() -> None:
+    """The reader of the test above, on each form a page could state another release in."""
+    assert _release_statements("refuse any vLLM release outside `>=0.32,<0.33`") == [("vllm", ">=0.32,<0.33")]
+    assert _release_statements("the hook accepts vLLM 0.32 to 0.33 only") == [("vllm-span", "0.32 to 0.33")]
+    assert _release_statements("A vLLM outside 0.32 is refused") == [("vllm-single", "0.32")]
+    assert _release_statements("naming the tested range `>=1.16,<1.17`") == [("trl", ">=1.16,<1.17")]

@@ -367,3 +367,67 @@ def _scenario(scenario: str, workdir: str) -> None:
 
 if __name__ == "__main__":
     _scenario(sys.argv[1], sys.argv[2])
+
+
+def _config_started_by(command: str) -> dict[str, Any] | None:
+    """What ``/server_info`` of a vLLM server started with ``command`` reports of what the checks read (``None``:
+    404, without ``VLLM_SERVER_DEV_MODE=1``): its flags and environment, read off the command line."""
+    words = shlex.split(command)
+    env = dict(w.split("=", 1) for w in words[: words.index("python")])
+    if env.get("VLLM_SERVER_DEV_MODE") != "1":
+        return None
+
+    def flag(name: str) -> str | None:
+        return words[words.index(name) + 1] if name in words else None
+
+    transfer = flag("--weight-transfer-config")
+    lora = None
+    if "--enable-lora" in words:
+        assert env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING") == "1", command  # else the sink cannot load adapters
+        lora = {"max_lora_rank": int(flag("--max-lora-rank") or 16)}
+    return {
+        "weight_transfer_config": json.loads(transfer) if transfer else None,
+        "lora_config": lora,
+        "model_config": {"model": flag("--model"), "logprobs_mode": flag("--logprobs-mode") or "raw_logprobs"},
+    }
+
+
+@pytest.mark.parametrize("adapter", [False, True], ids=["merged", "adapter"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        None,
+        {"weight_transfer_config": None},
+        {"weight_transfer_config": {"backend": "nccl"}},
+        {"weight_transfer_config": {"backend": "lora_stream"}, "model_config": {"logprobs_mode": "raw_logprobs"}},
+        {"weight_transfer_config": {"backend": "lora_stream"}, "lora_config": None},
+        {"weight_transfer_config": {"backend": "lora_stream"}, "lora_config": {"max_lora_rank": 8}},
+    ],
+    ids=["no-dev-mode", "no-engine", "vllms-nccl", "raw-logprobs", "no-lora", "rank-8"],
+)
+def test_every_printed_command_passes_the_check_it_failed(
+    config: dict[str, Any] | None, adapter: bool, served: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The builder's refusal prints "the command which fixes them all": a server started with it passes every
+    check the refusal made (the adapter's LoRA flags included, for a rank-32 adapter: --max-lora-rank 32)."""
+    from lora_stream.integrations.trl import _config_problems, _server_report
+
+    if config is not None:
+        config = {**config, "model_config": {"model": served, **(config.get("model_config") or {})}}
+    stand_in_server(monkeypatch, served, config)
+    monkeypatch.setattr("requests.get", lambda *a, **k: SimpleNamespace(ok=True))  # /health answers
+    args = SimpleNamespace(
+        vllm_server_base_url="http://127.0.0.1:8000",
+        vllm_server_host=None,
+        vllm_server_port=None,
+        vllm_importance_sampling_correction=True,
+    )
+    options = {"adapter": adapter, "max_lora_rank": 32, "sink_options": {}}
+    report = _server_report("GRPOTrainer", args, None, options, 5.0)
+    if not report:  # nothing refused (a merged sync needs no LoRA)
+        assert not adapter and config is not None and config.get("weight_transfer_config"), config
+        return
+    command = report.split("\n    ", 1)[1].split("\n", 1)[0]
+    assert _config_problems("http://127.0.0.1:8000", _config_started_by(command), args, options) == [], command
+    if adapter:
+        assert "--enable-lora --max-lora-rank 32" in command, command

