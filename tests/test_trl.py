@@ -185,6 +185,18 @@ def test_server_mode_on_two_zero3_ranks_serves_the_merged_model(tmp_path: Path) 
         assert refused1["no_lora"]["error"] == "StreamAbortedError", refused1
         assert "rank 0" in refused1["no_lora"]["message"] and "without LoRA" in refused1["no_lora"]["message"], refused1
         assert refused0["unchanged"] and refused1["unchanged"], (refused0, refused1)
+        # Full fine-tuning into the same server, with verify and elements: it trains, rank 0 verifies every sync.
+        # This server serves float32, where an AdamW step moves nearly every value: the elements go whole, and
+        # each line says why.
+        full = launch("trl_grpo", "full", str(tmp_path / "full"), world=2, timeout=400, env=env)
+        assert_all_ok(full)
+        f0, f1 = (_outcome(r.output) for r in full)
+        assert f0["outcome"] == f1["outcome"] == "trained" and f0["records"] == f1["records"], describe(full)
+        assert len(f0["checks"]) == 3 and all(c["max_err"] < c["tol"] for c in f0["checks"]), f0["checks"]
+        assert len(f0["verified"]) == 3, f0["verified"]
+        for line in f0["lines"][1:]:
+            assert "verified: " in line and "no elements: too many elements changed" in line, line
+        assert server.healthy()
     finally:
         server.stop()
 
