@@ -105,3 +105,22 @@ def test_with_a_gather_in_flight_a_consumer_raising_on_rank_1_aborts_rank_0_with
     aborted = event(r0.output, "aborted")
     assert aborted["failed_ranks"] == [1] and "before group 3 of" in aborted["message"], aborted
     assert _abort_seconds(r0.output) < 10
+
+
+@pytest.mark.parametrize("gatherer", ["zero3", "fsdp2"])
+def test_verifications_probe_leaves_the_sharded_trainer_as_it_found_it(gatherer: str) -> None:
+    """verify='s probe runs the trainer's forward between its steps. Under ZeRO-3 it once became DeepSpeed's trace
+    of the next step (TRL's backward then met a released weight); under FSDP2 it left the root's parameters
+    unsharded. On 2 ranks, before each of 3 steps: every module's training flag (one layer held in eval mode by the
+    trainer), DeepSpeed's coordinator and each parameter's status, or FSDP2's shards, are the same after the probe as
+    before it, and the steps train what they train without the probes."""
+    if gatherer == "zero3":
+        require("deepspeed")
+    probed = launch("probe_as_found", gatherer, world=2, timeout=240)
+    plain = launch("probe_as_found", gatherer, world=2, timeout=240, env={"LORA_STREAM_TEST_PROBE": "0"})
+    assert_all_ok(probed + plain)
+    for a, b in zip(probed, plain):
+        (with_probe,), (without,) = results_of(a.output), results_of(b.output)
+        assert with_probe["same"] == [True, True, True], describe(probed)
+        assert with_probe["layer1_eval"] and without["layer1_eval"], with_probe
+        assert with_probe["trained"] == without["trained"], (with_probe, without)

@@ -159,6 +159,7 @@ def as_found(model: torch.nn.Module) -> Iterator[None]:
     from ..gatherers.zero3 import is_zero3_model, untraced_forward
 
     modes = [(m, m.training) for m in model.modules()]
+    sharded = _fsdp2_sharded(model)
     with untraced_forward(model) if is_zero3_model(model) else nullcontext():
         model.eval()  # a DeepSpeedEngine's eval() reaches its module's; its own flag is restored below with the rest
         try:
@@ -166,6 +167,25 @@ def as_found(model: torch.nn.Module) -> Iterator[None]:
         finally:
             for m, training in modes:
                 m.training = training
+            _reshard_as_found(sharded)
+
+
+def _fsdp2_sharded(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """``model``'s FSDP2 modules whose parameters are all sharded (``DTensor``) now (empty without FSDP2)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    return [
+        m for m in model.modules() if isinstance(m, FSDPModule) and all(isinstance(p, DTensor) for p in m.parameters())
+    ]
+
+
+def _reshard_as_found(sharded: list[torch.nn.Module]) -> None:
+    """FSDP2 keeps the root module's parameters unsharded after a forward (the backward would need them at once):
+    after the probe's forward, which has no backward, every FSDP2 module whose parameters were all sharded before
+    is resharded (``FSDPModule.reshard()``), so the trainer holds what it held before the probe."""
+    for m in sharded:
+        m.reshard()  # type: ignore[operator]
 
 
 def trainer_logprobs(model: torch.nn.Module, ids: list[int]) -> tuple[torch.Tensor, float]:
