@@ -516,13 +516,12 @@ def _choose_send_dtype(hook: TrlSyncHook, served: str, *, say: bool) -> None:
         hook._send_dtype = dtype
         if say:
             held = ", ".join(sorted(str(d).removeprefix("torch.") for d in trainer_dtypes))
-            where = "TRL's vLLM engine" if hook.generation.mode == "colocate" else "the vLLM server"
             widest = str(max(trainer_dtypes, key=lambda d: d.itemsize)).removeprefix("torch.")
-            fix = (
-                f"build TRL's engine in {widest} (its dtype follows the checkpoint's, or vLLM's choice on this device)"
-                if hook.generation.mode == "colocate"
-                else f"start the server with --dtype {widest}"
-            )
+            if hook.generation.mode == "colocate":
+                where = "TRL's vLLM engine"
+                fix = f"build TRL's engine in {widest} (its dtype follows the checkpoint's, or vLLM's choice here)"
+            else:
+                where, fix = "the vLLM server", f"start the server with --dtype {widest}"
             logger.info(
                 "lora_stream: %s serves %s and the trainer holds %s: every sync sends %s (what vLLM stores; vLLM "
                 "would cast each tensor). To serve the trainer's precision, %s",

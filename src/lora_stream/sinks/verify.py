@@ -155,7 +155,8 @@ def as_found(model: torch.nn.Module) -> Iterator[None]:
     """Evaluation mode for the probe's forward, and the trainer's state after it as it was before: every module's
     own training flag (not one flag for all: a trainer may hold some modules in eval mode), and under ZeRO-3 the
     trace DeepSpeed prefetches by (:func:`~lora_stream.gatherers.zero3.untraced_forward`; the probe's forward
-    would otherwise become the trace of the trainer's next step, which broke its backward under TRL)."""
+    would otherwise become the trace of the trainer's next step, which broke its backward under TRL), and under
+    FSDP2 the modules it found sharded (``FSDPModule.reshard()``)."""
     from ..gatherers.zero3 import is_zero3_model, untraced_forward
 
     modes = [(m, m.training) for m in model.modules()]
@@ -167,7 +168,10 @@ def as_found(model: torch.nn.Module) -> Iterator[None]:
         finally:
             for m, training in modes:
                 m.training = training
-            _reshard_as_found(sharded)
+            # FSDP2 keeps the root's parameters unsharded after a forward (its backward would need them at once);
+            # the probe has no backward, so what was sharded before is resharded.
+            for m in sharded:
+                m.reshard()  # type: ignore[operator]
 
 
 def _fsdp2_sharded(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -178,14 +182,6 @@ def _fsdp2_sharded(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [
         m for m in model.modules() if isinstance(m, FSDPModule) and all(isinstance(p, DTensor) for p in m.parameters())
     ]
-
-
-def _reshard_as_found(sharded: list[torch.nn.Module]) -> None:
-    """FSDP2 keeps the root module's parameters unsharded after a forward (the backward would need them at once):
-    after the probe's forward, which has no backward, every FSDP2 module whose parameters were all sharded before
-    is resharded (``FSDPModule.reshard()``), so the trainer holds what it held before the probe."""
-    for m in sharded:
-        m.reshard()  # type: ignore[operator]
 
 
 def trainer_logprobs(model: torch.nn.Module, ids: list[int]) -> tuple[torch.Tensor, float]:
