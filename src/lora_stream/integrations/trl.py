@@ -65,7 +65,7 @@ __all__ = [
 ]
 
 #: The TRL releases whose ``VLLMGeneration`` this hook was written against and tested with: ``[low, high)``.
-TESTED_TRL = ("1.16.0", "1.17.0")
+TESTED_TRL = ("1.15.0", "1.17.0")
 
 #: What a vLLM server that TRL generates from and lora_stream syncs into is started with, beyond its model and your
 #: own options: lora_stream's weight-transfer engine (its vLLM plugin's name for it), and the flags TRL 1.16's
@@ -135,6 +135,8 @@ class TrlSyncHook:
     #: (what vLLM would cast each tensor to): decided at install from the server's ``/server_info`` (server mode,
     #: the same on every rank) or the colocated engine's model config. ``stream_options["dtype"]`` overrides it.
     _send_dtype: Any = None
+    #: The dtype the engine serves, where known (``None``): a server sink is told it, so a sync's line names a cast.
+    _served_dtype: Any = None
 
     def __repr__(self) -> str:  # never the options as given: sink_options may hold the server's api_key
         return (
@@ -281,6 +283,7 @@ class TrlSyncHook:
                 if self.adapter:
                     options.setdefault("lora_name", self.lora_name)
                 self._sink = VLLMServerSink(base_url, rank=gen.accelerator.process_index, **options)
+                self._sink.served_dtype = self._served_dtype
                 if gen.accelerator.process_index == 0:
                     # Chosen from the trainer's device unless given: said once, since it decides what a sync costs.
                     chosen = "as given in sink_options" if "backend" in self.sink_options else "for TRL's device"
@@ -509,6 +512,7 @@ def _choose_send_dtype(hook: TrlSyncHook, served: str, *, say: bool) -> None:
     round to the same bfloat16). The same rule in colocate and server mode; ``stream_options["dtype"]`` overrides
     it. ``say``: this rank logs the choice (rank 0)."""
     dtype = _dtype_named(served)
+    hook._served_dtype = dtype  # a server sink's line names a cast that remains (a colocated engine's knows it)
     if dtype is None or dtype.itemsize != 2 or "dtype" in hook.stream_options:
         return
     trainer_dtypes = _base_dtypes(hook._model())

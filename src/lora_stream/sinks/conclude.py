@@ -18,14 +18,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
+
 from ..transaction import Transaction
-from .decide import Decision
+from .decision import Decision
 from .memory import SinkMemory
 from .record import SyncRecord
 from .route import Route
 from .verify import Verification
 
-__all__ = ["commit_or_roll_back", "record_of"]
+__all__ = ["cast_note", "commit_or_roll_back", "record_of"]
 
 
 def commit_or_roll_back(tx: Transaction, route: Route, decision: Decision, memory: SinkMemory) -> None:
@@ -44,13 +46,38 @@ def commit_or_roll_back(tx: Transaction, route: Route, decision: Decision, memor
 
 
 def record_of(
-    decision: Decision, sink: str, seconds: float, stages: dict[str, Any], verification: Verification | None
+    decision: Decision,
+    sink: str,
+    seconds: float,
+    stages: dict[str, Any],
+    verification: Verification | None,
+    served_dtype: torch.dtype | None = None,
 ) -> SyncRecord:
-    """The committed sync's record: what went out (counted as it went), step 1's and the route's stages, and the
-    verification."""
+    """The committed sync's record: what went out (counted as it went), step 1's and the route's stages, the
+    verification, and a cast between the dtypes sent and ``served_dtype`` (the engine's, where the sink knows it)."""
     record = decision.source.record(sink, seconds)
+    cast = cast_note(decision, served_dtype)
+    if cast is not None:
+        record = dataclasses.replace(record, cast=cast)
     if decision.element_diff is not None:
         diff = decision.element_diff
         elements = {**record.elements, "baseline_bytes": diff.baseline_bytes, "whole_because": dict(diff.whole_because)}
         record = dataclasses.replace(record, elements=elements)
     return dataclasses.replace(record, stages={**decision.stages, **stages}, verification=verification)
+
+
+def cast_note(decision: Decision, served_dtype: torch.dtype | None) -> str | None:
+    """What a sync's line says when the floating dtypes it sent are not the one the engine serves: vLLM casts each
+    tensor as it loads it (the bytes served are right), but the wider dtype costs bytes on the wire, and an element
+    sync compares the values sent, so a change that rounds away in the served dtype still travels. ``None`` when
+    they agree or the served dtype is unknown."""
+    if served_dtype is None or not served_dtype.is_floating_point:
+        return None
+    sent = sorted({str(m.dtype)[6:] for m in decision.source.stream.metadata() if m.dtype.is_floating_point})
+    served = str(served_dtype)[6:]
+    if not sent or sent == [served]:
+        return None
+    note = f"sent {', '.join(sent)} into an engine that serves {served}, which casts each tensor as it loads it"
+    if decision.element_diff is not None:
+        note += f"; elements compare the {', '.join(sent)} values, so changes that round away in {served} travel too"
+    return note

@@ -21,7 +21,6 @@ taken after the transfer began would prove nothing about what was sent.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
 from typing import Any
@@ -30,42 +29,13 @@ from ..adapter import AdapterStream
 from ..changes import Changes, agree_on_changes, takes_selection
 from ..stream import ParamStream, Selection
 from ..transaction import Transaction
+from .decision import Decision
 from .memory import SinkMemory
 from .route import Route
 from .source import ElementSource, SyncSource, source_for
 from .verify import model_vocab_size, probe_ids
 
 __all__ = ["Decision", "decide"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    """What step 1 decided, on every rank alike."""
-
-    #: What step 2 sends: every output, the changed ones, or the engine-side merge's inputs (with its recipes).
-    source: SyncSource
-    #: Tied aliases to offer (``{alias: primary}``).
-    aliases: dict[str, str]
-    #: The agreed outcome of what changed (``None``: every output goes, no agreement ran).
-    changes: Changes | None
-    #: An adapter sync's staging (``{"path", "config"}``); ``None``: a merged sync.
-    adapter: dict[str, Any] | None
-    #: Whether step 3 verifies this sync, and the probe's token ids (``None``: the route probes by itself).
-    verifying: bool
-    probe_ids: list[int] | None
-    #: ``merge="engine"``: the stream's recipes, and this rank's fingerprints of the adapted steps' bases.
-    merge_plan: Any
-    base_fps: dict[str, int] | None
-    #: Seconds of this step's parts (``fingerprint_s``, ``state_check_s``, ``decide_s``).
-    stages: dict[str, Any]
-    #: ``elements=True``: this rank's diff (:class:`~lora_stream.elements.ElementDiff`), staged as the baseline
-    #: when the sync commits; ``None``: the sink sends no elements.
-    element_diff: Any = None
-
-    @property
-    def full_because(self) -> str | None:
-        """Why every output goes (``None``: a partial sync)."""
-        return self.source.full_because if self.source.selection is None else None
 
 
 def decide(

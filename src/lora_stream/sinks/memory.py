@@ -16,7 +16,7 @@ from .engine_base import EngineBaseRecord
 from .verify import ProbeHistory, VerifyPolicy, should_verify
 
 if TYPE_CHECKING:
-    from .decide import Decision
+    from .decision import Decision
 
 __all__ = ["SinkMemory"]
 

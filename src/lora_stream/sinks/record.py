@@ -77,6 +77,10 @@ class SyncRecord:
     #: memory), ``refused`` (why this sync sent no elements, or ``None``) and ``whole_because`` (why the other outputs
     #: cannot go as elements: reason -> how many outputs).
     elements: dict[str, Any] = field(default_factory=dict)
+    #: The floating dtypes sent differ from the dtype the engine serves (where the sink knows it: a colocated
+    #: engine's model config, or ``served_dtype`` set on a server sink): what was sent, what is served, and what
+    #: that costs; ``None`` when they agree or either is unknown.
+    cast: str | None = None
 
     def __post_init__(self) -> None:
         # Addresses may carry userinfo (http://user:password@host), reasons an error's text: redacted once, here.
@@ -154,6 +158,8 @@ class SyncRecord:
                 )
             else:
                 parts.append(f"no elements: {e.get('refused') or 'nothing changed'}")
+        if self.cast:
+            parts.append(f"cast: {self.cast}")
         if self.excluded:
             parts.append(f"{len(self.excluded)} server(s) excluded: {', '.join(self.excluded)}")
         if self.readmitted:

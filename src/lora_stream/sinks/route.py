@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from ..changes import EngineState
     from ..stream import ParamStream
     from ..transaction import Transaction
-    from .decide import Decision
+    from .decision import Decision
     from .verify import Verification
 
 __all__ = ["Checks", "Route"]

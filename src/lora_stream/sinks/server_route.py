@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import time
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..adapter import ADAPTER_PREFIX, AdapterStream
 from ..changes import EngineState
@@ -24,21 +24,51 @@ from ..errors import LoraStreamError, ReplicaError
 from ..lockstep import describe_error
 from ..stream import ParamStream
 from ..transaction import Transaction, fault_point
-from .decide import Decision
+from .decision import Decision
 from .memory import SinkMemory
 from .prefix_cache import reset_prefix_cache
 from .preflight import EngineCheckpoint, adapter_preflight, preflight
 from .server_client import LeaseExpiredError, ServerError, validate_adapter
-from .server_replica import LeaseKeeper, Replica, ServerUpdate, is_replica_failure, lease_lost, load_error
+from .server_replica import (
+    CurrentSource,
+    LeaseKeeper,
+    Replica,
+    ServerUpdate,
+    is_replica_failure,
+    lease_lost,
+    load_error,
+)
 from .server_verify import agree_on_weights, verify_replica
 from .verify import Verification, trainer_logprobs
 
-if TYPE_CHECKING:
-    from .vllm_server import VLLMServerSink
-
-__all__ = ["ServerRoute"]
+__all__ = ["ServerRoute", "ServerSinkView"]
 
 logger = logging.getLogger("lora_stream")
+
+
+class ServerSinkView(Protocol):
+    """What the route reads of its sink (:class:`~lora_stream.sinks.vllm_server.VLLMServerSink`): the options it was
+    built with, its servers, and the source its data planes send from. Named here, not imported, so the route
+    depends on the sink's options and not the sink on its route and back."""
+
+    rank: int
+    replicas: list[Replica]
+    backend: str
+    master_address: str
+    buffer_bytes: int
+    timeout: float
+    lease: float
+    pause: str | None
+    prefix_cache_timeout: float
+    rollback: bool
+    on_replica_failure: str
+    checkpoint: str | bool | None
+    lora_name: str
+    merge: str
+    verify_tolerance: float | None
+    _source: CurrentSource
+
+    def _assign(self) -> list[Replica]: ...
 
 
 class ServerRoute:
@@ -48,7 +78,7 @@ class ServerRoute:
     again); :meth:`end` releases them on every path. Reads the sink's options and replicas; keeps this sync's
     outcome across the fleet (:attr:`excluded`, :attr:`readmitted`, :attr:`resume_note`)."""
 
-    def __init__(self, sink: VLLMServerSink, memory: SinkMemory) -> None:
+    def __init__(self, sink: ServerSinkView, memory: SinkMemory) -> None:
         self.sink = sink
         self.memory = memory
         self.mine = [r for r in sink._assign() if r.sender == sink.rank]

@@ -40,7 +40,8 @@ from ..engine.reload import LoadReport, ReloadBracket
 from ..stream import ParamStream
 from ..transaction import Transaction, fault_point
 from .conclude import commit_or_roll_back, record_of
-from .decide import Decision, decide
+from .decide import decide
+from .decision import Decision
 from .local_engine import (
     LocalEngineChecks,
     engine_checkpoint,
@@ -208,7 +209,8 @@ class VLLMColocatedSink:
         known = decision.source.ended_early
         verification = check_and_vote(tx, route, verifying=decision.verifying, known=known)
         commit_or_roll_back(tx, route, decision, self._memory)
-        record = record_of(decision, self.name, time.perf_counter() - start, route.stages(), verification)
+        seconds = time.perf_counter() - start
+        record = record_of(decision, self.name, seconds, route.stages(), verification, self.model_config.dtype)
         record.log()
         return record
 

@@ -29,6 +29,7 @@ import dataclasses
 import time
 import warnings
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ..coordination import this_rank
 from ..errors import ReplicaExcludedWarning
@@ -36,7 +37,8 @@ from ..lockstep import COMPLETION_GRACE_S
 from ..stream import ParamStream
 from ..transaction import LOST_WAIT_S, Transaction
 from .conclude import commit_or_roll_back, record_of
-from .decide import Decision, decide
+from .decide import decide
+from .decision import Decision
 from .memory import SinkMemory
 from .record import AdapterSyncRecord, SyncRecord
 from .server_client import LeaseExpiredError, ServerError, VLLMServerClient, validate_adapter
@@ -44,6 +46,9 @@ from .server_replica import REPLICA_POLICIES, CurrentSource, Replica, is_replica
 from .server_route import ServerRoute
 from .verify import Verification, VerifyPolicy, check_policy
 from .vote import check_and_vote
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "DEFAULT_LEASE_S",
@@ -271,6 +276,10 @@ class VLLMServerSink:
         from ..elements import check_elements_option
 
         self.elements = check_elements_option(elements, skip_unchanged, merge)
+        #: The dtype the servers serve, when the caller knows it (the TRL hook sets it from the server's
+        #: ``/server_info``): a sync that sends another floating dtype says so in its line (``SyncRecord.cast``).
+        #: ``None``: unknown, nothing is said.
+        self.served_dtype: torch.dtype | None = None
         #: What this rank knows of what the servers hold from this sink (its last commit, the engine-side merge's base).
         self._memory = SinkMemory()
         self._base = self._memory.base
@@ -385,7 +394,7 @@ class VLLMServerSink:
         self, decision: Decision, route: ServerRoute, seconds: float, verification: Verification | None
     ) -> SyncRecord:
         """The committed sync's record: what was sent, the workers' stages, the fleet's outcome."""
-        record = record_of(decision, self.name, seconds, route.stages(), verification)
+        record = record_of(decision, self.name, seconds, route.stages(), verification, self.served_dtype)
         excluded = route.excluded
         record = dataclasses.replace(
             record,
