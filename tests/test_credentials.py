@@ -159,7 +159,8 @@ def test_the_trl_hooks_repr_shows_no_key(shown: list[Any]) -> None:
 
 def test_the_trl_hooks_options_differ_error_shows_no_key_and_compares_the_real_values(shown: list[Any]) -> None:
     require("trl")
-    from lora_stream.integrations.trl import UnsupportedTrlError, _check_version, use_lora_stream
+    from lora_stream.integrations.trl import UnsupportedTrlError, use_lora_stream
+    from lora_stream.integrations.trl.guard import _check_version
 
     try:
         _check_version()

@@ -249,7 +249,7 @@ def test_the_figures_reach_the_line_the_record_and_a_trainers_metrics() -> None:
     from collections import defaultdict
     from types import SimpleNamespace
 
-    from lora_stream.integrations.trl import _add_to_trainer_metrics
+    from lora_stream.integrations.trl.hook import _add_to_trainer_metrics
     from lora_stream.sinks.record import ELEMENT_METRICS, METRICS, SyncRecord
 
     figures = {

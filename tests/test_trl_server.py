@@ -201,7 +201,8 @@ def test_trainer_address_is_loopback_for_a_server_on_this_machine(monkeypatch: p
 
 def test_the_install_hint_names_no_package_index_release() -> None:
     """No lora-stream release is on the package index: the TRL hook's missing-TRL error names TRL's own release."""
-    source = (Path(__file__).resolve().parent.parent / "src/lora_stream/integrations/trl.py").read_text()
+    package = Path(__file__).resolve().parent.parent / "src/lora_stream/integrations/trl"
+    source = "".join(path.read_text() for path in sorted(package.glob("*.py")))
     assert "lora-stream[" not in source and "pip install lora-stream" not in source
     assert "pip install 'trl>=" in source
 
@@ -410,7 +411,7 @@ def test_every_printed_command_passes_the_check_it_failed(
 ) -> None:
     """The builder's refusal prints "the command which fixes them all": a server started with it passes every
     check the refusal made (the adapter's LoRA flags included, for a rank-32 adapter: --max-lora-rank 32)."""
-    from lora_stream.integrations.trl import _config_problems, _server_report
+    from lora_stream.integrations.trl.server_check import _config_problems, _server_report
 
     if config is not None:
         config = {**config, "model_config": {"model": served, **(config.get("model_config") or {})}}
