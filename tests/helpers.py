@@ -63,15 +63,16 @@ def count_exchanges() -> list[int]:
 def private_base_dir(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, name: str) -> Iterator[Any]:
     """For a fixture: a private ``LORA_STREAM_BASE_DIR`` at ``tmp_path / name`` (yielded); the names this process
     published there are forgotten afterwards."""
-    from lora_stream.engine import merger
+    from lora_stream.engine import base_store
+    from lora_stream.engine.base_dir import BASE_DIR_ENV
 
     where = tmp_path / name
     where.mkdir()
-    monkeypatch.setenv(merger.BASE_DIR_ENV, str(where))
+    monkeypatch.setenv(BASE_DIR_ENV, str(where))
     yield where
-    for path in list(merger._OWNED):
+    for path in list(base_store._OWNED):
         if path.startswith(str(tmp_path)):
-            merger._OWNED.discard(path)
+            base_store._OWNED.discard(path)
 
 
 def report_exchange(rank: int, event: str, exchange: Any, returned: str = "returned") -> None:

@@ -1,4 +1,4 @@
-"""The host file an engine-side merge keeps its base in (:func:`lora_stream.engine.merger.shared_base`): mapped
+"""The host file an engine-side merge keeps its base in (:func:`lora_stream.engine.base_store.shared_base`): mapped
 read-only, named by a digest of its bytes and checked against it, private to its user, written once per host, and
 never handed to vLLM's loader (which may write into what it is given).
 
@@ -25,8 +25,11 @@ import torch
 from helpers import lora, private_base_dir, tiny_llama
 
 from lora_stream import ParamStream
-from lora_stream.engine import merger as m
-from lora_stream.engine.merger import BASE_DIR_ENV, EngineMerger, shared_base
+from lora_stream.engine import base_dir as d
+from lora_stream.engine import base_store as m
+from lora_stream.engine.base_dir import BASE_DIR_ENV
+from lora_stream.engine.base_store import shared_base
+from lora_stream.engine.merger import EngineMerger
 from lora_stream.engine.reload import VLLMLoadError
 from lora_stream.engine_merge import EngineMergePlan
 from lora_stream.fingerprint import fingerprint
@@ -546,12 +549,12 @@ def test_the_map_holds_the_lock_until_its_last_view_dies_and_a_dropped_base_lose
 def test_the_store_refuses_a_file_system_whose_locks_it_cannot_rely_on(
     parent: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert m._fs_type(str(parent)) in m._LOCAL_FS  # the tests' own directory is a local one
+    assert d._fs_type(str(parent)) in d._LOCAL_FS  # the tests' own directory is a local one
     for kind, name in ((0x6969, "nfs"), (0xFF534D42, "cifs"), (0x65735546, "fuse"), (0x12345678, "0x12345678")):
-        monkeypatch.setattr(m, "_fs_type", lambda path, kind=kind: kind)
+        monkeypatch.setattr(d, "_fs_type", lambda path, kind=kind: kind)
         with pytest.raises(VLLMLoadError, match=rf"{parent}.*{name}.*{BASE_DIR_ENV}"):
             _share(_base())
-    monkeypatch.setattr(m, "_fs_type", lambda path: None)
+    monkeypatch.setattr(d, "_fs_type", lambda path: None)
     with pytest.raises(VLLMLoadError, match="cannot be read"):
         _share(_base())
     assert list(parent.iterdir()) == []  # refused before anything was made there
@@ -574,7 +577,8 @@ def _unshare_pid() -> list[str]:
 
 _OTHER_NS = """
 import fcntl, json, os, sys, torch
-from lora_stream.engine import merger as m
+from lora_stream.engine import base_dir as d
+from lora_stream.engine import base_store as m
 views, path = m.shared_base({"x": torch.arange(1000.0)})
 # A writer mid-write, as every writer is: its file locked (named as the releases that judged by pid named it).
 ns = os.stat("/proc/self/ns/pid").st_ino
@@ -709,12 +713,12 @@ def test_the_default_directory_needs_room_for_one_file(monkeypatch: pytest.Monke
     gib = 1 << 30
     stem = f"{m._FILE_PREFIX}{'e' * 64}"  # a base nobody published
     usage = shutil.disk_usage("/dev/shm")
-    monkeypatch.setattr(m, "_mem_available", lambda: 4 * gib)
+    monkeypatch.setattr(d, "_mem_available", lambda: 4 * gib)
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=int(1.5 * gib)))
-    assert m._base_parent(gib, stem) == "/dev/shm"
-    assert m._base_parent(2 * gib, stem) == tempfile.gettempdir()
-    monkeypatch.setattr(m, "_mem_available", lambda: gib // 2)
-    assert m._base_parent(gib, stem) == tempfile.gettempdir()
+    assert d._base_parent(gib, stem) == "/dev/shm"
+    assert d._base_parent(2 * gib, stem) == tempfile.gettempdir()
+    monkeypatch.setattr(d, "_mem_available", lambda: gib // 2)
+    assert d._base_parent(gib, stem) == tempfile.gettempdir()
 
 
 def test_a_commit_that_replaces_the_base_lets_go_of_the_previous_file_after_answering(parent: Path) -> None:

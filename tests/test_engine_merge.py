@@ -135,7 +135,8 @@ def test_only_trainable_inputs_travel_after_the_base() -> None:
 def test_a_partial_update_onto_another_base_is_refused_before_anything_is_computed(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from lora_stream.engine.merger import BASE_DIR_ENV, MergeUpdate
+    from lora_stream.engine.base_dir import BASE_DIR_ENV
+    from lora_stream.engine.merger import MergeUpdate
 
     monkeypatch.setenv(BASE_DIR_ENV, str(tmp_path))
     from lora_stream.engine.reload import VLLMLoadError

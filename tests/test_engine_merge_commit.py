@@ -41,9 +41,10 @@ from helpers import (
 )
 
 from lora_stream import LoraStreamError, ParamStream, VLLMColocatedSink
+from lora_stream.engine import base_dir, base_store, reload, state_digest
 from lora_stream.engine import merger as m
-from lora_stream.engine import reload, state_digest
-from lora_stream.engine.merger import BASE_DIR_ENV, EngineMerger
+from lora_stream.engine.base_dir import BASE_DIR_ENV
+from lora_stream.engine.merger import EngineMerger
 from lora_stream.sinks.local_engine import local_model_runner
 
 for _k, _v in VLLM_ENV.items():
@@ -180,7 +181,7 @@ def test_a_base_the_worker_cannot_keep_fails_the_sync_before_the_vote_with_the_e
     @contextlib.contextmanager
     def network_fs() -> Iterator[None]:
         with monkeypatch.context() as mp:
-            mp.setattr(m, "_fs_type", lambda p: 0x6969)
+            mp.setattr(base_dir, "_fs_type", lambda p: 0x6969)
             yield
 
     faults: dict[str, tuple[Callable[[], contextlib.AbstractContextManager[Any]], str]] = {
@@ -233,7 +234,7 @@ def test_no_file_system_call_failing_after_the_vote_fails_the_commit(
         (os, "makedirs"),
         (fcntl, "flock"),
         (m, "shared_base"),
-        (m, "_remove_unheld"),
+        (base_store, "_remove_unheld"),
         # The digest of what the engine holds, which the next partial sync is proven against: measured when the
         # load finished (reading every module), only installed at the commit.
         (state_digest._Digest, "module"),
@@ -255,7 +256,7 @@ def test_no_file_system_call_failing_after_the_vote_fails_the_commit(
         served = _served(llm)
         assert torch.equal(served["model.norm.weight"], norm.detach()), f"{name}: the engine does not serve v{i}"
     # What a failed unlink left is collected at the next full sync: only the current base stays.
-    m._collect(str(_private(store)), keep=merger.base_file)
+    base_store._collect(str(_private(store)), keep=merger.base_file)
     assert [p.name for p in _private(store).iterdir()] == [os.path.basename(merger.base_file)]
 
 

@@ -364,7 +364,7 @@ def test_the_engine_side_merge_on_a_tensor_parallel_server(checkpoint: str, tmp_
         # Element syncs into the same tensor-parallel server: each worker rebuilds every tensor and loads its shard.
         element_results = launch("element_sync", "zero3", checkpoint, server.url, timeout=600)
         # Both workers keep the base: one file, mapped by both (one copy in the page cache).
-        from lora_stream.engine.merger import _FILE_PREFIX
+        from lora_stream.engine.base_store import _FILE_PREFIX
 
         files = list(tmp_path.glob(f"lora_stream-*/{_FILE_PREFIX}*.bin"))  # in the user's private directory
         assert len(files) == 1, files
