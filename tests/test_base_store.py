@@ -33,7 +33,7 @@ from lora_stream.engine.merger import EngineMerger
 from lora_stream.engine.reload import VLLMLoadError
 from lora_stream.engine_merge import EngineMergePlan
 from lora_stream.fingerprint import fingerprint
-from lora_stream.stream import InputRequest
+from lora_stream.stream_pass import InputRequest
 
 NOBODY = 65534
 

@@ -567,7 +567,7 @@ def test_every_dtype_safetensors_stores_gets_safetensors_own_header(tmp_path: Pa
     from safetensors.torch import load_file, save_file
 
     from lora_stream.sinks.safetensors_shards import plan_shards
-    from lora_stream.stream import ParamMeta
+    from lora_stream.stream_pass import ParamMeta
 
     candidates = [getattr(torch, n, None) for n in dir(torch) if not n.startswith("_")]
     stored = []

@@ -284,7 +284,7 @@ def test_a_cast_between_the_dtypes_sent_and_served_is_named_and_only_then() -> N
     from types import SimpleNamespace
 
     from lora_stream.sinks.conclude import cast_note
-    from lora_stream.stream import ParamMeta
+    from lora_stream.stream_pass import ParamMeta
 
     def decision(*dtypes: torch.dtype, elements: bool = False) -> Any:
         meta = [ParamMeta(f"w{i}", d, (2,)) for i, d in enumerate(dtypes)]

@@ -17,7 +17,7 @@ from test_contract import LLAMA_CASES
 from lora_stream import ParamStream, UnsupportedModelError
 from lora_stream.engine.merger import EngineMerger
 from lora_stream.engine_merge import EngineMergePlan, compute_step
-from lora_stream.stream import InputRequest, Selection
+from lora_stream.stream_pass import InputRequest, Selection
 
 #: torch's own setter, taken at collection, before any in-process vLLM engine of the session replaced it.
 _TORCH_SET_NUM_THREADS = torch.set_num_threads

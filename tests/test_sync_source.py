@@ -8,7 +8,7 @@ from helpers import lora, tiny_llama
 
 from lora_stream import ParamStream
 from lora_stream.sinks import SyncSource
-from lora_stream.stream import PassState
+from lora_stream.stream_pass import PassState
 
 
 class Wrapped(ParamStream):

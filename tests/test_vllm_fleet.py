@@ -145,7 +145,7 @@ class _Source:
     def __init__(self, n: int = 6) -> None:
         import torch
 
-        from lora_stream.stream import ParamMeta
+        from lora_stream.stream_pass import ParamMeta
 
         self.tensors = [torch.randn(64 * (i + 1)) for i in range(n)]
         self.meta = [ParamMeta(f"t{i}", t.dtype, t.shape) for i, t in enumerate(self.tensors)]

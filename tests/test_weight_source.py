@@ -36,7 +36,7 @@ from helpers import require, tiny_gpt2, tiny_llama
 from torch import nn
 
 from lora_stream import ParamStream
-from lora_stream.stream import ParamMeta
+from lora_stream.stream_pass import ParamMeta
 
 base = require("vllm.distributed.weight_transfer.base")
 

@@ -16,6 +16,7 @@ from .errors import (
     UnsupportedModelError,
 )
 from .gatherers import Fsdp1Gatherer, Fsdp2Gatherer, PlainGatherer, ZeroThreeGatherer
+from .merged_params import stream_merged_params
 from .names import register_wrapper
 from .sinks import (
     AdapterLoadError,
@@ -31,7 +32,7 @@ from .sinks import (
     save_merged,
 )
 from .sinks.verify import Verification, VerificationError
-from .stream import ParamStream, stream_merged_params
+from .stream import ParamStream
 
 __version__ = "0.1.0"
 

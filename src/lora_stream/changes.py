@@ -27,7 +27,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .lockstep import FLAG_CAPACITY
-from .stream import ParamStream, Selection
+from .stream import ParamStream
+from .stream_pass import Selection
 from .transaction import Transaction
 from .units import Partition
 

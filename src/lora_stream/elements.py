@@ -117,7 +117,7 @@ def shard_of(gatherer: Any, param: Any, numel: int) -> Shard | str:
 def eligible_steps(stream: Any) -> dict[int, str | None]:
     """For every step of ``stream``'s plan, ``None`` if it can go as elements, or why not (the same on every rank:
     it reads the plan and parameters' placements only)."""
-    from .stream import _reads_trainable
+    from .step_reads import _reads_trainable
 
     out: dict[int, str | None] = {}
     for i, step in enumerate(stream._steps):

@@ -20,8 +20,9 @@ Usage: trl_grpo.py SCENARIO WORKDIR
             on every rank (rank 0 asked the server, which has no LoRA; the others learn it from rank 0).
   adapter   the hook with adapter=True: only the LoRA factors go into vLLM's LoRA manager (colocate: the trainer built
             inside trl_vllm_with_lora; server mode when LORA_STREAM_TEST_SERVER is set, against a server started
-            with --enable-lora); the same checks as hook/server, through the adapter. Before installing, a rank-16
-            adapter on the same TRL generation is refused at once (max_lora_rank 8).
+            with --enable-lora, the sink naming the adapter other than lora_name); the same checks as hook/server,
+            through the adapter. Before installing, a rank-16 adapter on the same TRL generation is refused at once
+            (max_lora_rank 8).
   rloo      RLOOTrainer instead of GRPOTrainer, colocate, 2 steps, the hook with sink_options={"verify": True}: the
             hook scenario's checks, and the sink's own verification of every sync.
   full      full fine-tuning (no peft_config, learning rate FULL_LR), the hook with sink_options={"verify": True,
@@ -303,6 +304,12 @@ def main(scenario: str, workdir: str) -> None:
     )
     adapter = scenario == "adapter"
     options: dict[str, object] = {"adapter": adapter, "lora_name": "policy"}
+    served_name = "policy"
+    if adapter and server_url:
+        # The sink's own name for the adapter wins over lora_name: TRL's requests must then name it (a hook once
+        # pointed TRL's client at lora_name, which the server did not serve).
+        served_name = "policy-on-server"
+        options["sink_options"] = {"lora_name": served_name}
     if scenario == "rloo":
         options["sink_options"] = {"verify": True}
     if full:  # as docs/trl.md's full fine-tuning route: every sync verified, only the changed elements sent
@@ -365,7 +372,7 @@ def main(scenario: str, workdir: str) -> None:
 
         def checked() -> None:
             synced()
-            check = check_served(trainer, template, gen, zero3, "policy" if adapter else None)
+            check = check_served(trainer, template, gen, zero3, served_name if adapter else None)
             if check:
                 check["stream_id"] = id(hook._stream_in_use)  # the hook plans its stream once and reuses it
                 checks.append(check)

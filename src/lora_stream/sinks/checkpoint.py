@@ -53,7 +53,8 @@ from ..adapter import AdapterStream
 from ..coordination import this_rank
 from ..errors import CheckpointError
 from ..reporting import progress_bar
-from ..stream import ParamMeta, ParamStream
+from ..stream import ParamStream
+from ..stream_pass import ParamMeta
 from ..transaction import Transaction, fault_point
 from .durable_files import NO_RENAME_EXCHANGE_ENV as NO_RENAME_EXCHANGE_ENV
 from .durable_files import (

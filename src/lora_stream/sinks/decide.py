@@ -27,7 +27,8 @@ from typing import Any
 
 from ..adapter import AdapterStream
 from ..changes import Changes, agree_on_changes, takes_selection
-from ..stream import ParamStream, Selection
+from ..stream import ParamStream
+from ..stream_pass import Selection
 from ..transaction import Transaction
 from .decision import Decision
 from .memory import SinkMemory

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import LoraStreamError
-from ..stream import ParamMeta
+from ..stream_pass import ParamMeta
 
 __all__ = [
     "CheckpointMismatchError",

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from ..stream import ParamMeta
+from ..stream_pass import ParamMeta
 
 __all__ = ["ShardPlan", "is_whole", "parse_size", "plan_shards"]
 

@@ -17,7 +17,8 @@ from ..coordination import this_rank
 from ..gatherers.base import nbytes
 from ..lockstep import describe_error
 from ..reporting import SYNC_BAR_DELAY_S, progress_bar
-from ..stream import ParamMeta, ParamStream, Selection, StreamPass
+from ..stream import ParamStream
+from ..stream_pass import ParamMeta, Selection, StreamPass
 from ..transaction import fault_point
 from .record import SyncRecord
 
@@ -353,7 +354,7 @@ class EngineMergeSource(SyncSource):
         full_because: str | None = None,
         base_fp: Mapping[str, int] | None = None,
     ):
-        from ..stream import InputRequest
+        from ..stream_pass import InputRequest
 
         self.plan = plan
         n = len(plan.recipes)

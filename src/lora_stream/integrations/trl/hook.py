@@ -137,9 +137,10 @@ class TrlSyncHook:
         _add_to_trainer_metrics(self.trainer, record)
         client = getattr(gen, "vllm_client", None)  # server mode: the main process's only
         if self.adapter and gen.mode == "server" and client is not None and self._served_model is None:
-            # TRL's client names the model in every request; the adapter's name selects it on the server.
+            # TRL's client names the model in every request; the adapter's name selects it on the server: the name
+            # the sink loaded it under (sink_options may name it other than lora_name).
             self._served_model = client.model
-            client.model = self.lora_name
+            client.model = self._sink.lora_name
 
     @property
     def lora_request(self) -> Any:
