@@ -432,3 +432,21 @@ def test_every_printed_command_passes_the_check_it_failed(
     assert _config_problems("http://127.0.0.1:8000", _config_started_by(command), args, options) == [], command
     if adapter:
         assert "--enable-lora --max-lora-rank 32" in command, command
+
+
+def test_a_verified_adapter_sync_in_server_mode_is_refused_at_install(
+    served: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server's verification probes the served model without vLLM's LoRA layers: ``adapter=True`` with ``verify``
+    in server mode is refused when the hook is installed, not at the first sync inside ``train()``; without verify
+    the same hook installs."""
+    from lora_stream import LoraStreamError
+
+    config = {**lora_streams_engine(served), "lora_config": {"max_lora_rank": 16}}
+    stand_in_server(monkeypatch, served, config)
+    model = _peft()
+    gen = server_generation(model)
+    with pytest.raises(LoraStreamError, match="checks merged syncs only"):
+        use_lora_stream(_trainer(model, gen), adapter=True, sink_options={"verify": True})
+    assert "sync_weights" not in vars(gen)  # nothing was installed
+    assert use_lora_stream(_trainer(model, gen), adapter=True).active

@@ -41,9 +41,22 @@ from .server_replica import (
 from .server_verify import agree_on_weights, verify_replica
 from .verify import Verification, trainer_logprobs
 
-__all__ = ["ServerRoute", "ServerSinkView"]
+__all__ = ["ServerRoute", "ServerSinkView", "refuse_verified_adapter"]
 
 logger = logging.getLogger("lora_stream")
+
+
+def refuse_verified_adapter(stream: ParamStream, verifying: bool) -> None:
+    """An adapter sync that would be verified on a server is refused: the workers' probe runs through the served
+    model without vLLM's LoRA layers. Called by each sync's pre-flight, and by :meth:`VLLMServerSink.preflight
+    <lora_stream.VLLMServerSink.preflight>` (``verifying``: any ``verify`` policy), so that a hook installing the sink
+    refuses at install rather than at the first sync."""
+    if verifying and isinstance(stream, AdapterStream):
+        raise LoraStreamError(
+            "verify= on a server checks merged syncs only: the probe runs through the served model without "
+            "vLLM's LoRA layers, so an adapter sync cannot be verified there; sync with verify=False, or sync "
+            "the merged model (ParamStream)"
+        )
 
 
 class ServerSinkView(Protocol):
@@ -124,12 +137,7 @@ class ServerRoute:
         ``"exclude"``, excludes the server) before anything is sent. A server that a vanished sink left paused or in
         an open update is healed by its lease at this sync's first request."""
         self._phase()
-        if verifying and isinstance(stream, AdapterStream):
-            raise LoraStreamError(
-                "verify= on a server checks merged syncs only: the probe runs through the served model without "
-                "vLLM's LoRA layers, so an adapter sync cannot be verified there; sync with verify=False, or sync "
-                "the merged model (ParamStream)"
-            )
+        refuse_verified_adapter(stream, verifying)
         aliases: dict[str, str] = {}
         for r in self.mine:
 

@@ -43,7 +43,7 @@ from .memory import SinkMemory
 from .record import AdapterSyncRecord, SyncRecord
 from .server_client import LeaseExpiredError, ServerError, VLLMServerClient, validate_adapter
 from .server_replica import REPLICA_POLICIES, CurrentSource, Replica, is_replica_failure
-from .server_route import ServerRoute
+from .server_route import ServerRoute, refuse_verified_adapter
 from .verify import Verification, VerifyPolicy, check_policy
 from .vote import check_and_vote
 
@@ -419,6 +419,7 @@ class VLLMServerSink:
         """The checks the next sync's decide step makes on the servers this rank feeds (reachable, key accepted,
         an adapter's LoRA limits, the stream against each served checkpoint), without joining any transfer group.
         This rank's view only: :meth:`sync` agrees the outcome across the ranks."""
+        refuse_verified_adapter(stream, bool(self.verify))
         route = ServerRoute(self, self._memory)
         for r in route.mine:
             route.check_server(stream, r)
