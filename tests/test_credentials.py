@@ -303,7 +303,7 @@ def test_a_401_answer_raises_without_the_key(shown: list[Any], echo: Any) -> Non
 @pytest.mark.parametrize("status, marker", [(500, ""), (409, "busy"), (409, "expired")])
 def test_an_error_answer_echoing_the_headers_raises_without_the_key(status: int, marker: str, echo: Any) -> None:
     """Every branch that puts the answer's body into the error: any status >= 400, and the lease's 409s."""
-    from lora_stream.engine.lease import BUSY, EXPIRED
+    from lora_stream.engine.lease_terms import BUSY, EXPIRED
     from lora_stream.sinks import ServerError, VLLMServerClient
 
     echo.status, echo.marker = status, {"": "", "busy": BUSY, "expired": EXPIRED}[marker]

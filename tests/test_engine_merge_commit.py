@@ -280,7 +280,7 @@ def test_a_server_worker_that_cannot_restore_says_so(engine: tuple[str, Any], ca
     half-way, say) is refused with the reason, never answered as rolled back. With ``rollback=False`` nothing was
     kept by choice: the rollback answers (the trainer notes that new weights are served), and the worker logs it.
     Nothing pending: nothing to say."""
-    from lora_stream.engine.lease import NOTHING_KEPT
+    from lora_stream.engine.lease_terms import NOTHING_KEPT
 
     _, llm = engine
     worker = _receiver(llm)

@@ -13,7 +13,8 @@ from typing import Any
 
 from starlette.routing import Route, Router, WebSocketRoute
 
-from lora_stream.engine.lease import (
+from lora_stream.engine.lease import UpdateLease
+from lora_stream.engine.lease_terms import (
     BUSY,
     COMMIT_HEADER,
     DECIDE_PATH,
@@ -22,7 +23,6 @@ from lora_stream.engine.lease import (
     NOTHING_KEPT,
     ROLLBACK_HEADER,
     SYNC_HEADER,
-    UpdateLease,
     committed_version,
     sync_name,
 )
@@ -446,7 +446,7 @@ def test_a_replayed_credential_of_an_earlier_sync_acts_on_nothing() -> None:
 def test_the_holder_is_compared_in_constant_time(monkeypatch: Any) -> None:
     import hmac
 
-    import lora_stream.engine.lease as module
+    import lora_stream.engine.lease_terms as module
 
     seen: list[tuple[bytes, bytes]] = []
     real = hmac.compare_digest

@@ -104,7 +104,7 @@ def only_the_holder_writes(sync, url: str, rank: int) -> None:  # type: ignore[n
     The sync then commits."""
     import requests
 
-    from lora_stream.engine.lease import LEASE_HEADER, SYNC_HEADER
+    from lora_stream.engine.lease_terms import LEASE_HEADER, SYNC_HEADER
 
     seen: dict[str, object] = {}
 

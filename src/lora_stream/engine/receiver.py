@@ -138,7 +138,7 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
         loaded, so nothing needed restoring)."""
         if kept is None:
             return None
-        from .lease import NOTHING_KEPT
+        from .lease_terms import NOTHING_KEPT
 
         if kept:
             return (
@@ -349,7 +349,7 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
         the refusal for a rollback would relabel the new weights as the old version)."""
         import json
 
-        from .lease import NOTHING_KEPT
+        from .lease_terms import NOTHING_KEPT
 
         if command == "commit":
             if self._committed is not None:

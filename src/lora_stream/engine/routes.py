@@ -26,6 +26,7 @@ handler in every supported release.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -213,3 +214,21 @@ def log_unclassified(table: RouteTable) -> None:
             len(unknown),
             ", ".join(unknown),
         )
+
+
+def route_path(scope: Any) -> str:
+    """The request's path as the app's router reads it: the app's ``root_path`` (vLLM's ``--root-path``) stripped
+    when the path starts with it (Starlette's rule), so ``/api/lora_stream/lease`` is the status route too."""
+    path = str(scope.get("path", ""))
+    root = str(scope.get("root_path", "") or "")
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root) :] or "/"
+    return path
+
+
+async def respond(send: Any, status: int, body: dict[str, Any]) -> None:
+    """Answer an ASGI request with ``body`` as JSON (what the lease answers for a route it refuses or reports)."""
+    data = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": data})

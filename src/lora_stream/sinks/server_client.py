@@ -67,7 +67,7 @@ class VLLMServerClient:
     def hold(self, credential: str, seconds: float) -> None:
         """From now on every request carries this sync's ``credential`` and asks for a lease of ``seconds`` (the server
         fixes the length when the sync takes it)."""
-        from ..engine.lease import sync_name
+        from ..engine.lease_terms import sync_name
 
         self.lease = (credential, seconds)
         self.sync = sync_name(credential)
@@ -110,7 +110,7 @@ class VLLMServerClient:
     ) -> Any:
         import requests
 
-        from ..engine.lease import BUSY, EXPIRED, LEASE_HEADER, SYNC_HEADER
+        from ..engine.lease_terms import BUSY, EXPIRED, LEASE_HEADER, SYNC_HEADER
 
         url = f"{self.base_url}/{path}"
         if self.unresponsive:
@@ -183,12 +183,12 @@ class VLLMServerClient:
         # which the data plane's own timeouts bound, so the budget between agreements does not apply to it.
         headers = None
         if update_info.get("command") == "rollback":
-            from ..engine.lease import ROLLBACK_HEADER
+            from ..engine.lease_terms import ROLLBACK_HEADER
 
             # Withdraws a decision this sync recorded at the server (record_decision) before the workers roll back.
             headers = {ROLLBACK_HEADER: "1"}
         if update_info.get("command") == "commit":
-            from ..engine.lease import COMMIT_HEADER
+            from ..engine.lease_terms import COMMIT_HEADER
 
             # The server's lease records the decision with its version: once the workers answered, a heal rolls
             # the update forward instead of back (the trainer may be stopped before its /finish_weight_update).
@@ -202,7 +202,7 @@ class VLLMServerClient:
         any server of the sync commits: from then on its lease rolls the update forward, never back. Raises
         :class:`LeaseExpiredError` when the sync no longer holds the server (its lease ran out
         meanwhile, or the server restarted)."""
-        from ..engine.lease import COMMIT_HEADER, DECIDE_PATH
+        from ..engine.lease_terms import COMMIT_HEADER, DECIDE_PATH
 
         self._request("POST", DECIDE_PATH.lstrip("/"), headers={COMMIT_HEADER: json.dumps({"version": version})})
 
@@ -250,7 +250,7 @@ class VLLMServerClient:
         none (a server without lora_stream's lease, or one that failed to answer)."""
         import requests
 
-        from ..engine.lease import LEASE_HEADER, STATUS_PATH, SYNC_HEADER
+        from ..engine.lease_terms import LEASE_HEADER, STATUS_PATH, SYNC_HEADER
 
         if self.lease is None:
             return None
@@ -303,7 +303,7 @@ class VLLMServerClient:
         if restore is not False:  # tell the server's lease what to put back if this sync's trainer vanishes
             import json
 
-            from ..engine.lease import RESTORE_HEADER
+            from ..engine.lease_terms import RESTORE_HEADER
 
             extra = {RESTORE_HEADER: json.dumps({"lora_name": name, "lora_path": restore})}
         try:

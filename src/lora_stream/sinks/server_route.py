@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from ..adapter import ADAPTER_PREFIX, AdapterStream
 from ..changes import EngineState
-from ..engine.lease import NOTHING_KEPT, committed_version, new_credential, no_session
+from ..engine.lease_terms import NOTHING_KEPT, committed_version, new_credential, no_session
 from ..errors import LoraStreamError, ReplicaError
 from ..lockstep import describe_error
 from ..stream import ParamStream
