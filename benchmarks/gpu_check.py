@@ -272,6 +272,7 @@ def vllm_reload_check(args: argparse.Namespace) -> dict[str, object]:
 
     from lora_stream import ParamStream, VLLMColocatedSink
     from lora_stream.engine import reload as lora_reload
+    from lora_stream.engine import vllm_reload as lora_vllm_reload
     from lora_stream.engine.vllm_version import vllm_evidence
 
     cfg = Qwen3MoeConfig(
@@ -336,9 +337,11 @@ def vllm_reload_check(args: argparse.Namespace) -> dict[str, object]:
             gc.collect()  # an engine collected while the next one is built would tear down its parallel groups
         llm = LLM(model=f"{tmp}/base", gpu_memory_utilization=0.15, **options)
         served = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model
-        relaid = lora_reload._experts_relaid_after_load(served)
-        out["experts"] = sorted({lora_reload._class_key(e) for _, _, e in relaid}) or ["(none re-lay out)"]
-        out["relayout_verified"] = all(lora_reload._class_key(e) in lora_reload.RELAYOUT_REPEATED for _, _, e in relaid)
+        relaid = lora_vllm_reload._experts_relaid_after_load(served)
+        out["experts"] = sorted({lora_vllm_reload._class_key(e) for _, _, e in relaid}) or ["(none re-lay out)"]
+        out["relayout_verified"] = all(
+            lora_vllm_reload._class_key(e) in lora_vllm_reload.RELAYOUT_REPEATED for _, _, e in relaid
+        )
         seen_by_vllm: list[int] = []
         watch = lora_reload.ReloadBracket._relayout_reloaded_experts
 

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from helpers import require
 
-from lora_stream.engine.reload import ReloadBracket, _experts_relaid_after_load
+from lora_stream.engine.reload import ReloadBracket
+from lora_stream.engine.vllm_reload import _experts_relaid_after_load
 
 
 def _moe_model(layers: int) -> tuple[torch.nn.Module, list[Any], list[list[torch.nn.Module]]]:

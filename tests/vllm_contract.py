@@ -401,13 +401,13 @@ CONTRACT: tuple[Entry, ...] = (
     Class(
         "vllm.model_executor.layers.fused_moe.modular_kernel",
         "FusedMoEExperts",
-        "lora_stream.engine.reload (_experts_relaid_after_load)",
+        "lora_stream.engine.vllm_reload (_experts_relaid_after_load)",
         methods={"process_weights_after_loading": Call(1)},
     ),
     Class(
         "vllm.model_executor.layers.fused_moe.experts.cpu_moe",
         "CPUUnquantizedExperts",
-        "lora_stream.engine.reload (RELAYOUT_REPEATED names it)",
+        "lora_stream.engine.vllm_reload (RELAYOUT_REPEATED names it)",
         methods={"process_weights_after_loading": Call(1)},
     ),
     Calls(

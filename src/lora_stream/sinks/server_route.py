@@ -15,22 +15,21 @@ import dataclasses
 import logging
 import time
 import warnings
-from typing import Any, Protocol
+from typing import Any
 
-from ..adapter import ADAPTER_PREFIX, AdapterStream
 from ..changes import EngineState
 from ..engine.lease_terms import NOTHING_KEPT, committed_version, new_credential, no_session
-from ..errors import LoraStreamError, ReplicaError
+from ..errors import ReplicaError
 from ..lockstep import describe_error
 from ..stream import ParamStream
 from ..transaction import Transaction, fault_point
 from .decision import Decision
 from .memory import SinkMemory
 from .prefix_cache import reset_prefix_cache
-from .preflight import EngineCheckpoint, adapter_preflight, preflight
-from .server_client import LeaseExpiredError, ServerError, validate_adapter
+from .server_checks import ServerChecks, ServerSinkView, _keeps_lease, refuse_verified_adapter
+from .server_client import LeaseExpiredError, ServerError
+from .server_forward import ForwardOnly
 from .server_replica import (
-    CurrentSource,
     LeaseKeeper,
     Replica,
     ServerUpdate,
@@ -41,50 +40,12 @@ from .server_replica import (
 from .server_verify import agree_on_weights, verify_replica
 from .verify import Verification, trainer_logprobs
 
-__all__ = ["ServerRoute", "ServerSinkView", "refuse_verified_adapter"]
+__all__ = ["ServerRoute"]
 
 logger = logging.getLogger("lora_stream")
 
 
-def refuse_verified_adapter(stream: ParamStream, verifying: bool) -> None:
-    """An adapter sync that would be verified on a server is refused: the workers' probe runs through the served
-    model without vLLM's LoRA layers. Called by each sync's pre-flight, and by :meth:`VLLMServerSink.preflight
-    <lora_stream.VLLMServerSink.preflight>` (``verifying``: any ``verify`` policy), so that a hook installing the sink
-    refuses at install rather than at the first sync."""
-    if verifying and isinstance(stream, AdapterStream):
-        raise LoraStreamError(
-            "verify= on a server checks merged syncs only: the probe runs through the served model without "
-            "vLLM's LoRA layers, so an adapter sync cannot be verified there; sync with verify=False, or sync "
-            "the merged model (ParamStream)"
-        )
-
-
-class ServerSinkView(Protocol):
-    """What the route reads of its sink (:class:`~lora_stream.sinks.vllm_server.VLLMServerSink`): the options it was
-    built with, its servers, and the source its data planes send from. Named here, not imported, so the route
-    depends on the sink's options and not the sink on its route and back."""
-
-    rank: int
-    replicas: list[Replica]
-    backend: str
-    master_address: str
-    buffer_bytes: int
-    timeout: float
-    lease: float
-    pause: str | None
-    prefix_cache_timeout: float
-    rollback: bool
-    on_replica_failure: str
-    checkpoint: str | bool | None
-    lora_name: str
-    merge: str
-    verify_tolerance: float | None
-    _source: CurrentSource
-
-    def _assign(self) -> list[Replica]: ...
-
-
-class ServerRoute:
+class ServerRoute(ServerChecks, ForwardOnly):
     """One sync's servers on this trainer rank (those it feeds), implementing :class:`~lora_stream.sinks.route.Route`.
 
     Built at the start of each sync (:meth:`start`: a new lease for each server, one excluded last time tried
@@ -421,123 +382,6 @@ class ServerRoute:
         replica.state.adapter_path = path
         replica.client.load_lora_adapter(self.sink.lora_name, path, restore=replica.serving_path)
 
-    def _record_decision(self, replica: Replica, version: str | None) -> None:
-        if not _keeps_lease(replica.status):
-            return  # a server without lora_stream's lease (warned at its first sync): nothing to record at
-        try:
-            replica.client.record_decision(version)
-        except LeaseExpiredError as exc:
-            replica.state.lease_lost = str(exc)
-            raise LeaseExpiredError(f"vLLM server at {replica.url}: after the vote to commit, {exc}") from exc
-
-    def _forward(self, replica: Replica, version: str | None, adapter: dict[str, Any] | None) -> None:
-        """Finish ``replica``'s decided update forward: its workers commit, vLLM's session ends under ``version``, and
-        ``/weight_info`` names it. Every server recorded the decision, so nothing here rolls back: an error answer
-        (with or without the work done), a timeout and a lost connection are all retried within the sync's timeout
-        (each step is safe to repeat: a second commit is a no-op, a finish that finds no session is done, the label
-        is read before it is set). A server still unfinished then is left to its lease, which rolls the recorded
-        decision forward (:mod:`lora_stream.engine.lease`): noted (:attr:`forward_notes`), forgotten (its next sync
-        is full), and under ``"exclude"`` excluded, never rolled back. Raises only for a server that lost the update
-        (it restarted after recording, and serves its checkpoint): that one cannot be finished by anyone."""
-        state, client = replica.state, replica.client
-        state.version = version
-        deadline = time.monotonic() + self.sink.timeout
-        pause = 0.05
-        while True:
-            try:
-                self._forward_once(replica)
-                break
-            except LeaseExpiredError as exc:
-                if self._forwarded_by_lease(replica):
-                    state.committed, state.session = True, False
-                    break
-                error = LeaseExpiredError(
-                    f"vLLM server at {replica.url} lost this sync's decided update ({exc}): it does not serve version "
-                    f"{version!r}, and nothing can finish it forward"
-                )
-                if self.sink.on_replica_failure == "exclude":
-                    replica.failure = error  # excluded; it serves what it names (a restarted server's checkpoint)
-                    logger.warning(
-                        "lora_stream: excluding the vLLM server at %s from this sync: %s", replica.url, error
-                    )
-                    return
-                raise error from exc
-            except ServerError as exc:
-                if client.unresponsive or time.monotonic() + pause >= min(
-                    deadline, time.monotonic() + client.remaining()
-                ):
-                    self._leave_forward(replica, exc)
-                    return
-                time.sleep(pause)  # an error answered: the server is there; try the step again
-                pause = min(1.0, pause * 2)
-        if adapter is not None:
-            replica.serving_path = adapter["path"]
-            replica.written_by = client.sync  # the base weights are untouched: the workers hold what they held
-        else:
-            status = replica.status or {}
-            replica.holds = replica.written_by = client.sync
-            replica.boot = status.get("boot")
-            replica.units = replica.engine.last_units if replica.engine is not None else None
-
-    def _forward_once(self, replica: Replica) -> None:
-        """One try of each forward step not yet done on ``replica`` (raises :class:`ServerError` to be retried)."""
-        state, client = replica.state, replica.client
-        if not state.committed:
-            try:
-                client.update_weights({"command": "commit", "sync": client.sync, "version": state.version})
-            except LeaseExpiredError:
-                raise
-            except ServerError as exc:
-                named = committed_version(str(exc))
-                if named is not None:
-                    state.version = named["version"]  # the workers committed, and say as what: that is what they serve
-                elif not no_session(exc):
-                    raise
-                # No session after a recorded decision: only the commit ends it (the workers committed, and vLLM
-                # ended the session when a worker raised after the update stood).
-                state.session = False
-            state.committed = True
-        if state.session:
-            try:
-                client.finish_weight_update(state.version)
-            except ServerError as exc:
-                if not no_session(exc) or isinstance(exc, LeaseExpiredError):
-                    raise
-            state.session = False
-        if state.version is not None and client.weight_version() != state.version:
-            # The session ended without the label (vLLM ends it when a worker raises, or a finish answered an error
-            # after ending it): the bytes are the committed ones, so the label must say so.
-            client.update_weight_version(state.version)
-            if client.weight_version() != state.version:
-                raise ServerError(
-                    f"vLLM server at {replica.url}: its version is not {state.version!r} after setting it"
-                )
-
-    def _forwarded_by_lease(self, replica: Replica) -> bool:
-        """Whether ``replica``'s lease finished this sync's decided update forward (its status says ``forwarded``)."""
-        try:
-            status = replica.client.lease_status()
-        except ServerError:
-            return False
-        yours = (status or {}).get("yours") or {}
-        return bool(yours.get("forwarded"))
-
-    def _leave_forward(self, replica: Replica, error: BaseException) -> None:
-        """``replica``'s forward steps did not finish within the sync's timeout: its lease finishes them (this rank
-        stops renewing it when the sync ends). Never rolled back; forgotten; excluded under ``"exclude"``."""
-        note = (
-            f"{replica.url} recorded the decision but did not finish it within {self.sink.timeout:g} s "
-            f"({describe_error(error)}); its lease ({self.sink.lease:g} s) rolls it forward to version "
-            f"{replica.state.version!r} and resumes generation"
-        )
-        replica.state.left_forward = True
-        replica.client.unresponsive = True  # not called again in this sync: no resume, no heartbeat; its lease heals
-        if self.sink.on_replica_failure == "exclude":
-            replica.failure = ServerError(note)  # excluded as the fleet agrees; its lease still rolls it forward
-            logger.warning("lora_stream: excluding the vLLM server at %s from this sync: %s", replica.url, note)
-        else:
-            self.forward_notes.append(note)  # committed, with this note on every rank (agree_on_resume)
-
     def _abort_replica(self, replica: Replica, error: BaseException) -> None:
         """Put ``replica`` back as it was before this sync, whatever its workers' state: an update still open
         (mid-transfer or loaded and waiting) is rolled back and vLLM's session ended, a staged adapter swapped back,
@@ -681,102 +525,3 @@ class ServerRoute:
         warnings.warn(f"lora_stream: sync {version!r} committed, but {resume_note}", RuntimeWarning, stacklevel=3)
         tx.error = None  # committed everywhere: what failed after is recorded, not raised
         self.resume_note = resume_note
-
-    def check_server(self, stream: ParamStream, replica: Replica) -> dict[str, str]:
-        models = replica.client.check_access()
-        if isinstance(stream, AdapterStream):
-            validate_adapter(stream, replica.client.max_lora_rank(), f"the server at {replica.url}")
-            if self.sink.checkpoint is not False:
-                adapter_preflight(stream.metadata(), self._checkpoint(replica, models), ADAPTER_PREFIX)
-            return {}
-        if self.sink.merge == "engine":
-            self.memory.base.plan(stream)  # what the engine cannot merge exactly is refused here, before any byte
-        if self.sink.checkpoint is False:
-            return stream.tied_aliases()  # offered; the worker loads each only if its model holds it
-        return preflight(stream.metadata(), stream.tied_aliases(), self._checkpoint(replica, models))
-
-    def _read_status(self, replica: Replica) -> None:
-        """The server's lease status, read before this sync writes anything: what it holds (for a partial sync),
-        and whether it restarted, whose workers then lost this rank's transfer group (built again below)."""
-        try:
-            replica.status = replica.client.lease_status()
-        except ServerError:
-            replica.status = None
-        status = replica.status or {}
-        boot = status.get("boot")
-        if replica.engine is not None and boot and replica.engine_boot and boot != replica.engine_boot:
-            replica.close()
-        elif (
-            replica.engine is not None
-            and replica.written_by is not None
-            and status.get("weights_by") != replica.written_by
-        ):
-            # Another trainer wrote through this server since, and may have built its workers' group anew (there
-            # is one per server): build this rank's again rather than find it closed mid-transfer.
-            replica.close()
-        if replica.engine is None:
-            replica.engine_boot = boot
-
-    def _check_lease(self, replica: Replica) -> None:
-        """Once per server, at its first sync: warn if it keeps no weight-update lease. Best effort: a server that
-        cannot say is asked again at the next sync; the sync itself goes on."""
-        if replica.lease_checked:
-            return
-        try:
-            status = replica.client.lease_status()
-        except ServerError:
-            return
-        replica.lease_checked = True
-        if status is None or status.get("disabled"):
-            why = "it runs without it" if status is None else str(status["disabled"])
-            warnings.warn(
-                f"lora_stream: the vLLM server at {replica.url} keeps no weight-update lease ({why}): if this "
-                "trainer vanishes mid-sync, that server stays paused or in its update until someone resumes it "
-                "(install lora_stream in the server's environment; see docs/guarantees.md)",
-                RuntimeWarning,
-                stacklevel=5,
-            )
-
-    def _checkpoint(self, replica: Replica, models: dict[str, Any]) -> EngineCheckpoint:
-        if replica.ckpt is None:
-            path = self.sink.checkpoint
-            if path is None or path is True:
-                data = models.get("data") or [{}]
-                path = data[0].get("root")
-            try:
-                replica.ckpt = EngineCheckpoint.read(str(path))
-            except (FileNotFoundError, OSError) as exc:
-                raise ServerError(
-                    f"cannot read the checkpoint {path!r} served at {replica.url} for the pre-flight check ({exc}); "
-                    "pass checkpoint= (a copy of the model directory), or checkpoint=False to skip the check"
-                ) from exc
-        return replica.ckpt
-
-    def _ensure_engine(self, replica: Replica) -> None:
-        if replica.engine is not None:
-            return
-        from ..transfer.sender import TrainerTransferEngine, TrainerTransferInitInfo
-
-        # The feeding rank hosts the rendezvous (on a socket it binds and hands to the store: no close-and-reuse
-        # race) and is rank 0 of the server's group; the server's workers follow.
-        port = getattr(self.sink, "master_port", 0)
-        info = TrainerTransferInitInfo(
-            master_address=self.sink.master_address,
-            master_port=port + replica.index if port else 0,  # 0: an ephemeral port
-            world_size=1 + replica.client.world_size(),
-            buffer_bytes=self.sink.buffer_bytes,
-            timeout_s=self.sink.timeout,
-            transport=self.sink.backend,
-            rank=0,
-        )
-        engine = TrainerTransferEngine.trainer_init(info, client=replica.client, source=self.sink._source)
-        engine.deferred = True  # the sink concludes vLLM's update session after the ranks voted
-        engine.keep_previous = self.sink.rollback
-        replica.engine = engine
-
-
-def _keeps_lease(status: dict[str, Any] | None) -> bool:
-    """Whether a server's lease status (``GET /lora_stream/lease``) comes from a lease that holds syncs: ``None`` is a
-    server without lora_stream's lease, ``disabled`` one with several API processes, where it only reports (the
-    sink warned about both at the server's first sync)."""
-    return status is not None and not status.get("disabled")

@@ -41,9 +41,10 @@ from .decide import decide
 from .decision import Decision
 from .memory import SinkMemory
 from .record import AdapterSyncRecord, SyncRecord
+from .server_checks import refuse_verified_adapter
 from .server_client import LeaseExpiredError, ServerError, VLLMServerClient, validate_adapter
 from .server_replica import REPLICA_POLICIES, CurrentSource, Replica, is_replica_failure
-from .server_route import ServerRoute, refuse_verified_adapter
+from .server_route import ServerRoute
 from .verify import Verification, VerifyPolicy, check_policy
 from .vote import check_and_vote
 
