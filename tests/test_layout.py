@@ -150,3 +150,73 @@ def test_the_package_imports_without_vllm_deepspeed_or_trl() -> None:
         [sys.executable, "-I", "-c", _WITHOUT_OPTIONAL], capture_output=True, text=True, timeout=120, env=None
     )
     assert done.returncode == 0, done.stderr[-4000:]
+
+
+#: The largest a file in src/ may grow: one room, one responsibility (a file past it holds two things).
+MAX_LINES = 600
+
+
+def test_no_file_in_src_is_over_the_limit() -> None:
+    over = {module_name(p): n for p in sources() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not over, f"split these by responsibility (at most {MAX_LINES} lines each): {over}"
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the lora_stream modules it imports (at the top, inside functions, or for type checking only: a
+    loop of any of them is a circle a reader walks), a package's import counted as its ``__init__``'s."""
+    names = {module_name(p) for p in sources()}
+    graph: dict[str, set[str]] = {}
+    for path in sources():
+        me = module_name(path)
+        graph[me] = {mod for _, mod in imports(path) if mod in names and mod != me}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_modules_import_each_other_in_a_circle() -> None:
+    """No two modules of src/ depend on each other, directly or around a loop, by any import. A package's
+    ``__init__`` that re-exports its modules is left out: importing the package is importing what it names."""
+    graph = import_graph()
+    packages = {module_name(p) for p in sources() if p.name == "__init__.py"}
+    graph = {m: {d for d in deps if d not in packages} for m, deps in graph.items() if m not in packages}
+    assert not circles(graph), circles(graph)
+
+
+def test_the_circle_check_finds_a_circle() -> None:
+    """The check above on a graph with one loop of three and one of two: it names both, and nothing else."""
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"f"}, "f": {"e"}}
+    assert sorted(circles(graph)) == [["a", "b", "c"], ["e", "f"]]
