@@ -207,6 +207,24 @@ def test_the_engine_refuses_elements_it_cannot_prove() -> None:
     with pytest.raises(VLLMLoadError, match="holds no copy"):
         list(shadow.feed([("v", blob2)]))
     shadow.rollback()
+    # Segments that do not cover the tensor exactly: a range left out, a payload with no segment, overlapping
+    # ranges. Each would load elements nobody proved: refused before anything is written into the copy.
+    first, second = spec["segments"]
+    size = first["hi"] - first["lo"]
+    gap = {**second, "lo": second["lo"] + 1, "hi": second["hi"] + 1}
+    for segments, says in (
+        ([first], "cover \\[0, 32\\) of its 64"),
+        ([], "cover \\[0, 0\\) of its 64"),
+        ([first, {**second, "hi": second["hi"] - 1, "numel": size - 1}], "cover \\[0, 63\\) of its 64"),
+        ([first, {**gap, "hi": 64, "numel": size - 1}], "leave \\[32, 33\\) uncovered"),
+        ([first, {**first, "lo": 16, "hi": 48}], "overlap"),
+    ):
+        bad = {"shadow": ["w"], "payloads": {"w": {**spec, "segments": segments}}, "aliases": {}}
+        shadow.begin(bad, "s1")
+        with pytest.raises(VLLMLoadError, match=says):
+            list(shadow.feed([("w", blob)]))
+        shadow.rollback()
+        assert torch.equal(shadow.tensors["w"], drifted)
     # A blob cut short: refused with the reason, never read past.
     shadow.begin(info, "s1")
     with pytest.raises(VLLMLoadError, match="bytes"):

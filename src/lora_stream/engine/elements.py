@@ -144,15 +144,12 @@ class ElementShadow:
                 f"lora_stream: parameter {name!r} came as changed elements, but this engine holds no copy of it "
                 "(the next sync sends every tensor)"
             )
+        _check_cover(name, segments, numel)
         target = have if have is not None else torch.empty(numel, dtype=dtype)
         flat = blob.detach().to("cpu").reshape(-1)
         at = 0
-        end = 0
         for s in sorted(segments, key=lambda s: int(s["lo"])):
             lo, hi = int(s["lo"]), int(s["hi"])
-            if lo < end or hi > numel or hi - lo != int(s["numel"]):
-                raise VLLMLoadError(f"lora_stream: parameter {name!r}: element ranges overlap or leave the tensor")
-            end = hi
             size = encoded_size(s["encoding"], int(s["count"]), hi - lo, target.element_size())
             try:
                 index, values = decode(s["encoding"], flat[at : at + size], int(s["count"]), hi - lo, dtype)
@@ -237,3 +234,25 @@ class ElementShadow:
         """Something else wrote the engine's weights: the copy proves nothing."""
         self.rollback()
         self.tensors, self.token = {}, None
+
+
+def _check_cover(name: str, segments: list[dict[str, Any]], numel: int) -> None:
+    """The segments of an element payload cover its tensor exactly: each range within it and of its stated size,
+    the ranges with elements one after another from 0 to ``numel``, no gap and no overlap. Every range is proven
+    (its fingerprint) after the rebuild, so a range no segment covered would be loaded unproven: refused."""
+    end = 0
+    for s in sorted(segments, key=lambda s: (int(s["lo"]), int(s["hi"]))):
+        lo, hi = int(s["lo"]), int(s["hi"])
+        if not 0 <= lo <= hi <= numel or hi - lo != int(s["numel"]):
+            raise VLLMLoadError(f"lora_stream: parameter {name!r}: element range [{lo}, {hi}) leaves the tensor")
+        if hi == lo:
+            continue  # a rank whose shard of this tensor is empty
+        if lo != end:
+            what = "overlap" if lo < end else f"leave [{end}, {lo}) uncovered"
+            raise VLLMLoadError(f"lora_stream: parameter {name!r}: element ranges {what}")
+        end = hi
+    if end != numel:
+        raise VLLMLoadError(
+            f"lora_stream: parameter {name!r}: element ranges cover [0, {end}) of its {numel} elements; the rest "
+            "would be loaded unproven"
+        )
