@@ -507,6 +507,15 @@ def test_sink_options_reach_the_sink_built_at_install(checkpoints: dict[str, str
         hook.remove()
     with pytest.raises(ValueError, match="verify must be"):  # a bad option fails now, not in trainer.train()
         use_lora_stream(trainer, sink_options={"verify": 0})
+    # A misspelt option, another mode's, one the hook sets: named, with the sink this mode builds and what it takes.
+    with pytest.raises(TypeError, match=r"\['rollbak'\] are not options of VLLMColocatedSink.*takes: .*rollback"):
+        use_lora_stream(trainer, sink_options={"rollbak": False})
+    with pytest.raises(TypeError, match=r"\['lease'\] are not options of VLLMColocatedSink, which TRL's colocate"):
+        use_lora_stream(trainer, sink_options={"lease": 30.0})
+    with pytest.raises(TypeError, match=r"\['llm'\] are set by the hook itself"):
+        use_lora_stream(trainer, sink_options={"llm": None})
+    with pytest.raises(TypeError, match=r"stream_options: \['group'\] are not options of ParamStream"):
+        use_lora_stream(trainer, stream_options={"group": "layer"})
     assert _untouched(trainer.vllm_generation)
 
 

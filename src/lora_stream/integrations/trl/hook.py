@@ -9,8 +9,10 @@ whole model and merges the adapter in place.
 from __future__ import annotations
 
 import datetime
+import inspect
 import logging
 import warnings
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -164,6 +166,8 @@ class TrlSyncHook:
             logger.info("lora_stream: the model changed since the last sync (%s); planning it again", changes[0])
         if stream is None or stream.model is not model or changes:  # first use, accelerate wrapped it, or changed
             self._drop_stream()
+            kind = AdapterStream if self.adapter else ParamStream
+            _check_option_names("stream_options", kind, self.stream_options, ("model",), self.generation.mode)
             if self.adapter:
                 stream = AdapterStream(model, **self.stream_options)
             else:
@@ -190,14 +194,17 @@ class TrlSyncHook:
                         "rank>) (TRL has no option for vLLM's enable_lora; the block adds it to the LLM TRL builds), "
                         "or sync the merged model (use_lora_stream(trainer) without adapter=True)"
                     )
+                _check_option_names("sink_options", VLLMLoRASink, self.sink_options, ("llm",), "colocate, adapter=True")
                 self._sink = VLLMLoRASink(gen.llm, **{"lora_name": self.lora_name, **self.sink_options})
             elif gen.mode == "colocate":
                 from ...sinks.vllm_colocated import VLLMColocatedSink
 
+                _check_option_names("sink_options", VLLMColocatedSink, self.sink_options, ("llm",), "colocate")
                 self._sink = VLLMColocatedSink(gen.llm, **self.sink_options)
             else:
                 from ...sinks.vllm_server import VLLMServerSink
 
+                _check_option_names("sink_options", VLLMServerSink, self.sink_options, ("base_url", "rank"), "server")
                 base_url = _server_url(gen)
                 options = {**_server_defaults(gen, base_url), **self.sink_options}
                 if self.adapter:
@@ -291,6 +298,27 @@ class TrlSyncHook:
                 missing=[],
                 wrong_shape=[],
             ) from exc
+
+
+def _check_option_names(
+    what: str, built: type, given: Mapping[str, Any], set_by_hook: Collection[str], mode: str
+) -> None:
+    """Refuse, naming them, options ``built`` (the sink or stream this TRL mode builds) does not take, and those the
+    hook sets itself; the same options may be another mode's (a server sink's ``lease``, a colocated sink's
+    ``check_consumed``), so the message names the class the mode builds and what it takes."""
+    params = inspect.signature(built).parameters
+    takes = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    taken = sorted(set(given) & set(set_by_hook))
+    unknown = sorted(set(given) - set(takes))
+    if not taken and not unknown:
+        return
+    parts = []
+    if unknown:
+        parts.append(f"{unknown} are not options of {built.__name__}, which TRL's {mode} mode builds")
+    if taken:
+        parts.append(f"{taken} are set by the hook itself")
+    options = ", ".join(n for n in takes if n not in set_by_hook)
+    raise TypeError(f"use_lora_stream {what}: {'; '.join(parts)}. {built.__name__} takes: {options}")
 
 
 def _add_to_trainer_metrics(trainer: Any, record: SyncRecord) -> None:

@@ -112,6 +112,8 @@ def use_lora_stream(
         UnsupportedTrlError: TRL is missing or outside :data:`TESTED_TRL`, or the trainer does not generate with
             vLLM; the builder's server check (the builder raises it when called, not when made).
         ValueError: a hook with other options is installed already.
+        TypeError: an option the sink or stream of this mode does not take, or one the hook sets itself (``llm``,
+            ``base_url``, ``rank``, ``model``): named, with the class the mode builds and the options it takes.
         LoraStreamError: a pre-flight refusal (:class:`~lora_stream.sinks.CheckpointMismatchError`,
             ``AdapterLoadError``, ...), raised on every rank: the refusing rank its own error, the others
             :class:`~lora_stream.StreamAbortedError` naming it.
