@@ -105,6 +105,29 @@ def report(**fields: Any) -> None:
     print("RESULT " + json.dumps(fields, default=str), flush=True)
 
 
+def report_sync(rank: int, label: str, record: Any, **extra: Any) -> None:
+    """:func:`report` one sync's figures as the sync workers read them (event ``"sync"``): what was sent, skipped and
+    gathered, why it was full, its elements, and the server workers' own stages (``worker``), plus ``extra``."""
+    worker = dict(record.stages.get("worker") or {})
+    report(
+        rank=rank,
+        event="sync",
+        label=label,
+        tensors=record.tensors,
+        skipped=record.skipped_tensors,
+        skipped_bytes=record.skipped_bytes,
+        sent_bytes=record.bytes,
+        gathered=record.gathered_bytes,
+        full_because=record.full_because,
+        elements=record.elements,
+        fraction=record.element_fraction,
+        seconds=record.seconds,
+        worker=worker,
+        kept=worker.get("kept_bytes"),
+        **extra,
+    )
+
+
 def results_of(output: str) -> list[dict[str, Any]]:
     """Every ``RESULT`` record a worker printed, in order."""
     import json

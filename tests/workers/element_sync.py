@@ -20,7 +20,16 @@ import time
 import deepspeed
 import torch
 import torch.distributed as dist
-from helpers import edit_a_few, fail_on_rank_1, finish, own_elements, report, server_generate, train_sharded
+from helpers import (
+    edit_a_few,
+    fail_on_rank_1,
+    finish,
+    own_elements,
+    report,
+    report_sync,
+    server_generate,
+    train_sharded,
+)
 
 from lora_stream import ParamStream, StreamAbortedError, VLLMServerSink
 from lora_stream.testing import FAULT_POINTS, set_fault_hook
@@ -65,23 +74,8 @@ def main() -> None:
 
     def sync(label: str, into: VLLMServerSink = sink) -> None:
         r = into.sync(ParamStream(trainer, group_by="layer"), version=label)
-        worker = dict(r.stages.get("worker") or {})
-        report(
-            rank=rank,
-            event="sync",
-            label=label,
-            tensors=r.tensors,
-            skipped=r.skipped_tensors,
-            sent_bytes=r.bytes,
-            gathered=r.gathered_bytes,
-            full_because=r.full_because,
-            elements=r.elements,
-            fraction=r.element_fraction,
-            kept=worker.get("kept_bytes"),
-            copy_bytes=worker.get("element_copy_bytes"),
-            line=r.summary(),
-            metrics=r.metrics(),
-        )
+        copy_bytes = dict(r.stages.get("worker") or {}).get("element_copy_bytes")
+        report_sync(rank, label, r, copy_bytes=copy_bytes, line=r.summary(), metrics=r.metrics())
 
     def served() -> list | None:  # type: ignore[type-arg]
         return [server_generate(u) for u in urls] if rank == 0 else None

@@ -20,7 +20,7 @@ import time
 import deepspeed
 import torch
 import torch.distributed as dist
-from helpers import ZERO3_CONFIG, fail_on_rank_1, finish, perturb_adapters, report, server_generate
+from helpers import ZERO3_CONFIG, fail_on_rank_1, finish, perturb_adapters, report, report_sync, server_generate
 
 from lora_stream import LoraStreamError, ParamStream, StreamAbortedError, VLLMServerSink
 from lora_stream.testing import FAULT_POINTS, set_fault_hook
@@ -78,21 +78,8 @@ def main() -> None:
     def sync(label: str, into: VLLMServerSink = sink) -> None:
         r = into.sync(ParamStream(engine, group_by="layer"), version=label)
         worker = dict(r.stages.get("worker") or {})
-        report(
-            rank=rank,
-            event="sync",
-            label=label,
-            tensors=r.tensors,
-            skipped=r.skipped_tensors,
-            sent_bytes=r.bytes,
-            gathered=r.gathered_bytes,
-            adapter_bytes=adapter_bytes,
-            full_because=r.full_because,
-            kept=worker.get("kept_bytes"),
-            merge_s=worker.get("merge_s"),
-            base_bytes=worker.get("base_bytes"),
-            seconds=r.seconds,
-        )
+        extra = {"merge_s": worker.get("merge_s"), "base_bytes": worker.get("base_bytes")}
+        report_sync(rank, label, r, adapter_bytes=adapter_bytes, **extra)
 
     def served() -> list | None:  # type: ignore[type-arg]
         return [server_generate(u) for u in urls] if rank == 0 else None

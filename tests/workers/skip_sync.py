@@ -20,7 +20,7 @@ from pathlib import Path
 import deepspeed
 import torch
 import torch.distributed as dist
-from helpers import finish, lora, own_elements, perturb_adapters, report, server_generate, train_sharded
+from helpers import finish, lora, own_elements, perturb_adapters, report, report_sync, server_generate, train_sharded
 
 from lora_stream import ParamStream, StreamAbortedError, VLLMServerSink
 from lora_stream.testing import set_fault_hook
@@ -191,18 +191,7 @@ def main() -> None:
     full = VLLMServerSink(url, rank=rank, timeout=30, skip_unchanged=False)
 
     def sync(label: str, into: VLLMServerSink = sink) -> None:
-        r = into.sync(ParamStream(trainer, group_by="layer"), version=label)
-        report(
-            rank=rank,
-            event="sync",
-            label=label,
-            tensors=r.tensors,
-            skipped=r.skipped_tensors,
-            skipped_bytes=r.skipped_bytes,
-            sent_bytes=r.bytes,
-            gathered=r.gathered_bytes,
-            full_because=r.full_because,
-        )
+        report_sync(rank, label, into.sync(ParamStream(trainer, group_by="layer"), version=label))
 
     def same_as_full(label: str) -> None:
         """What the partial sync serves, against what a full sync of the same weights serves."""

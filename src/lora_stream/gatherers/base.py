@@ -74,6 +74,17 @@ def flat_staging_bytes(sizes: Sequence[int], world: int) -> int:
     return sum(sizes) * (world + 1)
 
 
+def coalesced(placed: Sequence[tuple[Any, int, int]], coalesce_bytes: int, world: int) -> tuple[list[Any], int]:
+    """Which of a group's parameters share one flat all-gather, and its staging bytes. ``placed``: ``(param,
+    offset, whole bytes)`` in the group's buffer. The small ones (LoRA factors, norms, biases: at most
+    ``coalesce_bytes`` whole, at least two of them) share it; each large one is all-gathered straight into its place.
+    Sizes are global, so every rank splits the group alike; the staging follows the group's tensors in the buffer."""
+    small = [(p, off, n) for p, off, n in placed if 0 < n <= coalesce_bytes]
+    if len(small) < 2:
+        small = []
+    return small, flat_staging_bytes([n // world for _, _, n in small], world) if small else 0
+
+
 class FlatGather:
     """The buffer side of :func:`flat_all_gather`, laid out once: where each piece's ``world * n`` bytes go, the
     packed and gathered staging, and the views the copy out writes through. A direct path that keeps its buffer

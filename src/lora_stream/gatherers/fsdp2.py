@@ -28,7 +28,7 @@ from .base import (
     FlatGather,
     ShardedGathererBase,
     aligned,
-    flat_staging_bytes,
+    coalesced,
     reusable_buffer,
 )
 
@@ -258,13 +258,7 @@ class Fsdp2Gatherer(ShardedGathererBase):
             n = chunk * row_numel * world * p.element_size()
             placed.append((p, size, n))
             size = aligned(size + n)
-        # The small parameters (LoRA factors, norms, biases) share one all-gather of a flat buffer; each large one is
-        # all-gathered straight into its place. Sizes are global, so every rank splits the group alike. The flat
-        # all-gather's staging follows the group's tensors in the same buffer.
-        small = [(p, off, n) for p, off, n in placed if 0 < n <= self.coalesce_bytes]
-        if len(small) < 2:
-            small = []
-        staging = flat_staging_bytes([n // world for _, _, n in small], world) if small else 0
+        small, staging = coalesced(placed, self.coalesce_bytes, world)  # one flat all-gather for the small ones
         old = self._buffer
         buf = self._buffer = reusable_buffer(old, size + staging, params[0].to_local().device)
         if buf is not old:

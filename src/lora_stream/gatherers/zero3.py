@@ -47,8 +47,8 @@ from .base import (
     FlatGather,
     ShardedGathererBase,
     aligned,
+    coalesced,
     detached,
-    flat_staging_bytes,
     reusable_buffer,
 )
 
@@ -363,13 +363,7 @@ class ZeroThreeGatherer(ShardedGathererBase):
             n = p.ds_tensor.ds_numel * world * p.element_size()
             placed.append((p, size, n))
             size = aligned(size + n)
-        # The small parameters (every LoRA factor, norms, biases) share one all-gather of a flat buffer; each large
-        # one is all-gathered straight into its place. Sizes are global, so every rank splits the group alike. The
-        # flat all-gather's staging follows the group's tensors in the same buffer.
-        small = [(p, off, n) for p, off, n in placed if 0 < n <= self.coalesce_bytes]
-        if len(small) < 2:
-            small = []
-        staging = flat_staging_bytes([n // world for _, _, n in small], world) if small else 0
+        small, staging = coalesced(placed, self.coalesce_bytes, world)  # one flat all-gather for the small ones
         device = params[0].ds_tensor.device if params else torch.device("cpu")
         old = self._buffers[slot]
         buf = self._buffers[slot] = reusable_buffer(old, size + staging, device)

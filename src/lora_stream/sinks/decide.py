@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Any, Protocol
 
 from ..adapter import AdapterStream
 from ..changes import Changes, agree_on_changes, takes_selection
@@ -34,9 +34,46 @@ from .decision import Decision
 from .memory import SinkMemory
 from .route import Route
 from .source import ElementSource, SyncSource, source_for
-from .verify import model_vocab_size, probe_ids
+from .verify import VerifyPolicy, model_vocab_size, probe_ids
 
-__all__ = ["Decision", "decide"]
+__all__ = ["Decision", "DecideOptions", "decide", "decide_for"]
+
+
+class DecideOptions(Protocol):
+    """The options of a sink that step 1 reads (:func:`decide_for`)."""
+
+    verify: VerifyPolicy
+    skip_unchanged: bool
+    merge: str
+    elements: bool
+
+
+def decide_for(
+    sink: DecideOptions,
+    tx: Transaction,
+    stream: ParamStream,
+    route: Route,
+    memory: SinkMemory,
+    *,
+    version: str | None,
+    probe: bool = False,
+    lora_name: str | None = None,
+) -> Decision:
+    """:func:`decide` with ``sink``'s own options (whether this sync verifies, under its policy and ``memory``; a
+    partial sync; where the merge runs; element syncs): what every sink that loads a stream into engines calls."""
+    return decide(
+        tx,
+        stream,
+        route,
+        memory,
+        version=version,
+        verifying=memory.verifying(sink.verify),
+        skip_unchanged=sink.skip_unchanged,
+        merge=sink.merge,
+        elements=sink.elements,
+        probe=probe,
+        lora_name=lora_name,
+    )
 
 
 def decide(

@@ -40,7 +40,7 @@ from ..engine.reload import LoadReport, ReloadBracket
 from ..stream import ParamStream
 from ..transaction import Transaction, fault_point
 from .conclude import commit_or_roll_back, record_of
-from .decide import decide
+from .decide import decide_for
 from .decision import Decision
 from .local_engine import (
     LocalEngineChecks,
@@ -194,17 +194,7 @@ class VLLMColocatedSink:
         start = time.perf_counter()
         tx = Transaction.for_stream(stream, self.name)
         route = _EngineRoute(self, stream.model)
-        decision = decide(
-            tx,
-            stream,
-            route,
-            self._memory,
-            version=version,
-            verifying=self._memory.verifying(self.verify),
-            skip_unchanged=self.skip_unchanged,
-            merge=self.merge,
-            elements=self.elements,
-        )
+        decision = decide_for(self, tx, stream, route, self._memory, version=version)
         route.transfer(tx, decision)
         known = decision.source.ended_early
         verification = check_and_vote(tx, route, verifying=decision.verifying, known=known)

@@ -37,7 +37,7 @@ from ..lockstep import COMPLETION_GRACE_S
 from ..stream import ParamStream
 from ..transaction import LOST_WAIT_S, Transaction
 from .conclude import commit_or_roll_back, record_of
-from .decide import decide
+from .decide import decide_for
 from .decision import Decision
 from .memory import SinkMemory
 from .record import AdapterSyncRecord, SyncRecord
@@ -329,18 +329,8 @@ class VLLMServerSink:
             decision: Decision | None = None
             committed = False
             try:
-                decision = decide(
-                    tx,
-                    stream,
-                    route,
-                    self._memory,
-                    version=version,
-                    verifying=self._memory.verifying(self.verify),
-                    skip_unchanged=self.skip_unchanged,
-                    merge=self.merge,
-                    elements=self.elements,
-                    probe=True,
-                    lora_name=self.lora_name,
+                decision = decide_for(
+                    self, tx, stream, route, self._memory, version=version, probe=True, lora_name=self.lora_name
                 )
                 try:
                     route.transfer(tx, decision)

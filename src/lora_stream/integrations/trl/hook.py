@@ -167,7 +167,8 @@ class TrlSyncHook:
         if stream is None or stream.model is not model or changes:  # first use, accelerate wrapped it, or changed
             self._drop_stream()
             kind = AdapterStream if self.adapter else ParamStream
-            _check_option_names("stream_options", kind, self.stream_options, ("model",), self.generation.mode)
+            mode = getattr(getattr(self.trainer, "vllm_generation", None), "mode", "this")
+            _check_option_names("stream_options", kind, self.stream_options, ("model",), mode)
             if self.adapter:
                 stream = AdapterStream(model, **self.stream_options)
             else:
