@@ -507,6 +507,11 @@ def test_sink_options_reach_the_sink_built_at_install(checkpoints: dict[str, str
         hook.remove()
     with pytest.raises(ValueError, match="verify must be"):  # a bad option fails now, not in trainer.train()
         use_lora_stream(trainer, sink_options={"verify": 0})
+    # Verification with sleep mode: TRL wakes the KV cache only after the sync, and the probe generates during it.
+    asleep = _trainer(model, _Generation(model, _Engine(checkpoints["untied"]), enable_sleep_mode=True))
+    with pytest.raises(UnsupportedTrlError, match="KV cache only after the sync"):
+        use_lora_stream(asleep, sink_options={"verify": True})
+    assert _untouched(asleep.vllm_generation)
     # A misspelt option, another mode's, one the hook sets: named, with the sink this mode builds and what it takes.
     with pytest.raises(TypeError, match=r"\['rollbak'\] are not options of VLLMColocatedSink.*takes: .*rollback"):
         use_lora_stream(trainer, sink_options={"rollbak": False})

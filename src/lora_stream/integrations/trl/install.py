@@ -147,6 +147,14 @@ def use_lora_stream(
             "adapter=True with vllm_enable_sleep_mode: sleep level 2 discards the engine's base weights, which an "
             "adapter sync does not send again; sync the merged model (adapter=False) or turn sleep mode off"
         )
+    if gen.mode == "colocate" and getattr(gen, "enable_sleep_mode", False) and options["sink_options"].get("verify"):
+        # TRL wakes the weights before the sync and the KV cache only after it: the probe would generate with
+        # the KV cache still asleep (untested, and on a GPU likely a crash), so it is refused, not guessed.
+        raise UnsupportedTrlError(
+            "verify with vllm_enable_sleep_mode in colocate mode: TRL wakes the engine's KV cache only after the "
+            "sync, and verification generates a probe during it; turn verify or sleep mode off (server mode "
+            "verifies on the server)"
+        )
     hook = TrlSyncHook(
         trainer, options["stream_options"], options["sink_options"], adapter=adapter, lora_name=lora_name
     )
