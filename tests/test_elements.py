@@ -312,6 +312,8 @@ def test_a_cast_between_the_dtypes_sent_and_served_is_named_and_only_then() -> N
     note = cast_note(decision(torch.float32, torch.int64), torch.bfloat16)
     assert note == "sent float32 into an engine that serves bfloat16, which casts each tensor as it loads it"
     note = cast_note(decision(torch.float32, torch.bfloat16, elements=True), torch.bfloat16)
-    assert note is not None and "elements compare the bfloat16, float32 values" in note, note
+    assert note is not None and "elements compare the float32 values" in note, note
     assert cast_note(decision(torch.bfloat16, torch.int64), torch.bfloat16) is None
+    narrower = cast_note(decision(torch.bfloat16, elements=True), torch.float32)
+    assert narrower == "sent bfloat16 into an engine that serves float32: it serves the values sent, widened exactly"
     assert cast_note(decision(torch.float32), None) is None  # the served dtype unknown: nothing said

@@ -80,16 +80,20 @@ def _chunked_logprobs_in_torch(
     differentiable by autograd. TRL 1.15 runs this as a Triton kernel on every device (1.16 folds it in torch where
     Triton has no driver), so on a CPU its GRPO training forward cannot run; the worker gives it the same math. Only
     TRL's loss kernel is replaced: its generation, its sync schedule and lora_stream's hook run as released."""
+    if not torch.is_autocast_enabled(hidden.device.type):  # TRL computes in the hidden states' dtype
+        weight = weight.to(hidden.dtype)
+        bias = bias.to(hidden.dtype) if bias is not None else None
     logits = torch.nn.functional.linear(hidden, weight, bias).float() * logit_scale
     if final_logit_softcapping is not None:
         logits = torch.tanh(logits / final_logit_softcapping) * final_logit_softcapping
-    logp = torch.log_softmax(logits / temperature, dim=-1)
-    picked = logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     extra = {
         "entropy": -(logp.exp() * logp).sum(-1),
-        "log_sum_sq_probs": torch.logsumexp(2 * logp, dim=-1),
-        "mean_logits": logits.mean(-1),
-        "is_top1": (logp.argmax(-1) == targets).to(logp.dtype),
+        "log_sum_sq_probs": torch.logsumexp(2 * logp, dim=-1).detach(),  # as TRL: not differentiable
+        "mean_logits": logits.mean(-1).detach(),
+        "is_top1": logp.argmax(-1) == targets,
     }
     return (picked, *(extra[name] if name in outputs else None for name in extra))
 

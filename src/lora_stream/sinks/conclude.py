@@ -67,17 +67,22 @@ def record_of(
 
 
 def cast_note(decision: Decision, served_dtype: torch.dtype | None) -> str | None:
-    """What a sync's line says when the floating dtypes it sent are not the one the engine serves: vLLM casts each
-    tensor as it loads it (the bytes served are right), but the wider dtype costs bytes on the wire, and an element
-    sync compares the values sent, so a change that rounds away in the served dtype still travels. ``None`` when
-    they agree or the served dtype is unknown."""
+    """What a sync's line says when the floating dtypes it sent are not the one the engine serves (``None`` when they
+    agree or the served dtype is unknown). Sent wider than served: vLLM casts each tensor as it loads it (the bytes
+    served are right), the wider dtype costs bytes on the wire, and an element sync compares the values sent, so a
+    change that rounds away in the served dtype still travels. Sent narrower: the engine serves the narrower values,
+    widened exactly (the trainer's precision beyond them is not served)."""
     if served_dtype is None or not served_dtype.is_floating_point:
         return None
-    sent = sorted({str(m.dtype)[6:] for m in decision.source.stream.metadata() if m.dtype.is_floating_point})
+    sent = {m.dtype for m in decision.source.stream.metadata() if m.dtype.is_floating_point}
     served = str(served_dtype)[6:]
-    if not sent or sent == [served]:
+    if not sent or sent == {served_dtype}:
         return None
-    note = f"sent {', '.join(sent)} into an engine that serves {served}, which casts each tensor as it loads it"
+    names = ", ".join(sorted(str(d)[6:] for d in sent))
+    wider = sorted(str(d)[6:] for d in sent if d.itemsize > served_dtype.itemsize)
+    if not wider:
+        return f"sent {names} into an engine that serves {served}: it serves the values sent, widened exactly"
+    note = f"sent {names} into an engine that serves {served}, which casts each tensor as it loads it"
     if decision.element_diff is not None:
-        note += f"; elements compare the {', '.join(sent)} values, so changes that round away in {served} travel too"
+        note += f"; elements compare the {', '.join(wider)} values, so changes that round away in {served} travel too"
     return note

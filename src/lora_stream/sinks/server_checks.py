@@ -30,8 +30,9 @@ __all__ = ["ServerChecks", "ServerSinkView", "refuse_verified_adapter"]
 def refuse_verified_adapter(stream: ParamStream, verifying: bool) -> None:
     """An adapter sync that would be verified on a server is refused: the workers' probe runs through the served
     model without vLLM's LoRA layers. Called by each sync's pre-flight, and by :meth:`VLLMServerSink.preflight
-    <lora_stream.VLLMServerSink.preflight>` (``verifying``: any ``verify`` policy), so that a hook installing the sink
-    refuses at install rather than at the first sync."""
+    <lora_stream.VLLMServerSink.preflight>` (``verifying``: any ``verify`` policy, a callable included, even one
+    that would never verify: it is not called ahead of its syncs), so that a hook installing the sink refuses at
+    install rather than at the first sync."""
     if verifying and isinstance(stream, AdapterStream):
         raise LoraStreamError(
             "verify= on a server checks merged syncs only: the probe runs through the served model without "
