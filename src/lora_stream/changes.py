@@ -17,7 +17,7 @@ skips them must *prove* them unchanged, never assume it:
 * **Every rank decides alike.** Two fixed-size agreements (:meth:`~lora_stream.transaction.Transaction.any_of`),
   the same number on every path: which steps changed on any rank; then which steps must go because they share an
   engine module with a changed one (q, k and v feed vLLM's one ``qkv_proj``). The stream then gathers, merges and
-  sends only those (:class:`~lora_stream.stream.Selection`); the engine loads and snapshots only the modules they
+  sends only those (:class:`~lora_stream.stream_pass.Selection`); the engine loads and snapshots only the modules they
   feed, and refuses the update if it does not hold the version the trainer compared against.
 """
 
@@ -36,7 +36,7 @@ __all__ = ["Changes", "EngineState", "SyncedSources", "agree_on_changes", "takes
 
 
 def takes_selection(stream: ParamStream) -> bool:
-    """Whether ``stream.iter_groups`` takes a :class:`~lora_stream.stream.Selection` (a subclass that overrides it
+    """Whether ``stream.iter_groups`` takes a :class:`~lora_stream.stream_pass.Selection` (a subclass that overrides it
     without one always sends everything)."""
     import inspect
 
