@@ -389,8 +389,8 @@ CONTRACT: tuple[Entry, ...] = (
         Call(2),
         "lora_stream.engine.reload (puts back a module that got part of its weights)",
     ),
-    Value(f"{_RELOAD}.meta", "SKIP_LOAD_TENSORS", None, "lora_stream.engine.reload (_expected_numel)"),
-    Function(f"{_RELOAD}.utils", "get_tensor_load_numel", Call(1), "lora_stream.engine.reload (_expected_numel)"),
+    Value(f"{_RELOAD}.meta", "SKIP_LOAD_TENSORS", None, "lora_stream.engine.vllm_reload (_expected_numel)"),
+    Function(f"{_RELOAD}.utils", "get_tensor_load_numel", Call(1), "lora_stream.engine.vllm_reload (_expected_numel)"),
     Class(
         f"{_RELOAD}.types",
         "LayerReloadingInfo",

@@ -173,10 +173,11 @@ class Gatherer(Protocol):
     * ``end_pass()``: called when a pass ends, however it ends: wait for anything in flight, free per-pass buffers
       (or keep them for the next pass when they hold at most the gatherer's ``keep_bytes``).
     * ``kept_bytes`` / ``release()``: bytes kept for the next pass (copied into
-      :attr:`~lora_stream.stream_pass.StreamStats.kept_bytes`, counted by ``held_bytes()`` between passes), and the call that
-      frees them (:meth:`~lora_stream.ParamStream.close` makes it).
-    * ``path_counts`` / ``fallback_reason``: copied into :class:`~lora_stream.stream_pass.StreamStats` as ``gather_paths``;
-      ``path_counts`` counts parameters (``{"direct": n, "fallback": m}``: parameters made whole by each path).
+      :attr:`~lora_stream.stream_pass.StreamStats.kept_bytes`, counted by ``held_bytes()`` between passes), and the
+      call that frees them (:meth:`~lora_stream.ParamStream.close` makes it).
+    * ``path_counts`` / ``fallback_reason``: copied into :class:`~lora_stream.stream_pass.StreamStats` as
+      ``gather_paths``; ``path_counts`` counts parameters (``{"direct": n, "fallback": m}``: parameters made whole
+      by each path).
     * ``local_shard(param)``: this rank's own bytes of ``param`` (its shard, or the whole tensor where nothing is
       sharded; a tuple of tensors where a gather may read more than one buffer -- every buffer it may read),
       read without communication: what a sync fingerprints to prove a frozen source unchanged
