@@ -449,4 +449,8 @@ def test_a_verified_adapter_sync_in_server_mode_is_refused_at_install(
     with pytest.raises(LoraStreamError, match="checks merged syncs only"):
         use_lora_stream(_trainer(model, gen), adapter=True, sink_options={"verify": True})
     assert "sync_weights" not in vars(gen)  # nothing was installed
+    # Options of merged syncs, which the server sink would take and ignore for an adapter sync: refused, named.
+    with pytest.raises(TypeError, match=r"\['elements', 'skip_unchanged'\] apply to merged syncs only"):
+        use_lora_stream(_trainer(model, gen), adapter=True, sink_options={"elements": True, "skip_unchanged": False})
+    assert "sync_weights" not in vars(gen)
     assert use_lora_stream(_trainer(model, gen), adapter=True).active

@@ -113,7 +113,8 @@ def use_lora_stream(
             vLLM; the builder's server check (the builder raises it when called, not when made).
         ValueError: a hook with other options is installed already.
         TypeError: an option the sink or stream of this mode does not take, or one the hook sets itself (``llm``,
-            ``base_url``, ``rank``, ``model``): named, with the class the mode builds and the options it takes.
+            ``base_url``, ``rank``, ``model``): named, with the class the mode builds and the options it takes; with
+            ``adapter=True``, an option of merged syncs only (``skip_unchanged``, ``merge``, ``elements``).
         LoraStreamError: a pre-flight refusal (:class:`~lora_stream.sinks.CheckpointMismatchError`,
             ``AdapterLoadError``, ...), raised on every rank: the refusing rank its own error, the others
             :class:`~lora_stream.StreamAbortedError` naming it.
@@ -146,6 +147,14 @@ def use_lora_stream(
         raise UnsupportedTrlError(
             "adapter=True with vllm_enable_sleep_mode: sleep level 2 discards the engine's base weights, which an "
             "adapter sync does not send again; sync the merged model (adapter=False) or turn sleep mode off"
+        )
+    merged_only = sorted({"skip_unchanged", "merge", "elements"} & set(options["sink_options"]))
+    if adapter and merged_only:
+        # A server sink takes them and ignores them for an adapter sync (the colocated LoRA sink does not take them):
+        # refused alike in both modes rather than silently ignored in one.
+        raise TypeError(
+            f"use_lora_stream sink_options: {merged_only} apply to merged syncs only; adapter=True sends the adapter's "
+            "factors whole at every sync. Drop them, or sync the merged model (adapter=False)"
         )
     if gen.mode == "colocate" and getattr(gen, "enable_sleep_mode", False) and options["sink_options"].get("verify"):
         # TRL wakes the weights before the sync and the KV cache only after it: the probe would generate with
