@@ -512,6 +512,10 @@ def test_sink_options_reach_the_sink_built_at_install(checkpoints: dict[str, str
     with pytest.raises(UnsupportedTrlError, match="KV cache only after the sync"):
         use_lora_stream(asleep, sink_options={"verify": True})
     assert _untouched(asleep.vllm_generation)
+    with pytest.warns(UserWarning, match="every sync sends whole tensors"):  # elements with sleep mode: useless
+        hook = use_lora_stream(asleep, sink_options={"elements": True})
+    with pytest.warns(UserWarning):
+        hook.remove()
     # A misspelt option, another mode's, one the hook sets: named, with the sink this mode builds and what it takes.
     with pytest.raises(TypeError, match=r"\['rollbak'\] are not options of VLLMColocatedSink.*takes: .*rollback"):
         use_lora_stream(trainer, sink_options={"rollbak": False})

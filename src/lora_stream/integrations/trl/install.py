@@ -8,6 +8,7 @@ a refusal would come at the first sync, inside ``trainer.train()``, after TRL bu
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable
 from typing import Any, overload
 
@@ -163,6 +164,15 @@ def use_lora_stream(
             "verify with vllm_enable_sleep_mode in colocate mode: TRL wakes the engine's KV cache only after the "
             "sync, and verification generates a probe during it; turn verify or sleep mode off (server mode "
             "verifies on the server)"
+        )
+    if gen.mode == "colocate" and getattr(gen, "enable_sleep_mode", False) and options["sink_options"].get("elements"):
+        # Not wrong, only useless: TRL sleeps its engine at level 2 after every generation, which discards the
+        # weights an element sync rebuilds from, so every sync goes whole and the baseline is kept for nothing.
+        warnings.warn(
+            "lora_stream: elements=True with vllm_enable_sleep_mode: TRL's sleep level 2 discards the engine's weights "
+            "after every generation, so every sync sends whole tensors, and the element baseline costs host memory "
+            "for nothing; turn one of them off",
+            stacklevel=2,
         )
     hook = TrlSyncHook(
         trainer, options["stream_options"], options["sink_options"], adapter=adapter, lora_name=lora_name
