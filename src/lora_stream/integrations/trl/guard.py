@@ -9,6 +9,7 @@ that refused alone would leave the others waiting in their first sync.
 from __future__ import annotations
 
 import datetime
+import warnings
 from typing import Any
 
 from ...coordination import Coordinator
@@ -82,3 +83,41 @@ def _install_agreement(stream_options: dict[str, Any]) -> Coordinator:
 
 def _agreement_seconds(stream_options: dict[str, Any]) -> float:
     return float(stream_options.get("timeout", 300.0))
+
+
+def _check_modes(gen: Any, options: dict[str, Any]) -> None:
+    """The combinations of TRL's modes and the hook's options that cannot work, refused before anything is built
+    (the same on every rank: they depend only on TRL's configuration and the options): an adapter sync under sleep
+    mode, options of merged syncs with ``adapter=True``, verification under sleep mode in colocate mode; and a
+    warning for element syncs under sleep mode, which would send whole tensors every time."""
+    adapter, sink_options = options["adapter"], options["sink_options"]
+    if adapter and getattr(gen, "enable_sleep_mode", False):
+        raise UnsupportedTrlError(
+            "adapter=True with vllm_enable_sleep_mode: sleep level 2 discards the engine's base weights, which an "
+            "adapter sync does not send again; sync the merged model (adapter=False) or turn sleep mode off"
+        )
+    merged_only = sorted({"skip_unchanged", "merge", "elements"} & set(sink_options))
+    if adapter and merged_only:
+        # A server sink takes them and ignores them for an adapter sync (the colocated LoRA sink does not take them):
+        # refused alike in both modes rather than silently ignored in one.
+        raise TypeError(
+            f"use_lora_stream sink_options: {merged_only} apply to merged syncs only; adapter=True sends the adapter's "
+            "factors whole at every sync. Drop them, or sync the merged model (adapter=False)"
+        )
+    if gen.mode == "colocate" and getattr(gen, "enable_sleep_mode", False) and sink_options.get("verify"):
+        # TRL wakes the weights before the sync and the KV cache only after it: the probe would generate with
+        # the KV cache still asleep (untested, and on a GPU likely a crash), so it is refused, not guessed.
+        raise UnsupportedTrlError(
+            "verify with vllm_enable_sleep_mode in colocate mode: TRL wakes the engine's KV cache only after the "
+            "sync, and verification generates a probe during it; turn verify or sleep mode off (server mode "
+            "verifies on the server)"
+        )
+    if gen.mode == "colocate" and getattr(gen, "enable_sleep_mode", False) and sink_options.get("elements"):
+        # Not wrong, only useless: TRL sleeps its engine at level 2 after every generation, which discards the
+        # weights an element sync rebuilds from, so every sync goes whole and the baseline is kept for nothing.
+        warnings.warn(
+            "lora_stream: elements=True with vllm_enable_sleep_mode: TRL's sleep level 2 discards the engine's weights "
+            "after every generation, so every sync sends whole tensors, and the element baseline costs host memory "
+            "for nothing; turn one of them off",
+            stacklevel=3,  # the caller of use_lora_stream
+        )

@@ -8,14 +8,13 @@ a refusal would come at the first sync, inside ``trainer.train()``, after TRL bu
 from __future__ import annotations
 
 import inspect
-import warnings
 from collections.abc import Callable
 from typing import Any, overload
 
 from ...lockstep import describe_error
 from ...redaction import redact
 from .builder import _builder, _Trainer
-from .guard import UnsupportedTrlError, _agreement_seconds, _check_trl, _install_agreement
+from .guard import _agreement_seconds, _check_modes, _check_trl, _install_agreement
 from .hook import TrlSyncHook, _choose_send_dtype, _decide_send_dtype, _engine_dtype_name, _generate_through_adapter
 
 __all__ = ["use_lora_stream"]
@@ -144,36 +143,7 @@ def use_lora_stream(
     if existing is not None:
         _check_same_options(existing, options)
         return existing  # type: ignore[no-any-return]
-    if adapter and getattr(gen, "enable_sleep_mode", False):
-        raise UnsupportedTrlError(
-            "adapter=True with vllm_enable_sleep_mode: sleep level 2 discards the engine's base weights, which an "
-            "adapter sync does not send again; sync the merged model (adapter=False) or turn sleep mode off"
-        )
-    merged_only = sorted({"skip_unchanged", "merge", "elements"} & set(options["sink_options"]))
-    if adapter and merged_only:
-        # A server sink takes them and ignores them for an adapter sync (the colocated LoRA sink does not take them):
-        # refused alike in both modes rather than silently ignored in one.
-        raise TypeError(
-            f"use_lora_stream sink_options: {merged_only} apply to merged syncs only; adapter=True sends the adapter's "
-            "factors whole at every sync. Drop them, or sync the merged model (adapter=False)"
-        )
-    if gen.mode == "colocate" and getattr(gen, "enable_sleep_mode", False) and options["sink_options"].get("verify"):
-        # TRL wakes the weights before the sync and the KV cache only after it: the probe would generate with
-        # the KV cache still asleep (untested, and on a GPU likely a crash), so it is refused, not guessed.
-        raise UnsupportedTrlError(
-            "verify with vllm_enable_sleep_mode in colocate mode: TRL wakes the engine's KV cache only after the "
-            "sync, and verification generates a probe during it; turn verify or sleep mode off (server mode "
-            "verifies on the server)"
-        )
-    if gen.mode == "colocate" and getattr(gen, "enable_sleep_mode", False) and options["sink_options"].get("elements"):
-        # Not wrong, only useless: TRL sleeps its engine at level 2 after every generation, which discards the
-        # weights an element sync rebuilds from, so every sync goes whole and the baseline is kept for nothing.
-        warnings.warn(
-            "lora_stream: elements=True with vllm_enable_sleep_mode: TRL's sleep level 2 discards the engine's weights "
-            "after every generation, so every sync sends whole tensors, and the element baseline costs host memory "
-            "for nothing; turn one of them off",
-            stacklevel=2,
-        )
+    _check_modes(gen, options)
     hook = TrlSyncHook(
         trainer, options["stream_options"], options["sink_options"], adapter=adapter, lora_name=lora_name
     )
