@@ -144,11 +144,11 @@ class ElementShadow:
                 f"lora_stream: parameter {name!r} came as changed elements, but this engine holds no copy of it "
                 "(the next sync sends every tensor)"
             )
-        _check_cover(name, segments, numel)
+        ordered = _check_cover(name, segments, numel)
         target = have if have is not None else torch.empty(numel, dtype=dtype)
         flat = blob.detach().to("cpu").reshape(-1)
         at = 0
-        for s in sorted(segments, key=lambda s: int(s["lo"])):
+        for s in ordered:
             lo, hi = int(s["lo"]), int(s["hi"])
             size = encoded_size(s["encoding"], int(s["count"]), hi - lo, target.element_size())
             try:
@@ -236,12 +236,15 @@ class ElementShadow:
         self.tensors, self.token = {}, None
 
 
-def _check_cover(name: str, segments: list[dict[str, Any]], numel: int) -> None:
-    """The segments of an element payload cover its tensor exactly: each range within it and of its stated size,
-    the ranges with elements one after another from 0 to ``numel``, no gap and no overlap. Every range is proven
-    (its fingerprint) after the rebuild, so a range no segment covered would be loaded unproven: refused."""
+def _check_cover(name: str, segments: list[dict[str, Any]], numel: int) -> list[dict[str, Any]]:
+    """The segments of an element payload in range order (the order their encodings follow in the blob: an empty
+    range encodes to no bytes, so ties do not matter), checked to cover the tensor exactly: each range within it and
+    of its stated size, the ranges with elements one after another from 0 to ``numel``, no gap and no overlap. Every
+    range is proven (its fingerprint) after the rebuild, so a range no segment covered would be loaded unproven:
+    refused."""
+    ordered = sorted(segments, key=lambda s: (int(s["lo"]), int(s["hi"])))
     end = 0
-    for s in sorted(segments, key=lambda s: (int(s["lo"]), int(s["hi"]))):
+    for s in ordered:
         lo, hi = int(s["lo"]), int(s["hi"])
         if not 0 <= lo <= hi <= numel or hi - lo != int(s["numel"]):
             raise VLLMLoadError(f"lora_stream: parameter {name!r}: element range [{lo}, {hi}) leaves the tensor")
@@ -256,3 +259,4 @@ def _check_cover(name: str, segments: list[dict[str, Any]], numel: int) -> None:
             f"lora_stream: parameter {name!r}: element ranges cover [0, {end}) of its {numel} elements; the rest "
             "would be loaded unproven"
         )
+    return ordered
