@@ -102,7 +102,8 @@ def _bits_any(tx: Transaction, bits: list[bool], what: str) -> list[bool] | None
 
 def agree_on_changes(
     tx: Transaction,
-    stream: ParamStream,
+    steps: Sequence[Sequence[str]],
+    plan: str,
     fingerprints: Sequence[int | None],
     last: SyncedSources | None,
     engines: Sequence[EngineState],
@@ -111,9 +112,11 @@ def agree_on_changes(
     element_changed: Mapping[int, bool] | None = None,
     elements_refused: str | None = None,
 ) -> Changes:
-    """Decide, with every other rank, which steps of ``stream`` this sync produces (see the module docstring).
+    """Decide, with every other rank, which steps of a stream this sync produces (see the module docstring).
 
-    ``fingerprints``: this rank's (:meth:`ParamStream.fingerprints`, taken in the sync's pre-flight so that a
+    ``steps``: the output names of each step of the stream's plan (:meth:`ParamStream.steps`), whose digest is
+    ``plan`` (:attr:`ParamStream.plan_digest`); ``fingerprints``: this rank's (:meth:`ParamStream.fingerprints`,
+    taken in the sync's pre-flight so that a
     failure refuses on every rank); ``last``: what this rank recorded at the engines' committed version (``None``:
     nothing); ``engines``: the engines this rank feeds (none: it only gathers); ``aliases``: tied alias -> primary
     output name, for the engines' units; ``force_full``: this rank needs every output sent, for this reason (the
@@ -127,9 +130,8 @@ def agree_on_changes(
     import time
 
     t = time.perf_counter()
-    steps = stream.steps()
     n = len(steps)
-    sources = SyncedSources(stream.plan_digest, tuple(fingerprints))
+    sources = SyncedSources(plan, tuple(fingerprints))
     reason: str | None = force_full
     for e in engines:
         if e.full_because is not None:

@@ -41,9 +41,11 @@ __all__ = [
     "ElementBaseline",
     "ElementDiff",
     "Segment",
+    "ElementRead",
     "diff_shards",
     "eligible_steps",
     "exchange",
+    "read_elements",
     "shard_of",
 ]
 
@@ -233,6 +235,65 @@ def diff_shards(stream: Any, steps: Sequence[int], baseline: ElementBaseline) ->
         new[i] = cast
         held += nbytes(cast.shape, cast.dtype)
     return ElementDiff(changed, segments, new, held, time.perf_counter() - t0)
+
+
+#: An element sync sends elements only while their encoded bytes stay at most this fraction of the element steps'
+#: whole bytes on every rank; past it, the whole tensors cost about the same and need no exchange between ranks.
+ELEMENT_BUDGET = 0.5
+
+
+@dataclass
+class ElementRead:
+    """What step 1 reads of the stream for an element sync, once (:func:`read_elements`): the rest of the decision
+    (the agreement, the exchange, the engines' copies) takes this, and never goes back to the stream."""
+
+    #: This rank's diff of the eligible steps; its ``whole_because`` says why the others go whole.
+    diff: ElementDiff
+    #: Why this rank cannot send elements this sync (``None``: it can).
+    refused: str | None
+    #: The output names the engines keep a copy of, for the next element sync: every element step's.
+    shadow: list[str]
+    #: How many steps the stream's plan has.
+    steps: int
+    #: What the exchange runs over: the stream's process group, whether it is sharded, and how long a rank waits.
+    group: Any
+    collective: bool
+    timeout_s: float
+
+
+def read_elements(stream: Any, baseline: ElementBaseline) -> ElementRead:
+    """Which steps of ``stream`` can go as elements (:func:`eligible_steps`), this rank's diff of them against
+    ``baseline`` (:func:`diff_shards`), whether this rank can send them, and what the exchange needs of the stream."""
+    eligible = eligible_steps(stream)
+    diff = diff_shards(stream, [i for i, why in eligible.items() if why is None], baseline)
+    for why in eligible.values():
+        if why is not None:
+            diff.whole_because[why] = diff.whole_because.get(why, 0) + 1
+    names = stream.steps()
+    g = stream.gatherer
+    return ElementRead(
+        diff,
+        _refusal(diff, baseline.valid_for(stream.plan_digest)),
+        [names[i][0] for i in diff.segments],
+        len(names),
+        g.process_group,
+        bool(g.collective),
+        stream.agreement_timeout.total_seconds(),
+    )
+
+
+def _refusal(diff: ElementDiff, baseline_valid: bool) -> str | None:
+    """Why this rank cannot send elements this sync (``None``: it can)."""
+    if not baseline_valid:
+        return "no element baseline of the engines' version on this rank yet (the last sync was full or failed)"
+    if not diff.segments:
+        return "no output can travel as elements (see docs: element syncs)"
+    whole = sum(s.hi - s.lo for s in diff.segments.values())
+    sent = sum(s.encoded.blob.numel() for s in diff.segments.values())
+    itemsize = max(1, max(s.encoded.dtype.itemsize for s in diff.segments.values()))
+    if sent > ELEMENT_BUDGET * whole * itemsize:
+        return f"too many elements changed: {sent / max(1, whole * itemsize):.0%} of the bytes as elements"
+    return None
 
 
 def _frame(segments: dict[int, Segment]) -> torch.Tensor:

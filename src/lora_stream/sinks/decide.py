@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..adapter import AdapterStream
 from ..changes import Changes, agree_on_changes, takes_selection
@@ -35,6 +35,9 @@ from .memory import SinkMemory
 from .route import Route
 from .source import ElementSource, SyncSource, source_for
 from .verify import VerifyPolicy, model_vocab_size, probe_ids
+
+if TYPE_CHECKING:
+    from ..elements import ElementRead
 
 __all__ = ["Decision", "DecideOptions", "decide", "decide_for"]
 
@@ -111,55 +114,52 @@ def decide(
         skipping = skip_unchanged and adapter is None and takes_selection(stream)
         fingerprints = stream.fingerprints() if skipping else None
         stages["fingerprint_s"] = time.perf_counter() - t
-        diff = None
+        read = None
         if skipping and elements and merge_plan is None:
-            from ..elements import diff_shards, eligible_steps
+            from ..elements import read_elements
 
-            eligible = eligible_steps(stream)
-            diff = diff_shards(stream, [i for i, why in eligible.items() if why is None], memory.elements)
-            for why in eligible.values():
-                if why is not None:
-                    diff.whole_because[why] = diff.whole_because.get(why, 0) + 1
-            stages["element_diff_s"] = diff.seconds
+            read = read_elements(stream, memory.elements)
+            stages["element_diff_s"] = read.diff.seconds
         engines = None
         if fingerprints is not None:  # the proof reads every weight: only for a sync that may be partial
             t = time.perf_counter()
             engines = route.engine_states()
             stages["state_check_s"] = time.perf_counter() - t
-        return aliases, ids, adapter, merge_plan, base_fps, fingerprints, engines, diff
+        return aliases, ids, adapter, merge_plan, base_fps, fingerprints, engines, read, stream.steps()
 
-    aliases, ids, adapter, merge_plan, base_fps, fingerprints, engines, diff = tx.prepare(check)
+    aliases, ids, adapter, merge_plan, base_fps, fingerprints, engines, read, steps = tx.prepare(check)
     changes = None
     sends = None
     if fingerprints is not None:
         force = memory.base.reason(base_fps, fingerprints, memory.synced) if merge_plan is not None else None
         changes = agree_on_changes(
             tx,
-            stream,
+            steps,
+            stream.plan_digest,
             fingerprints,
             memory.synced,
             engines,
             aliases,
             force_full=force,
-            element_changed=diff.changed if diff is not None else None,
-            elements_refused=_element_refusal(stream, diff, memory) if diff is not None else None,
+            element_changed=read.diff.changed if read is not None else None,
+            elements_refused=read.refused if read is not None else None,
         )
         if not changes.agreed:
             assert tx.error is not None
             raise tx.error
         stages.update(changes.stages)
         if changes.elements:
-            assert diff is not None
-            sends = _exchange(tx, stream, changes, diff, stages)
+            assert read is not None
+            sends = _exchange(tx, read, changes, stages)
     selection = changes.selection if changes is not None else None
     full_because = changes.full_because if changes is not None else None
     if changes is None and adapter is None:
         full_because = "skip_unchanged=False"
-    if diff is not None:
+    if read is not None:
         refused = changes.elements_refused if changes is not None else None
         if sends is not None:  # the element steps travel as elements; the pass sends the rest it needs
             assert changes is not None
-            needed = changes.needed if changes.needed is not None else frozenset(range(len(stream.steps())))
+            needed = changes.needed if changes.needed is not None else frozenset(range(len(steps)))
             selection, refused, full_because = Selection(needed - frozenset(sends)), None, None
         source: SyncSource = ElementSource(
             stream,
@@ -167,7 +167,7 @@ def decide(
             version,
             selection,
             sends or {},
-            shadow=_shadowed(stream, diff),
+            shadow=read.shadow,
             refused=refused,
             full_because=full_because,
         )
@@ -182,45 +182,21 @@ def decide(
             merge_plan=merge_plan,
             base_fp=memory.base.sent,
         )
+    diff = read.diff if read is not None else None
     return Decision(source, aliases, changes, adapter, verifying, ids, merge_plan, base_fps, stages, diff)
 
 
-#: An element sync sends elements only while their encoded bytes stay at most this fraction of the element steps'
-#: whole bytes on every rank; past it, the whole tensors cost about the same and need no exchange between ranks.
-ELEMENT_BUDGET = 0.5
-
-
-def _element_refusal(stream: ParamStream, diff: Any, memory: SinkMemory) -> str | None:
-    """Why this rank cannot send elements this sync (``None``: it can)."""
-    if not memory.elements.valid_for(stream.plan_digest):
-        return "no element baseline of the engines' version on this rank yet (the last sync was full or failed)"
-    if not diff.segments:
-        return "no output can travel as elements (see docs: element syncs)"
-    whole = sum(s.hi - s.lo for s in diff.segments.values())
-    sent = sum(s.encoded.blob.numel() for s in diff.segments.values())
-    itemsize = max(1, max(s.encoded.dtype.itemsize for s in diff.segments.values()))
-    if sent > ELEMENT_BUDGET * whole * itemsize:
-        return f"too many elements changed: {sent / max(1, whole * itemsize):.0%} of the bytes as elements"
-    return None
-
-
-def _shadowed(stream: ParamStream, diff: Any) -> list[str]:
-    """The output names the engines keep a copy of, for the next element sync: every element step's."""
-    steps = stream.steps()
-    return [steps[i][0] for i in diff.segments]
-
-
-def _exchange(tx: Transaction, stream: ParamStream, changes: Changes, diff: Any, stages: dict[str, Any]) -> Any:
-    """Every rank's changes of the element steps this sync sends, on every rank (one all-gather of the encoded
-    changes over the stream's group, right after the agreement that every rank reached)."""
+def _exchange(tx: Transaction, read: ElementRead, changes: Changes, stages: dict[str, Any]) -> Any:
+    """Every rank's changes of the element steps this sync sends, on every rank (two all-gathers of the encoded
+    changes over the stream's group -- their sizes, then the changes -- right after the agreement that every rank
+    reached)."""
     from ..elements import exchange
 
-    needed = changes.needed if changes.needed is not None else frozenset(range(len(stream.steps())))
-    steps = sorted(i for i in diff.segments if i in needed)
+    needed = changes.needed if changes.needed is not None else frozenset(range(read.steps))
+    steps = sorted(i for i in read.diff.segments if i in needed)
     t = time.perf_counter()
-    g = stream.gatherer
     with tx.attempt():
-        out = exchange(g.process_group, g.collective, diff.segments, steps, stream.agreement_timeout.total_seconds())
+        out = exchange(read.group, read.collective, read.diff.segments, steps, read.timeout_s)
     stages["element_exchange_s"] = time.perf_counter() - t
     if tx.error is not None:
         raise tx.error

@@ -192,13 +192,13 @@ class VLLMColocatedSink:
         :class:`~lora_stream.sinks.verify.VerificationError`, ...), the others
         :class:`~lora_stream.StreamAbortedError` naming it and its reason."""
         start = time.perf_counter()
-        tx = Transaction.for_stream(stream, self.name)
         route = _EngineRoute(self, stream.model)
-        decision = decide_for(self, tx, stream, route, self._memory, version=version)
-        route.transfer(tx, decision)
-        known = decision.source.ended_early
-        verification = check_and_vote(tx, route, verifying=decision.verifying, known=known)
-        commit_or_roll_back(tx, route, decision, self._memory)
+        with Transaction.for_stream(stream, self.name) as tx:
+            decision = decide_for(self, tx, stream, route, self._memory, version=version)
+            route.transfer(tx, decision)
+            known = decision.source.ended_early
+            verification = check_and_vote(tx, route, verifying=decision.verifying, known=known)
+            commit_or_roll_back(tx, route, decision, self._memory)
         seconds = time.perf_counter() - start
         record = record_of(decision, self.name, seconds, route.stages(), verification, self.model_config.dtype)
         record.log()
