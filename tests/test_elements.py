@@ -12,7 +12,7 @@ from helpers import lora, tiny_llama
 
 from lora_stream import ParamStream
 from lora_stream.element_codec import ENCODINGS, bits, decode, encode, encoded_size
-from lora_stream.elements import ElementBaseline, check_elements_option, diff_shards, eligible_steps, exchange
+from lora_stream.elements import ElementBaseline, check_elements_option, exchange, read_elements
 from lora_stream.engine.elements import ElementShadow
 from lora_stream.engine.reload import VLLMLoadError
 
@@ -75,10 +75,11 @@ def test_the_diff_finds_every_structured_edit_and_only_those() -> None:
     is not; the baseline is what the engine holds only once the sync commits."""
     model = _full_ft()
     stream = ParamStream(model, dtype=torch.bfloat16)
-    eligible = [i for i, why in eligible_steps(stream).items() if why is None]
-    assert len(eligible) == len(stream.steps())  # every output of a fully fine-tuned dense model
     baseline = ElementBaseline()
-    first = diff_shards(stream, eligible, baseline)
+    read = read_elements(stream, baseline)
+    eligible = [i for i, why in read.why.items() if why is None]
+    assert len(eligible) == len(stream.steps())  # every output of a fully fine-tuned dense model
+    first = read.diff
     assert all(first.changed.values())  # no baseline: every element
     baseline.stage(stream.plan_digest, first.new)
     assert baseline.shards == {}  # staged only
@@ -89,7 +90,7 @@ def test_the_diff_finds_every_structured_edit_and_only_those() -> None:
     with torch.no_grad():
         flat[0] = float("nan")
         flat[5] = 0.0
-    baseline.stage(stream.plan_digest, diff_shards(stream, eligible, baseline).new)
+    baseline.stage(stream.plan_digest, read_elements(stream, baseline).diff.new)
     baseline.commit()
     with torch.no_grad():
         flat[3].neg_()
@@ -98,7 +99,7 @@ def test_the_diff_finds_every_structured_edit_and_only_those() -> None:
         flat[20:23] = flat[20:23][torch.tensor([1, 2, 0])].clone()
         flat[5] = -0.0
         flat[0] = float("nan")  # the same NaN: unchanged
-    diff = diff_shards(stream, eligible, baseline)
+    diff = read_elements(stream, baseline).diff
     names = [stream.steps()[i][0] for i in eligible]
     step = eligible[names.index("model.layers.0.mlp.down_proj.weight")]
     seg = diff.segments[step]
@@ -116,7 +117,7 @@ def test_what_cannot_go_as_elements_says_why() -> None:
     pm = lora(tiny_llama(tie=False), target_modules=["q_proj"], r=4)
     pm.base_model.model.model.norm.weight.requires_grad_(True)
     stream = ParamStream(pm)
-    why = {stream.steps()[i][0]: r for i, r in eligible_steps(stream).items()}
+    why = {stream.steps()[i][0]: r for i, r in read_elements(stream, ElementBaseline()).why.items()}
     assert "merged LoRA" in why["model.layers.0.self_attn.q_proj.weight"]
     assert "frozen" in why["model.layers.0.mlp.up_proj.weight"]
     assert why["model.norm.weight"] is None  # trainable and as is

@@ -26,7 +26,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .lockstep import FLAG_CAPACITY
 from .stream import ParamStream
 from .stream_pass import Selection
 from .transaction import Transaction
@@ -89,17 +88,6 @@ class Changes:
     elements_refused: str | None = None
 
 
-def _bits_any(tx: Transaction, bits: list[bool], what: str) -> list[bool] | None:
-    """:meth:`Transaction.any_of` over any number of bits, in as many fixed-size agreements as the plan needs."""
-    out: list[bool] = []
-    for start in range(0, max(1, len(bits)), FLAG_CAPACITY):
-        part = tx.any_of(bits[start : start + FLAG_CAPACITY], what)
-        if part is None:
-            return None
-        out += part
-    return out
-
-
 def agree_on_changes(
     tx: Transaction,
     steps: Sequence[Sequence[str]],
@@ -121,7 +109,7 @@ def agree_on_changes(
     nothing); ``engines``: the engines this rank feeds (none: it only gathers); ``aliases``: tied alias -> primary
     output name, for the engines' units; ``force_full``: this rank needs every output sent, for this reason (the
     engine-side merge's base must travel again). Every rank calls it with a stream of the same plan: it runs the
-    same two agreements (per :data:`~lora_stream.lockstep.FLAG_CAPACITY` steps) on every path.
+    same two agreements (:meth:`Transaction.any_of`) on every path.
 
     An element sync: ``element_changed`` says, for each element step, whether any of this rank's elements changed
     (its sources are trainable, so no fingerprint can say it); ``elements_refused``, why this rank cannot send
@@ -149,10 +137,20 @@ def agree_on_changes(
             local[i] = moved
     else:
         local = [True] * n
+    # Which steps an engine module reads together (this rank's engines' units): known before any agreement.
+    step_of: dict[str, int] = {name: i for i, names in enumerate(steps) for name in names}
+    for alias, primary in (aliases or {}).items():
+        if primary in step_of:
+            step_of.setdefault(alias, step_of[primary])
+    together: Partition[int] = Partition()
+    for e in engines:
+        for unit in e.units or ():
+            together.join(step_of[name] for name in unit if name in step_of)
+    unit_of = [together.find(i) for i in range(n)]
     offered = element_changed is not None
     # Elements need every rank able to send them, and every rank's engines proven to hold the last commit.
     cannot = elements_refused is not None or reason is not None
-    flags = _bits_any(tx, local + ([cannot] if offered else []), "agreeing on what changed")
+    flags = tx.any_of(local + ([cannot] if offered else []), "agreeing on what changed")
     if flags is None:
         return Changes(None, sources, "the agreement failed", agreed=False)
     changed = flags[:n]
@@ -162,18 +160,10 @@ def agree_on_changes(
         refused = reason or elements_refused or "another trainer rank cannot send elements, or its engines need all"
         for i in element_changed or {}:
             changed[i] = True  # trainable: sent whole, as without elements
-    # Steps an engine module reads together with a changed one go too (this rank's engines' units).
-    step_of: dict[str, int] = {name: i for i, names in enumerate(steps) for name in names}
-    for alias, primary in (aliases or {}).items():
-        if primary in step_of:
-            step_of.setdefault(alias, step_of[primary])
-    together: Partition[int] = Partition()
-    for e in engines:
-        for unit in e.units or ():
-            together.join(step_of[name] for name in unit if name in step_of)
-    hot = {together.find(i) for i in range(n) if changed[i]}
-    needed_local = [together.find(i) in hot for i in range(n)]
-    needed = _bits_any(tx, needed_local, "agreeing on what to send")
+    # Steps an engine module reads together with a changed one go too.
+    hot = {unit_of[i] for i in range(n) if changed[i]}
+    needed_local = [unit_of[i] in hot for i in range(n)]
+    needed = tx.any_of(needed_local, "agreeing on what to send")
     if needed is None:
         return Changes(None, sources, "the agreement failed", agreed=False)
     n_changed = sum(changed)

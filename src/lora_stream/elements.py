@@ -9,14 +9,15 @@ Who calls it: step 1 of a sync (:mod:`lora_stream.sinks.decide`), on every rank,
   the parameter this rank holds (:func:`shard_of`): ZeRO-3's partition (``ds_tensor``), FSDP2's ``Shard(0)`` local
   shard, or the whole tensor where nothing is sharded (one process, DDP). Everything else -- a LoRA merge, a fused
   expert conversion, a quantized base, a persistent ZeRO-3 parameter, a frozen one (which the fingerprints skip
-  whole already) -- goes as before, and :func:`eligible_steps` says why.
+  whole already) -- goes as before, and :attr:`ElementRead.why` says why.
 * **The baseline** (:class:`ElementBaseline`): this rank's shard of every eligible output, cast to the served dtype,
   as the engines hold it since the last committed sync -- in host memory, ``1/N`` of the model under ZeRO-3 and
   FSDP2. It advances only when the sync commits (:meth:`ElementBaseline.commit`: a reference swap, nothing that can
   fail after the vote), and is dropped by any failed sync.
-* **The diff** (:func:`diff_shards`): the new cast shard compared with the baseline *bit for bit*; the changed
-  elements, encoded (:mod:`lora_stream.element_codec`), and a fingerprint of the whole new shard, which the engine
-  checks against what it rebuilt (every sync proves the engine loads what a full sync would have loaded).
+* **The diff** (:func:`read_elements`, one pass over the plan's steps): the new cast shard compared with the
+  baseline *bit for bit*; the changed elements, encoded (:mod:`lora_stream.element_codec`), and a fingerprint of the
+  whole new shard, which the engine checks against what it rebuilt (every sync proves the engine loads what a full
+  sync would have loaded).
 * **The exchange** (:func:`exchange`): the ranks feeding engines need every rank's changes; the encoded changes
   (not the tensors) are all-gathered over the stream's process group.
 """
@@ -34,7 +35,6 @@ import torch.distributed as dist
 
 from .element_codec import Encoded, bits, encode
 from .fingerprint import fingerprint
-from .gatherers.base import nbytes
 
 __all__ = [
     "check_elements_option",
@@ -42,8 +42,6 @@ __all__ = [
     "ElementDiff",
     "Segment",
     "ElementRead",
-    "diff_shards",
-    "eligible_steps",
     "exchange",
     "read_elements",
     "shard_of",
@@ -116,33 +114,22 @@ def shard_of(gatherer: Any, param: Any, numel: int) -> Shard | str:
     return Shard(0, whole.reshape(-1))
 
 
-def eligible_steps(stream: Any) -> dict[int, str | None]:
-    """For every step of ``stream``'s plan, ``None`` if it can go as elements, or why not (the same on every rank:
-    it reads the plan and parameters' placements only)."""
-    from .step_reads import _reads_trainable
-
-    out: dict[int, str | None] = {}
-    for i, step in enumerate(stream._steps):
-        if len(step.inputs) != 1 or len(step.outputs) != 1 or step.convert is not None:
-            out[i] = "a checkpoint conversion that is not one tensor as is (fused or split)"
-            continue
-        t = step.inputs[0]
-        if t.merge is not None:
-            out[i] = "a merged LoRA output (or a buffer): computed from gathered tensors"
-            continue
-        if not _reads_trainable(t):
-            out[i] = "frozen (skipped whole when unchanged)"
-            continue
-        if getattr(t.param, "quant_state", None) is not None or not torch.empty((), dtype=t.dtype).is_floating_point():
-            out[i] = "a quantized parameter"
-            continue
-        numel = math.prod(int(d) for d in step.outputs[0].shape)
-        if math.prod(int(d) for d in stream.gatherer.full_shape(t.param)) != numel:
-            out[i] = "an output whose element count differs from its parameter's"
-            continue
-        shard = shard_of(stream.gatherer, t.param, numel)
-        out[i] = shard if isinstance(shard, str) else None
-    return out
+def _shard_if_eligible(step: Any, gatherer: Any) -> Shard | str:
+    """This rank's shard of ``step``'s one parameter if the step can go as elements, or why not (the same on every
+    rank: it reads the plan and the parameter's placement only)."""
+    if len(step.inputs) != 1 or len(step.outputs) != 1 or step.convert is not None:
+        return "a checkpoint conversion that is not one tensor as is (fused or split)"
+    t = step.inputs[0]
+    if t.merge is not None:
+        return "a merged LoRA output (or a buffer): computed from gathered tensors"
+    if not getattr(t.param, "requires_grad", True):  # no merge: the step reads its own parameter only
+        return "frozen (skipped whole when unchanged)"
+    if getattr(t.param, "quant_state", None) is not None or not torch.empty((), dtype=t.dtype).is_floating_point():
+        return "a quantized parameter"
+    numel = math.prod(int(d) for d in step.outputs[0].shape)
+    if math.prod(int(d) for d in gatherer.full_shape(t.param)) != numel:
+        return "an output whose element count differs from its parameter's"
+    return shard_of(gatherer, t.param, numel)
 
 
 @dataclass
@@ -207,36 +194,6 @@ class ElementBaseline:
         self.plan, self.shards, self.pending = None, {}, None
 
 
-def diff_shards(stream: Any, steps: Sequence[int], baseline: ElementBaseline) -> ElementDiff:
-    """This rank's diff of ``steps`` (eligible ones) against ``baseline`` (compared only if it follows this
-    stream's plan). Reads each local shard once, on its device, and copies the cast shard to host memory."""
-    import time
-
-    t0 = time.perf_counter()
-    usable = baseline.valid_for(stream.plan_digest)
-    changed: dict[int, bool] = {}
-    segments: dict[int, Segment] = {}
-    new: dict[int, torch.Tensor] = {}
-    held = 0
-    for i in steps:
-        step = stream._steps[i]
-        out = step.outputs[0]
-        shard = shard_of(stream.gatherer, step.inputs[0].param, math.prod(int(d) for d in out.shape))
-        if isinstance(shard, str):  # eligible_steps said it has one: a placement changed under the plan
-            raise ValueError(f"output {out.name!r}: {shard}")
-        cast = shard.values.detach().to(device="cpu", dtype=out.dtype, copy=True).reshape(-1)
-        old = baseline.shards.get(i) if usable else None
-        if old is None or old.numel() != cast.numel():
-            index = torch.arange(cast.numel(), dtype=torch.int64)
-        else:
-            index = (bits(cast) != bits(old)).nonzero().reshape(-1)
-        changed[i] = bool(index.numel()) or old is None
-        segments[i] = Segment(shard.offset, shard.offset + cast.numel(), encode(cast, index), fingerprint(cast))
-        new[i] = cast
-        held += nbytes(cast.shape, cast.dtype)
-    return ElementDiff(changed, segments, new, held, time.perf_counter() - t0)
-
-
 #: An element sync sends elements only while their encoded bytes stay at most this fraction of the element steps'
 #: whole bytes on every rank; past it, the whole tensors cost about the same and need no exchange between ranks.
 ELEMENT_BUDGET = 0.5
@@ -249,6 +206,8 @@ class ElementRead:
 
     #: This rank's diff of the eligible steps; its ``whole_because`` says why the others go whole.
     diff: ElementDiff
+    #: For every step, ``None`` if it can go as elements, or why not (the same on every rank).
+    why: dict[int, str | None]
     #: Why this rank cannot send elements this sync (``None``: it can).
     refused: str | None
     #: The output names the engines keep a copy of, for the next element sync: every element step's.
@@ -260,24 +219,55 @@ class ElementRead:
     collective: bool
     timeout_s: float
 
+    def exchange(self, needed: frozenset[int] | None) -> dict[int, list[Segment]]:
+        """Every rank's segments of the element steps this sync sends (of ``needed``; ``None``: every step), on
+        every rank: :func:`exchange` over the stream's group."""
+        steps = sorted(i for i in self.diff.segments if needed is None or i in needed)
+        return exchange(self.group, self.collective, self.diff.segments, steps, self.timeout_s)
+
 
 def read_elements(stream: Any, baseline: ElementBaseline) -> ElementRead:
-    """Which steps of ``stream`` can go as elements (:func:`eligible_steps`), this rank's diff of them against
-    ``baseline`` (:func:`diff_shards`), whether this rank can send them, and what the exchange needs of the stream."""
-    eligible = eligible_steps(stream)
-    diff = diff_shards(stream, [i for i, why in eligible.items() if why is None], baseline)
-    for why in eligible.values():
-        if why is not None:
-            diff.whole_because[why] = diff.whole_because.get(why, 0) + 1
-    names = stream.steps()
-    g = stream.gatherer
+    """One pass over the steps of ``stream``'s plan: which can go as elements, and for each of those this rank's
+    diff against ``baseline`` (compared only if it follows this stream's plan); then whether this rank can send
+    them, and what the exchange needs of the stream. Reads each eligible local shard once, on its device, and copies
+    the cast shard to host memory."""
+    import time
+
+    t0 = time.perf_counter()
+    usable = baseline.valid_for(stream.plan_digest)
+    gatherer = stream.gatherer
+    why: dict[int, str | None] = {}
+    outputs: list[str] = []
+    diff = ElementDiff({}, {}, {})
+    for i, step in enumerate(stream._steps):
+        out = step.outputs[0]
+        outputs.append(out.name)
+        shard = _shard_if_eligible(step, gatherer)
+        if isinstance(shard, str):
+            why[i] = shard
+            diff.whole_because[shard] = diff.whole_because.get(shard, 0) + 1
+            continue
+        why[i] = None
+        cast = shard.values.detach().to(device="cpu", dtype=out.dtype, copy=True).reshape(-1)
+        fp = fingerprint(cast)
+        old = baseline.shards.get(i) if usable else None
+        if old is None or old.numel() != cast.numel():
+            index = torch.arange(cast.numel(), dtype=torch.int64)
+        else:
+            index = (bits(cast) != bits(old)).nonzero().reshape(-1)
+        diff.changed[i] = bool(index.numel()) or old is None
+        diff.segments[i] = Segment(shard.offset, shard.offset + cast.numel(), encode(cast, index), fp)
+        diff.new[i] = cast
+        diff.baseline_bytes += cast.numel() * cast.element_size()
+    diff.seconds = time.perf_counter() - t0
     return ElementRead(
         diff,
-        _refusal(diff, baseline.valid_for(stream.plan_digest)),
-        [names[i][0] for i in diff.segments],
-        len(names),
-        g.process_group,
-        bool(g.collective),
+        why,
+        _refusal(diff, usable),
+        [outputs[i] for i in diff.segments],
+        len(outputs),
+        gatherer.process_group,
+        bool(gatherer.collective),
         stream.agreement_timeout.total_seconds(),
     )
 

@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from .coordination import Coordinator
-from .lockstep import describe_error
+from .lockstep import FLAG_CAPACITY, describe_error
 
 __all__ = ["FAULT_POINTS", "LOST_WAIT_S", "FaultHook", "Transaction", "fault_point", "set_fault_hook"]
 
@@ -204,14 +204,18 @@ class Transaction:
         return self.ok
 
     def any_of(self, bits: Sequence[bool], stage: str) -> list[bool] | None:
-        """One agreement of fixed size on every path: for each of ``bits`` (as many on every rank), whether any rank
-        set it; ``None`` (recorded as this rank's error) if the exchange failed. Unlike :meth:`vote` it decides
+        """Agreements of fixed size on every path: for each of ``bits`` (as many on every rank), whether any rank
+        set it, in as many agreements of :data:`~lora_stream.lockstep.FLAG_CAPACITY` bits as it takes (one at the
+        least); ``None`` (recorded as this rank's error) if an exchange failed. Unlike :meth:`vote` it decides
         nothing by itself; a peer's failure reported in it is recorded too."""
-        try:
-            return self._coordinator().any_of(bits, f"{stage} ({self.what})")
-        except BaseException as exc:
-            self._record(exc)
-            return None
+        out: list[bool] = []
+        for start in range(0, max(1, len(bits)), FLAG_CAPACITY):
+            try:
+                out += self._coordinator().any_of(list(bits[start : start + FLAG_CAPACITY]), f"{stage} ({self.what})")
+            except BaseException as exc:
+                self._record(exc)
+                return None
+        return out
 
     def conclude(self, commit: Callable[[], None], abort: Callable[[BaseException], None]) -> None:
         """After the last vote: ``commit()`` if every rank succeeded; otherwise ``abort(error)`` and raise ``error``

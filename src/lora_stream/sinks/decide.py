@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from ..adapter import AdapterStream
-from ..changes import Changes, agree_on_changes, takes_selection
+from ..changes import agree_on_changes, takes_selection
 from ..stream import ParamStream
 from ..stream_pass import Selection
 from ..transaction import Transaction
@@ -35,9 +35,6 @@ from .memory import SinkMemory
 from .route import Route
 from .source import ElementSource, SyncSource, source_for
 from .verify import VerifyPolicy, model_vocab_size, probe_ids
-
-if TYPE_CHECKING:
-    from ..elements import ElementRead
 
 __all__ = ["Decision", "DecideOptions", "decide", "decide_for"]
 
@@ -112,6 +109,7 @@ def decide(
         merge_plan = memory.base.plan(stream) if adapter is None and merge == "engine" else None
         base_fps = merge_plan.base_fingerprints(stream) if merge_plan is not None else None
         skipping = skip_unchanged and adapter is None and takes_selection(stream)
+        steps = stream.steps()
         fingerprints = stream.fingerprints() if skipping else None
         stages["fingerprint_s"] = time.perf_counter() - t
         read = None
@@ -125,7 +123,7 @@ def decide(
             t = time.perf_counter()
             engines = route.engine_states()
             stages["state_check_s"] = time.perf_counter() - t
-        return aliases, ids, adapter, merge_plan, base_fps, fingerprints, engines, read, stream.steps()
+        return aliases, ids, adapter, merge_plan, base_fps, fingerprints, engines, read, steps
 
     aliases, ids, adapter, merge_plan, base_fps, fingerprints, engines, read, steps = tx.prepare(check)
     changes = None
@@ -150,7 +148,14 @@ def decide(
         stages.update(changes.stages)
         if changes.elements:
             assert read is not None
-            sends = _exchange(tx, read, changes, stages)
+            # Every rank's changes of the element steps this sync sends, right after the agreement every rank
+            # reached: a rank missing from the exchange has failed.
+            t = time.perf_counter()
+            with tx.attempt():
+                sends = read.exchange(changes.needed)
+            stages["element_exchange_s"] = time.perf_counter() - t
+            if tx.error is not None:
+                raise tx.error
     selection = changes.selection if changes is not None else None
     full_because = changes.full_because if changes is not None else None
     if changes is None and adapter is None:
@@ -184,23 +189,6 @@ def decide(
         )
     diff = read.diff if read is not None else None
     return Decision(source, aliases, changes, adapter, verifying, ids, merge_plan, base_fps, stages, diff)
-
-
-def _exchange(tx: Transaction, read: ElementRead, changes: Changes, stages: dict[str, Any]) -> Any:
-    """Every rank's changes of the element steps this sync sends, on every rank (two all-gathers of the encoded
-    changes over the stream's group -- their sizes, then the changes -- right after the agreement that every rank
-    reached)."""
-    from ..elements import exchange
-
-    needed = changes.needed if changes.needed is not None else frozenset(range(read.steps))
-    steps = sorted(i for i in read.diff.segments if i in needed)
-    t = time.perf_counter()
-    with tx.attempt():
-        out = exchange(read.group, read.collective, read.diff.segments, steps, read.timeout_s)
-    stages["element_exchange_s"] = time.perf_counter() - t
-    if tx.error is not None:
-        raise tx.error
-    return out
 
 
 def _staging_path(lora_name: str) -> str:
