@@ -426,11 +426,19 @@ def test_without_rollback_nothing_is_kept_and_a_failure_says_the_engine_is_mixed
 
 
 # -- a sync moves only what changed (skip_unchanged, the default) ------------------------------------------------------
-def test_after_the_first_sync_only_what_changed_is_loaded_and_served_exactly(untied) -> None:  # type: ignore[no-untyped-def]
+def test_after_the_first_sync_only_what_changed_is_loaded_and_served_exactly(untied, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """LoRA on q and v only: a step changes 2 of each layer's 9 outputs, and k goes with them (vLLM's qkv_proj is
-    one module); the engine serves exactly what a full sync of the same weights serves, and keeps a smaller copy."""
+    one module); the engine serves exactly what a full sync of the same weights serves, and keeps a smaller copy. A
+    sink that never sends a partial sync (``skip_unchanged=False``) measures no digest of the engine's state (a
+    read of every weight that no later sync would ask for)."""
     from helpers import perturb_adapters
     from transformers import LlamaForCausalLM
+
+    import lora_stream.engine.reload as reload
+
+    measured: list[bool] = []
+    real_measure = reload.measure
+    monkeypatch.setattr(reload, "measure", lambda *a, **k: measured.append(True) or real_measure(*a, **k))
 
     path, llm = untied
     pm = lora(LlamaForCausalLM.from_pretrained(path), target_modules=["q_proj", "v_proj"], r=8, lora_alpha=32)
@@ -445,10 +453,13 @@ def test_after_the_first_sync_only_what_changed_is_loaded_and_served_exactly(unt
     assert partial.stages["kept_bytes"] < first.stages["kept_bytes"]
     served = vllm_generate(llm)
     assert_vllm_serves(served, merged_copy(pm))
+    measured.clear()
     assert full.sync(ParamStream(pm, group_by="layer")).full_because == "skip_unchanged=False"
+    assert measured == []  # its commit names no sync: no digest measured
     assert vllm_generate(llm) == served
     # The other sink wrote the engine: everything again.
     assert "no longer holds" in sink.sync(ParamStream(pm, group_by="layer")).full_because
+    assert measured  # the skipping sink's commit records one
     # A frozen weight edited in place, through .data (no version counter moves): it travels too.
     with torch.no_grad():
         pm.base_model.model.model.layers[1].mlp.up_proj.weight.data.mul_(0.5)

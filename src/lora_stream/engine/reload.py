@@ -262,6 +262,7 @@ class ReloadBracket:
         base: str | None = None,
         optional: Collection[str] = (),
         restore: Any = None,
+        record: bool = True,
     ) -> None:
         """Open the bracket. ``expect``: a partial update, which sends exactly these checkpoint names onto the
         weights of the committed sync ``base``; every module they do not feed is left untouched (not snapshotted,
@@ -273,7 +274,10 @@ class ReloadBracket:
         partial update sends (``expect``) as the model holds it now
         (:meth:`~lora_stream.engine.merger.EngineMerger.restorer`). Taken only for a partial update onto a
         committed sync, on a model that can tell which modules the names feed; otherwise the copy is kept as
-        asked."""
+        asked.
+
+        ``record=False``: the commit will name no sync (a sink that never sends a partial update), so :meth:`finish`
+        measures no digest of the model's state for it (a commit that names one anyway records it then)."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         from .holding import held_by
@@ -342,6 +346,10 @@ class ReloadBracket:
         # What a commit of this update records: after a partial update, every module but those it was barred from
         # touching (they were proven just above); after a full one, everything.
         self._to_record = {n for n in modules if n not in untouched} if expect is not None else None
+        if not record:
+            # The caller commits with no token (a sink that never sends a partial sync): no digest is recorded,
+            # so finish() measures none (one read of every weight, for a proof nobody will ask for).
+            self._to_record = False
         self._measured = None
         self._watch_relayouts()
         try:

@@ -34,9 +34,11 @@ class LoraStreamWorkerExtension:
         base: str | None = None,
         optional: list[str] | None = None,
         elements: dict[str, Any] | None = None,
+        record: bool = True,
     ) -> None:
         """Open the bracket (:meth:`ReloadBracket.begin`; ``expect`` and ``base``: a partial update; ``elements``:
-        an element sync's info, :class:`~lora_stream.engine.elements.ElementShadow`)."""
+        an element sync's info, :class:`~lora_stream.engine.elements.ElementShadow`; ``record=False``: the commit
+        will name no sync, so no digest of the model's state is measured for it)."""
         from .elements import ElementShadow
         from .merger import EngineMerger
 
@@ -47,7 +49,14 @@ class LoraStreamWorkerExtension:
         shadow.begin(elements, base)
         restore = shadow.restorer(expect, optional or ()) if keep_previous else None
         bracket = ReloadBracket(self.model_runner.model, self.model_runner.model_config)
-        bracket.begin(keep_previous=keep_previous, expect=expect, base=base, optional=optional or (), restore=restore)
+        bracket.begin(
+            keep_previous=keep_previous,
+            expect=expect,
+            base=base,
+            optional=optional or (),
+            restore=restore,
+            record=record,
+        )
         self._lora_stream_bracket = bracket
 
     def lora_stream_begin_merge(

@@ -250,10 +250,15 @@ class VLLMColocatedSink:
             shadow.begin(elements, base)
             restore = shadow.restorer(expect, source.aliases) if self.rollback else None
             self._bracket.begin(
-                keep_previous=self.rollback, expect=expect, base=base, optional=source.aliases, restore=restore
+                keep_previous=self.rollback,
+                expect=expect,
+                base=base,
+                optional=source.aliases,
+                restore=restore,
+                record=self.skip_unchanged,
             )
         else:
-            self._rpc("lora_stream_begin", self.rollback, expect, base, source.aliases, elements)
+            self._rpc("lora_stream_begin", self.rollback, expect, base, source.aliases, elements, self.skip_unchanged)
 
     def _load(self, pairs: list[tuple[str, torch.Tensor]], optional: list[str]) -> None:
         if self._bracket is not None:
