@@ -98,6 +98,9 @@ def main(path: str) -> None:
             copy_restored=copy_restored,
             version=sink.version,
         )
+        # The next sync: whole after a failure that reached the engine; as elements after one refused in the
+        # pre-flight (nothing reached the engine, so the trainer's baseline still is what it holds).
+        report(event="next", point=point, full_because=sink.sync(stream(), version="next").full_because)
     record = sink.sync(stream(), version="after")
     report(event="after", full_because=record.full_because)
 
