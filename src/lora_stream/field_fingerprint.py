@@ -37,10 +37,11 @@ construction on a small prime, where collisions are frequent enough to count.
 ``hashlib``, never torch's random stream), so that a trainer and an engine on different builds agree. The bound does
 not hold against someone who reads the key and crafts an edit for it, which is not a way a weight changes.
 
-**Cost.** Everything runs where the tensor lives, in int64 (no product overflows: each is split into 31-bit halves
-before it is summed). A whole tensor costs a few elementwise passes (the powers ``r**j`` of a block of
-:data:`BLOCK` positions come from a table; each block's sum is then scaled by ``r`` to its first position); an update
-costs the same per changed element, with the powers from three tables of :data:`BLOCK` entries.
+**Cost.** Everything runs where the tensor lives. A whole tensor: each word cut into 16-bit halves, times the powers
+``r**j`` of a block of :data:`BLOCK` positions cut into 21-bit limbs, summed per block in one float64 matrix product
+(every sum is an integer below ``2**52``: exact); each block's sum is then scaled to its first position on the host,
+a few integers per block. An update: per changed element, its power from three tables of :data:`BLOCK` entries and
+the products in int64, each split into 31-bit halves before it is summed (no product or sum passes ``2**63``).
 """
 
 from __future__ import annotations
@@ -69,14 +70,14 @@ __all__ = [
 #: The field's prime, ``2**61 - 1``.
 P = (1 << 61) - 1
 #: Positions per block of a whole-tensor fingerprint, and entries of each table of powers.
-BLOCK = 1 << 16
-#: Positions a fingerprint covers: three tables of :data:`BLOCK` powers reach ``2**48``; the bound is stated to
+BLOCK = 1 << 14
+#: Positions a fingerprint covers: three tables of :data:`BLOCK` powers reach ``2**42``; the bound is stated to
 #: ``2**40``.
 MAX_POSITIONS = 1 << 40
 #: What the keys are expanded from (SHAKE-256): changing it changes every fingerprint.
 KEY_LABEL = b"lora_stream.field_fingerprint, 2 lanes, p = 2**61 - 1, v1"
-#: Elements of one batch of a whole-tensor fingerprint (temporaries: a few int64 per element).
-_BATCH = 1 << 20
+#: Elements of one batch of a whole-tensor fingerprint (temporaries: a few 8-byte values per element).
+_BATCH = 1 << 20  # a multiple of BLOCK: every batch starts a block
 _M31 = (1 << 31) - 1
 
 #: A fingerprint: one field element per lane.
@@ -95,8 +96,9 @@ def _keys() -> tuple[int, int]:
 
 _KEYS = _keys()
 #: A short name of the keys: two processes with the same ``KEY_ID`` fingerprint alike.
-KEY_ID = hashlib.blake2b(repr((_KEYS, P, BLOCK)).encode(), digest_size=8).hexdigest()
+KEY_ID = hashlib.blake2b(repr((_KEYS, P)).encode(), digest_size=8).hexdigest()
 _tables: dict[torch.device, torch.Tensor] = {}
+_limbs: dict[torch.device, torch.Tensor] = {}
 
 
 def _powers(device: torch.device) -> torch.Tensor:
@@ -115,6 +117,20 @@ def _powers(device: torch.device) -> torch.Tensor:
                 rows.append(row)
         t = torch.tensor(rows, dtype=torch.int64).view(2, 3, BLOCK).to(device)
         _tables[device] = t
+    return t
+
+
+def _limb_table(device: torch.device) -> torch.Tensor:
+    """``[BLOCK, 6]`` float64: ``r**j`` of each lane cut into three 21-bit limbs (lane-major). A block's sums
+    against 16-bit halves of the words are below ``2**17 * 2**21 * BLOCK = 2**52``: exact in float64, whatever order
+    a matrix product adds them in."""
+    t = _limbs.get(device)
+    if t is None:
+        powers = _powers(torch.device("cpu"))[:, 0]  # [lane, BLOCK]
+        mask = (1 << 21) - 1
+        cols = [(powers[lane] >> (21 * k)) & mask for lane in range(2) for k in range(3)]
+        t = torch.stack(cols, 1).to(torch.float64).to(device)
+        _limbs[device] = t
     return t
 
 
@@ -182,29 +198,37 @@ def field_fingerprint(t: torch.Tensor, offset: int = 0) -> FieldFingerprint:
     if offset < 0 or offset + n > MAX_POSITIONS:
         raise FingerprintError(f"positions [{offset}, {offset + n}) beyond the fingerprint's {MAX_POSITIONS}")
     bits, size = _bits(t)
-    powers = _powers(bits.device)[:, 0]  # [lane, BLOCK]: r**j
+    limbs = _limb_table(bits.device)
     out = [0, 0]
-    # Blocks of BLOCK positions aligned to the tensor's own start: block b covers offset + b*BLOCK + j.
+    steps = [pow(r, BLOCK, P) for r in _KEYS]
+    # Blocks of BLOCK positions from the tensor's own start: block b covers offset + b*BLOCK + j. Each word is cut
+    # into 16-bit halves, each half times each lane's limbs summed per block in one matrix product, exactly.
+    halves = 2 if size == 4 else 1  # a 4-byte word in two 16-bit halves; a narrower one is its own low half
     for start in range(0, n, _BATCH):
-        batch = _words(bits[start : start + _BATCH], size)
-        full = batch.numel() // BLOCK
+        chunk = bits[start : start + _BATCH]
+        m = chunk.numel()
+        rows, rest = divmod(m, BLOCK)
         parts = []
-        if full:
-            rows = batch[: full * BLOCK].view(full, BLOCK)
-            parts.append((start, rows, powers))
-        rest = batch.numel() - full * BLOCK
+        if size == 4:
+            words = (chunk.to(torch.int64) & 0xFFFFFFFF) + 1
+            cut = torch.stack([words & 0xFFFF, words >> 16], 0).to(torch.float64)
+        else:
+            mask = (1 << (8 * size)) - 1
+            cut = ((chunk.to(torch.int32) & mask) + 1).to(torch.float64).view(1, m)
+        if rows:
+            parts.append(cut[:, : rows * BLOCK].reshape(halves, rows, BLOCK) @ limbs)
         if rest:
-            parts.append((start + full * BLOCK, batch[full * BLOCK :].view(1, rest), powers[:, :rest]))
-        for first, rows, w in parts:
-            for lane in range(2):
-                sums = _dot(rows, w[lane]).tolist()
-                r = _KEYS[lane]
-                scale = pow(r, offset + first, P)
-                step = pow(r, BLOCK, P)
-                acc = 0
-                for row in reversed(sums):  # Horner over the blocks: block b is scaled by r**(b * BLOCK)
-                    acc = (acc * step + _combine(row)) % P
-                out[lane] = (out[lane] + acc * scale) % P
+            parts.append(cut[:, rows * BLOCK :].reshape(halves, 1, rest) @ limbs[:rest])
+        sums = torch.cat(parts, 1).to(torch.int64).tolist()  # [half, block, lane * 3 + limb]
+        for lane in range(2):
+            acc = 0
+            for row in reversed(range(len(sums[0]))):  # Horner over the blocks: block b is scaled by r**(b * BLOCK)
+                value = 0
+                for half in range(halves):
+                    limb = sums[half][row][3 * lane : 3 * lane + 3]
+                    value += (limb[0] + (limb[1] << 21) + (limb[2] << 42)) << (16 * half)
+                acc = (acc * steps[lane] + value) % P
+            out[lane] = (out[lane] + acc * pow(_KEYS[lane], offset + start, P)) % P
     return out[0], out[1]
 
 
@@ -218,11 +242,12 @@ def field_delta(positions: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -
     d_new, d_old = element_words(new), element_words(old)
     pos = positions.to(device=d_new.device, dtype=torch.int64).reshape(-1)
     table = _powers(d_new.device)
+    far = int(pos.max()) >= 1 << 28
     out = []
     for lane in range(2):
-        w = table[lane, 0][pos & (BLOCK - 1)]
-        w = _mulmod(w, table[lane, 1][(pos >> 16) & (BLOCK - 1)])
-        w = _mulmod(w, table[lane, 2][pos >> 32])
+        w = _mulmod(table[lane, 0][pos & (BLOCK - 1)], table[lane, 1][(pos >> 14) & (BLOCK - 1)])
+        if far:  # positions past 2**28: the third table's factor
+            w = _mulmod(w, table[lane, 2][pos >> 28])
         out.append((_combine(_dot(d_new, w).tolist()) - _combine(_dot(d_old, w).tolist())) % P)
     return out[0], out[1]
 
