@@ -336,7 +336,10 @@ def _unframe(frame: torch.Tensor) -> dict[int, Segment]:
     out: dict[int, Segment] = {}
     for i, lo, hi, fp, encoding, count, numel, dtype, size in json.loads(bytes(frame[8:at].tolist()).decode()):
         out[int(i)] = Segment(
-            lo, hi, Encoded(encoding, count, numel, getattr(torch, dtype), frame[at : at + size].clone()), tuple(fp)
+            lo,
+            hi,
+            Encoded(encoding, count, numel, getattr(torch, dtype), frame[at : at + size].clone()),
+            (int(fp[0]), int(fp[1])),
         )
         at += size
     return out

@@ -188,7 +188,7 @@ class ElementShadow:
         # The proof: the trainer ranks' fingerprints of their ranges add up to the whole tensor's (the segments cover it
         # exactly), which must be that of the tensor rebuilt here. Updated from the changed elements where the copy's
         # fingerprint is known; read in full otherwise, and at least once every REREAD_EVERY element syncs.
-        expected = field_add(*(tuple(int(x) for x in s["fp"]) for s in segments))
+        expected = field_add(*((int(s["fp"][0]), int(s["fp"][1])) for s in segments))
         got = field_add(known[0], *terms) if incremental and known is not None else field_fingerprint(target)
         if got != expected:
             raise VLLMLoadError(

@@ -85,6 +85,19 @@ def coalesced(placed: Sequence[tuple[Any, int, int]], coalesce_bytes: int, world
     return small, flat_staging_bytes([n // world for _, _, n in small], world) if small else 0
 
 
+def flat_part(
+    buf: torch.Tensor, small: Sequence[tuple[Any, int, int]], size: int, staging: int, world: int
+) -> tuple[list[Any], FlatGather | None, set[int]]:
+    """The small parameters' shared flat all-gather over ``buf`` (:func:`coalesced`'s ``small`` and ``staging``; the
+    staging starts at ``size``, after the group's tensors): the parameters, its :class:`FlatGather` (``None``: no
+    shared gather), and their ids (the large ones are gathered straight into their places)."""
+    if not small:
+        return [], None, set()
+    outs = [buf.narrow(0, off, n) for _, off, n in small]
+    flat = FlatGather([n // world for _, _, n in small], outs, buf.narrow(0, size, staging), world)
+    return [p for p, _, _ in small], flat, {id(p) for p, _, _ in small}
+
+
 class FlatGather:
     """The buffer side of :func:`flat_all_gather`, laid out once: where each piece's ``world * n`` bytes go, the
     packed and gathered staging, and the views the copy out writes through. A direct path that keeps its buffer

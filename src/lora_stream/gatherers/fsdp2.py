@@ -29,6 +29,7 @@ from .base import (
     ShardedGathererBase,
     aligned,
     coalesced,
+    flat_part,
     reusable_buffer,
 )
 
@@ -264,11 +265,7 @@ class Fsdp2Gatherer(ShardedGathererBase):
         if buf is not old:
             self._layouts.clear()  # views into the old buffer: let it go
         layout = _Layout(buf, sum(p.numel() * p.element_size() for p in params))
-        if small:
-            layout.small = [p for p, _, _ in small]
-            outs = [buf.narrow(0, off, n) for _, off, n in small]
-            layout.flat = FlatGather([n // world for _, _, n in small], outs, buf.narrow(0, size, staging), world)
-        flat = {id(p) for p, _, _ in small}
+        layout.small, layout.flat, flat = flat_part(buf, small, size, staging, world)
         for p, off, n in placed:
             gathered = buf.narrow(0, off, n).view(p.dtype)
             layout.full[id(p)] = gathered.narrow(0, 0, p.numel()).view(p.shape)

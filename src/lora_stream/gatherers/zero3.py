@@ -49,6 +49,7 @@ from .base import (
     aligned,
     coalesced,
     detached,
+    flat_part,
     reusable_buffer,
 )
 
@@ -370,11 +371,7 @@ class ZeroThreeGatherer(ShardedGathererBase):
         if buf is not old:
             self._layouts[slot].clear()  # views into the old buffer: let it go
         layout = _Layout(buf, sum(int(p.ds_numel) * p.element_size() for p, _, _ in placed))
-        if small:
-            layout.small = [p for p, _, _ in small]
-            outs = [buf.narrow(0, off, n) for _, off, n in small]
-            layout.flat = FlatGather([n // world for _, _, n in small], outs, buf.narrow(0, size, staging), world)
-        flat = {id(p) for p, _, _ in small}
+        layout.small, layout.flat, flat = flat_part(buf, small, size, staging, world)
         for p, off, n in placed:
             out = buf.narrow(0, off, n).view(p.dtype)
             if id(p) not in flat:
