@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import importlib
@@ -177,7 +178,9 @@ def tiny_llama(
     inter: int = 96,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    bias: bool = False,
 ) -> nn.Module:
+    """A random Llama of these sizes (``bias``: biases on the attention's projections)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -188,6 +191,7 @@ def tiny_llama(
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
+        attention_bias=bias,
         tie_word_embeddings=tie,
         max_position_embeddings=128,
     )
@@ -820,3 +824,21 @@ def run_child_engine_script(script: str, path: str, timeout: float = 300, *, in_
     (rank,) = launch(script.removesuffix(".py"), path, world=1, timeout=timeout, env=env, fork=in_process)
     assert rank.returncode == 0, rank.output[-8000:]
     return rank.output
+
+
+@contextlib.contextmanager
+def failing_at(point: str) -> Iterator[None]:
+    """The sync in the block fails at the transaction's fault point ``point`` (``lora_stream.testing``): a
+    ``RuntimeError("injected at POINT")`` raised there, which the block must raise."""
+    from lora_stream.testing import set_fault_hook
+
+    def hook(p: str) -> None:
+        if p == point:
+            raise RuntimeError(f"injected at {p}")
+
+    set_fault_hook(hook)
+    try:
+        with pytest.raises(RuntimeError, match=f"injected at {point}"):
+            yield
+    finally:
+        set_fault_hook(None)

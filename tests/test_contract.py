@@ -47,22 +47,7 @@ def test_llama_stream_equals_peft_merge(case: str, tie: bool) -> None:
     kw = dict(LLAMA_CASES[case])
     model = tiny_llama(tie=tie)
     if case == "lora_bias":  # lora_bias needs a base bias
-        model = tiny_llama(tie=tie)
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(
-            LlamaConfig(
-                vocab_size=128,
-                hidden_size=64,
-                intermediate_size=96,
-                num_hidden_layers=2,
-                num_attention_heads=2,
-                num_key_value_heads=1,
-                attention_bias=True,
-                tie_word_embeddings=tie,
-            )
-        )
+        model = tiny_llama(tie=tie, bias=True)
     pm = lora(model, **kw)
     if tie and "embed_tokens" in kw.get("target_modules", ()):
         with pytest.raises(UnsupportedAdapterError, match="the trainer's"):  # see the tied-embedding test below

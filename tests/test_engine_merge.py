@@ -24,20 +24,7 @@ _TORCH_SET_NUM_THREADS = torch.set_num_threads
 
 
 def _llama_with_bias(tie: bool) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        attention_bias=True,
-        tie_word_embeddings=tie,
-    )
-    return LlamaForCausalLM(cfg)
+    return tiny_llama(tie=tie, bias=True)
 
 
 def _engine_outputs(

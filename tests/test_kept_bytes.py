@@ -19,8 +19,7 @@ import os
 import sys
 
 import pytest
-import torch
-from helpers import VLLM_ENV, lora, require, save_for_vllm, unavailable, vllm_engine
+from helpers import VLLM_ENV, lora, require, save_for_vllm, tiny_llama, unavailable, vllm_engine
 
 from lora_stream import ParamStream, VLLMColocatedSink
 
@@ -47,20 +46,7 @@ def settled_rss() -> int:
 
 def packed_llama():  # type: ignore[no-untyped-def]
     """A 33 MiB float32 Llama, nearly all of it in linear layers (29 MiB; embedding and lm_head 2 MiB each)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=1000,
-        hidden_size=512,
-        intermediate_size=2048,
-        num_hidden_layers=2,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        tie_word_embeddings=False,
-        max_position_embeddings=128,
-    )
-    return LlamaForCausalLM(cfg)
+    return tiny_llama(vocab=1000, hidden=512, inter=2048, heads=16, kv_heads=4)
 
 
 @pytest.fixture(scope="module")

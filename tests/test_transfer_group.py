@@ -144,6 +144,19 @@ def test_an_ipv6_address_binds_an_ipv6_socket() -> None:
         assert listener.getsockname()[1] != 0
 
 
+def _the_member_joins_and_both_broadcast(trainer: Any, groups: dict[int, Any], port: int) -> None:
+    """The second member, with the secret, joins the group ``trainer`` (rank 0) opened on ``port``; a broadcast
+    reaches it."""
+    _start(1, groups, "127.0.0.1", port, 1, 2, 30.0, secret=SECRET).join()
+    trainer.join()
+    assert not any(isinstance(g, Exception) for g in groups.values()), groups
+    try:
+        assert _received(groups[0], groups[1]).tolist() == list(range(6))
+    finally:
+        for g in groups.values():
+            g.close()
+
+
 def test_a_process_without_the_secret_cannot_join_and_the_members_still_broadcast() -> None:
     from lora_stream.transfer.group import TransferGroup
 
@@ -155,14 +168,7 @@ def test_a_process_without_the_secret_cannot_join_and_the_members_still_broadcas
     _start(1, intruder, "127.0.0.1", port, 1, 2, 2.0, secret=secrets.token_hex(16)).join()
     assert isinstance(intruder[1], Exception), intruder
     assert time.monotonic() - start < 20
-    _start(1, groups, "127.0.0.1", port, 1, 2, 30.0, secret=SECRET).join()
-    trainer.join()
-    assert not any(isinstance(g, Exception) for g in groups.values()), groups
-    try:
-        assert _received(groups[0], groups[1]).tolist() == list(range(6))
-    finally:
-        for g in groups.values():
-            g.close()
+    _the_member_joins_and_both_broadcast(trainer, groups, port)
 
 
 def test_a_process_that_lists_the_store_keys_learns_neither_the_secret_nor_a_way_in() -> None:
@@ -191,14 +197,7 @@ def test_a_process_that_lists_the_store_keys_learns_neither_the_secret_nor_a_way
     for prefix in prefixes:
         with pytest.raises(Exception):  # noqa: B017 - gloo's timeout surfaces as RuntimeError or DistError
             dist.ProcessGroupGloo(dist.PrefixStore(prefix, spy), 1, 2, timeout)
-    _start(1, groups, "127.0.0.1", port, 1, 2, 30.0, secret=SECRET).join()
-    trainer.join()
-    assert not any(isinstance(g, Exception) for g in groups.values()), groups
-    try:
-        assert _received(groups[0], groups[1]).tolist() == list(range(6))
-    finally:
-        for g in groups.values():
-            g.close()
+    _the_member_joins_and_both_broadcast(trainer, groups, port)
 
 
 def test_a_value_written_without_the_secret_is_refused_not_used() -> None:

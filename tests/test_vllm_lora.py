@@ -12,6 +12,7 @@ from helpers import (
     assert_vllm_serves,
     clear_cpu_shm,
     event,
+    failing_at,
     lora,
     merged_copy,
     require,
@@ -83,8 +84,6 @@ def test_three_training_steps_each_served_exactly_through_the_returned_lora_requ
 def test_a_verified_adapter_sync_rolls_back_to_the_previous_version_after_a_failure_at_any_late_point(served) -> None:  # type: ignore[no-untyped-def]
     from helpers import perturb_adapters
 
-    from lora_stream.testing import set_fault_hook
-
     path, llm = served
     pm = lora(_base(path), target_modules="all-linear", r=8, lora_alpha=16)
     perturb_adapters(pm)
@@ -94,17 +93,8 @@ def test_a_verified_adapter_sync_rolls_back_to_the_previous_version_after_a_fail
     before = vllm_generate(llm, sink.lora_request)
     perturb_adapters(pm, seed=9)
     for point in ("group:0", "reload-check", "verify", "prefix-cache", "commit"):
-
-        def hook(p: str, point: str = point) -> None:
-            if p == point:
-                raise RuntimeError(f"injected at {p}")
-
-        set_fault_hook(hook)
-        try:
-            with pytest.raises(RuntimeError, match=f"injected at {point}"):
-                sink.sync(AdapterStream(pm), version="v2")
-        finally:
-            set_fault_hook(None)
+        with failing_at(point):
+            sink.sync(AdapterStream(pm), version="v2")
         assert vllm_generate(llm, sink.lora_request) == before, point
         assert sink.version == "v1"
     assert sink.sync(AdapterStream(pm), version="v2").verification.passed

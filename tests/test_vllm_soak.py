@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import require, save_for_vllm, vllm_llama
 from soak import FAULTS, POINTS, Soak, soak_servers
-from vllm_server import Server
+from vllm_server import Server, running
 
 #: Rounds in CI: each fault kind once, then random ones, the last one plain. ``LORA_STREAM_SOAK_ROUNDS`` overrides.
 ROUNDS = int(os.environ.get("LORA_STREAM_SOAK_ROUNDS", "9"))
@@ -33,13 +33,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 def servers(checkpoint: str):  # type: ignore[no-untyped-def]
     """The two servers both soaks run against: each soak starts with a plain round, and restarts a server it kills."""
     started = soak_servers(checkpoint)
-    try:
-        for s in started:
-            s.wait_ready()
-        yield started
-    finally:
-        for s in started:
-            s.stop()
+    with running(started) as ready:
+        yield ready
 
 
 def test_every_round_of_a_soak_with_random_faults_ends_with_every_server_on_its_last_committed_version(

@@ -12,7 +12,7 @@ import os
 import pytest
 from helpers import require, results_of, save_for_vllm, vllm_llama
 from launch import assert_all_ok, describe, launch
-from vllm_server import Server
+from vllm_server import Server, running
 
 
 @pytest.fixture(scope="module")
@@ -33,13 +33,8 @@ def bf16_fleet(checkpoint: str):  # type: ignore[no-untyped-def]
         )
         for i in range(2)
     ]
-    try:
-        for s in servers:
-            s.wait_ready()
-        yield servers
-    finally:
-        for s in servers:
-            s.stop()
+    with running(servers) as ready:
+        yield ready
 
 
 def test_verify_catches_every_corrupted_sync_on_a_server_and_a_fleet_and_passes_correct_bf16_syncs(

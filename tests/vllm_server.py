@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 import requests
 from launch import free_port
@@ -148,3 +150,16 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+@contextlib.contextmanager
+def running(servers: list[Server]) -> Iterator[list[Server]]:
+    """``servers``, each waited for until it is ready, and each stopped on the way out however the block is left:
+    what a fixture that shares servers across a module's tests yields."""
+    try:
+        for s in servers:
+            s.wait_ready()
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()

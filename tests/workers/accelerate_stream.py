@@ -21,7 +21,7 @@ os.environ.setdefault("ACCELERATE_TORCH_DEVICE", "cpu")
 import deepspeed
 import torch
 import torch.distributed as dist
-from helpers import assert_matches, finish, lora, oracle, report, tiny_llama
+from helpers import ZERO3_CONFIG, assert_matches, finish, lora, oracle, report, tiny_llama
 
 from lora_stream import (
     Fsdp1Gatherer,
@@ -32,11 +32,7 @@ from lora_stream import (
 )
 
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-DS = {
-    "train_micro_batch_size_per_gpu": 1,
-    "zero_allow_untested_optimizer": True,
-    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-}
+DS = ZERO3_CONFIG
 
 
 def make_accelerator(setup: str):  # type: ignore[no-untyped-def]

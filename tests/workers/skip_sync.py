@@ -20,7 +20,17 @@ from pathlib import Path
 import deepspeed
 import torch
 import torch.distributed as dist
-from helpers import finish, lora, own_elements, perturb_adapters, report, report_sync, server_generate, train_sharded
+from helpers import (
+    ZERO3_CONFIG,
+    finish,
+    lora,
+    own_elements,
+    perturb_adapters,
+    report,
+    report_sync,
+    server_generate,
+    train_sharded,
+)
 
 from lora_stream import ParamStream, StreamAbortedError, VLLMServerSink
 from lora_stream.testing import set_fault_hook
@@ -29,11 +39,7 @@ deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 #: ``attn`` runs with DeepSpeed's default ``stage3_param_persistence_threshold`` (every parameter of this tiny model
 #: is then kept whole on every rank, as norms and biases are in a real one: the gather reads ``.data``, not the
 #: partition); ``all`` with 0 (every parameter partitioned).
-DS = {
-    "train_micro_batch_size_per_gpu": 1,
-    "zero_allow_untested_optimizer": True,
-    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-}
+DS = ZERO3_CONFIG
 DS_DEFAULT_PERSISTENCE = {**DS, "zero_optimization": {"stage": 3}}
 TARGETS = {"all": "all-linear", "attn": ["q_proj", "k_proj", "v_proj", "o_proj"], "qv": ["q_proj", "v_proj"]}
 

@@ -30,6 +30,7 @@ import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from helpers import (  # noqa: E402
+    ZERO3_CONFIG,
     assert_vllm_serves,
     count_exchanges,
     fail_on_rank_1,
@@ -44,11 +45,7 @@ from helpers import (  # noqa: E402
 from lora_stream import ParamStream, StreamAbortedError, VLLMColocatedSink  # noqa: E402
 
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-DS_CONFIG = {
-    "train_micro_batch_size_per_gpu": 1,
-    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-    "zero_allow_untested_optimizer": True,
-}
+DS_CONFIG = ZERO3_CONFIG
 
 
 def reference(engine, template: torch.nn.Module) -> torch.nn.Module:  # type: ignore[no-untyped-def]

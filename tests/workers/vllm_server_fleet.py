@@ -28,17 +28,13 @@ import warnings
 import deepspeed
 import torch
 import torch.distributed as dist
-from helpers import assert_vllm_serves, finish, lora, report, server_generate, zero3_whole_into
+from helpers import ZERO3_CONFIG, assert_vllm_serves, finish, lora, report, server_generate, zero3_whole_into
 
 from lora_stream import AdapterStream, LoraStreamError, ParamStream, StreamAbortedError, VLLMServerSink
 from lora_stream.errors import ReplicaExcludedWarning
 
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-DS = {
-    "train_micro_batch_size_per_gpu": 1,
-    "zero_allow_untested_optimizer": True,
-    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-}
+DS = ZERO3_CONFIG
 IDS = torch.tensor([[1, 17, 42, 99, 5, 7, 300]])
 
 

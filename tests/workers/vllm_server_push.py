@@ -31,6 +31,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from helpers import (
+    ZERO3_CONFIG,
     assert_vllm_serves,
     fail_on_rank_1,
     finish,
@@ -44,11 +45,7 @@ from helpers import (
 from lora_stream import LoraStreamError, ParamStream, StreamAbortedError, VLLMServerSink
 
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-DS = {
-    "train_micro_batch_size_per_gpu": 1,
-    "zero_allow_untested_optimizer": True,
-    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-}
+DS = ZERO3_CONFIG
 
 
 def reference(engine, template: torch.nn.Module) -> torch.nn.Module:  # type: ignore[no-untyped-def]
