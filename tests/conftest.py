@@ -41,11 +41,11 @@ _FIXED_SHM = frozenset({"test_vllm_colocated_dist", "test_vllm_lora", "test_docs
 #: tests out in collection order, so a long one collected last would run alone at the end.
 _HEAVY_FIRST = (
     "test_vllm_soak",
-    "test_architectures",
-    "test_vllm_server",
     "test_vllm_fleet",
     "test_trl",
-    *sorted(_FIXED_SHM),
+    *sorted(_FIXED_SHM),  # one group on one worker, about as long as the modules before it: never the tail
+    "test_vllm_server",
+    "test_architectures",
 )
 
 
