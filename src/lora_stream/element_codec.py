@@ -10,7 +10,8 @@ The three encodings, for ``k`` changed elements of ``n``, each ``s`` bytes:
 * ``"indices"``: the flat indices (``int32`` when ``n < 2**31``, else ``int64``), ascending, then the values:
   ``k * (4 + s)`` bytes;
 * ``"bitmask"``: one bit per element (bit ``i % 8`` of byte ``i // 8``), then the values in index order:
-  ``ceil(n / 8) + k * s`` bytes;
+  ``ceil(n / 8) + k * s`` bytes; encoding and decoding touch each byte once and each changed element's bit, never
+  an integer per element;
 * ``"dense"``: every value: ``n * s`` bytes.
 
 :func:`encode` picks the smallest (ties: the first of that list). Values are compared and carried as their *bits*
@@ -80,10 +81,11 @@ def encode(new: torch.Tensor, index: torch.Tensor) -> Encoded:
     if best == "indices":
         head = index.to(_index_dtype(numel)).view(torch.uint8)
     else:
-        mask = torch.zeros(((numel + 7) // 8) * 8, dtype=torch.uint8)
-        mask[index] = 1
-        weights = (2 ** torch.arange(8, dtype=torch.int32)).to(torch.uint8)
-        head = (mask.view(-1, 8) * weights).sum(dim=1, dtype=torch.int32).to(torch.uint8)
+        # Each changed element sets bit i % 8 of byte i // 8 (the indices are distinct, so a sum is an OR): the
+        # bytes are written once, the bits O(changed), never a byte per element.
+        acc = torch.zeros((numel + 7) // 8, dtype=torch.int32)
+        acc.index_add_(0, index >> 3, torch.ones_like(index, dtype=torch.int32) << (index & 7).to(torch.int32))
+        head = acc.to(torch.uint8)
     blob = torch.cat([head.reshape(-1), values.view(torch.uint8).reshape(-1)])
     return Encoded(best, k, numel, dtype, blob)
 
@@ -114,9 +116,11 @@ def decode(
     if encoding == "indices":
         index = head.view(_index_dtype(numel)).to(torch.int64)
     else:
-        unpacked = (head.unsqueeze(1).to(torch.int32) >> torch.arange(8, dtype=torch.int32)) & 1
-        index = unpacked.reshape(-1)[:numel].nonzero().reshape(-1)
-        if int(unpacked.reshape(-1)[numel:].sum()) != 0:
+        # Only the bytes with a bit set are unpacked: O(bytes + changed), never an int per element.
+        at = head.nonzero().reshape(-1)
+        bit = (head[at].to(torch.int32).unsqueeze(1) >> torch.arange(8, dtype=torch.int32)) & 1
+        index = (at.unsqueeze(1) * 8 + torch.arange(8, dtype=torch.int64))[bit.bool()]
+        if index.numel() and int(index[-1]) >= numel:
             raise ValueError("an element bitmask with bits set past the tensor's end")
     if index.numel() != count:
         raise ValueError(f"an element payload names {index.numel()} elements, its descriptor {count}")
