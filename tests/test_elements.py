@@ -81,7 +81,7 @@ def test_the_diff_finds_every_structured_edit_and_only_those() -> None:
     assert len(eligible) == len(stream.steps())  # every output of a fully fine-tuned dense model
     first = read.diff
     assert all(first.changed.values())  # no baseline: every element
-    baseline.stage(first)
+    baseline.stage(stream.plan_digest, first.new)
     assert baseline.shards == {}  # staged only
     baseline.commit()
     assert baseline.valid_for(stream.plan_digest) and baseline.host_bytes == first.baseline_bytes
@@ -90,7 +90,7 @@ def test_the_diff_finds_every_structured_edit_and_only_those() -> None:
     with torch.no_grad():
         flat[0] = float("nan")
         flat[5] = 0.0
-    baseline.stage(read_elements(stream, baseline).diff)
+    baseline.stage(stream.plan_digest, read_elements(stream, baseline).diff.new)
     baseline.commit()
     with torch.no_grad():
         flat[3].neg_()
@@ -137,7 +137,7 @@ def test_the_option_is_checked_at_construction() -> None:
 def _segments(name: str, old: torch.Tensor, new: torch.Tensor, ranks: int = 2) -> tuple[torch.Tensor, dict]:  # type: ignore[type-arg]
     """What the trainer sends for one output: each rank's range, its changed elements encoded, its fingerprint."""
     from lora_stream.elements import Segment
-    from lora_stream.field_fingerprint import field_fingerprint
+    from lora_stream.fingerprint import fingerprint
 
     flat_old, flat_new = old.reshape(-1), new.reshape(-1)
     n = flat_new.numel()
@@ -146,7 +146,7 @@ def _segments(name: str, old: torch.Tensor, new: torch.Tensor, ranks: int = 2) -
     for r in range(ranks):
         lo, hi = min(r * size, n), min((r + 1) * size, n)
         index = (bits(flat_old[lo:hi]) != bits(flat_new[lo:hi])).nonzero().reshape(-1)
-        segs.append(Segment(lo, hi, encode(flat_new[lo:hi], index), field_fingerprint(flat_new[lo:hi], lo)))
+        segs.append(Segment(lo, hi, encode(flat_new[lo:hi], index), fingerprint(flat_new[lo:hi].contiguous())))
     blob = torch.cat([s.encoded.blob for s in segs])
     spec = {"shape": list(new.shape), "dtype": str(new.dtype)[6:], "segments": [s.describe() for s in segs]}
     return blob, spec
@@ -198,7 +198,7 @@ def test_the_engine_refuses_elements_it_cannot_prove() -> None:
     shadow.tensors["w"][17] = shadow.tensors["w"][17] * 2
     drifted = shadow.tensors["w"].clone()
     shadow.begin(info, "s1")
-    with pytest.raises(VLLMLoadError, match=r"'w': the elements rebuilt from this engine's copy differ"):
+    with pytest.raises(VLLMLoadError, match=r"'w': elements \[0, 32\) rebuilt|'w': elements \[32, 64\) rebuilt"):
         list(shadow.feed([("w", blob)]))
     shadow.rollback()
     assert torch.equal(shadow.tensors["w"], drifted)  # restored bit for bit, drift and all
@@ -253,43 +253,12 @@ def test_a_sync_left_open_is_rolled_back_when_the_next_begins_and_a_late_commit_
     assert shadow.token == "s1"
 
 
-def test_the_copys_fingerprint_is_updated_from_the_changes_and_read_in_full_within_the_bound() -> None:
-    """Once the engine knows a copy's field fingerprint, each element sync updates it from the changed elements
-    alone (O(changed)); the copy is read in full again at least once every REREAD_EVERY syncs of the tensor, so a
-    copy changed behind the shadow's back (here, by hand) fails a sync within that bound, and rolls back."""
-    from lora_stream.engine.elements import REREAD_EVERY
-
-    g = torch.Generator().manual_seed(2)
-    held = torch.randn(64, generator=g).bfloat16()
-    shadow = _shadow_with({"w": held})
-    token, failed_at = "s1", None
-    for k in range(1, 2 * REREAD_EVERY + 1):
-        new = held.clone()
-        new[k % 64] = float(k)
-        blob, spec = _segments("w", held, new)
-        shadow.begin({"shadow": ["w"], "payloads": {"w": spec}, "aliases": {}}, token)
-        if k == 2:  # after one read in full: the fingerprint is known from here on
-            shadow.tensors["w"][40] = shadow.tensors["w"][40] * 2 + 1  # drift at an element no sync changes
-            assert "w" in shadow.fps
-        try:
-            list(shadow.feed([("w", blob)]))
-        except VLLMLoadError as exc:
-            assert "differ from the trainer's" in str(exc)
-            shadow.rollback()
-            failed_at = k
-            break
-        token = f"s{k + 1}"
-        shadow.commit(token)
-        held = new
-    assert failed_at is not None and 2 < failed_at <= 2 + REREAD_EVERY, failed_at
-
-
 def test_one_process_exchange_is_this_ranks_own() -> None:
     from lora_stream.elements import Segment
-    from lora_stream.field_fingerprint import field_fingerprint
+    from lora_stream.fingerprint import fingerprint
 
     t = torch.arange(8, dtype=torch.float32)
-    seg = Segment(0, 8, encode(t, torch.tensor([1])), field_fingerprint(t))
+    seg = Segment(0, 8, encode(t, torch.tensor([1])), fingerprint(t))
     assert exchange(None, False, {4: seg, 5: seg}, [5]) == {5: [seg]}
 
 

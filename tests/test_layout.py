@@ -33,9 +33,6 @@ ENGINE_MAY_IMPORT = (
     "lora_stream.engine_merge",
     "lora_stream.buffers",
     "lora_stream.fingerprint",
-    # The fingerprint both halves of an element sync compute and compare (it imports only torch and the fingerprint's
-    # error).
-    "lora_stream.field_fingerprint",
 )
 #: vLLM's public API, the only part of vLLM the trainer's side imports.
 TRAINER_MAY_IMPORT_OF_VLLM = (

@@ -15,11 +15,9 @@ Who calls it: step 1 of a sync (:mod:`lora_stream.sinks.decide`), on every rank,
   FSDP2. It advances only when the sync commits (:meth:`ElementBaseline.commit`: a reference swap, nothing that can
   fail after the vote), and is dropped by any failed sync.
 * **The diff** (:func:`read_elements`, one pass over the plan's steps): the new cast shard compared with the
-  baseline *bit for bit*; the changed elements, encoded (:mod:`lora_stream.element_codec`), and the field
-  fingerprint of the whole new shard (:mod:`lora_stream.field_fingerprint`): the baseline's plus the changed
-  elements' terms, ``O(changed)``, since every other element was just compared equal (read in full only when there
-  is no baseline). The engine checks the ranks' fingerprints, which add up to the whole tensor's, against what it
-  rebuilt: every sync proves the engine loads what a full sync would have loaded.
+  baseline *bit for bit*; the changed elements, encoded (:mod:`lora_stream.element_codec`), and a fingerprint of the
+  whole new shard, which the engine checks against what it rebuilt (every sync proves the engine loads what a full
+  sync would have loaded).
 * **The exchange** (:func:`exchange`): the ranks feeding engines need every rank's changes; the encoded changes
   (not the tensors) are all-gathered over the stream's process group.
 """
@@ -36,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from .element_codec import Encoded, bits, encode
-from .field_fingerprint import FieldFingerprint, field_add, field_delta, field_fingerprint
+from .fingerprint import fingerprint
 
 __all__ = [
     "check_elements_option",
@@ -128,8 +126,6 @@ def _shard_if_eligible(step: Any, gatherer: Any) -> Shard | str:
         return "frozen (skipped whole when unchanged)"
     if getattr(t.param, "quant_state", None) is not None or not torch.empty((), dtype=t.dtype).is_floating_point():
         return "a quantized parameter"
-    if torch.empty((), dtype=step.outputs[0].dtype).element_size() not in (1, 2, 4):
-        return "an output of 8-byte elements (the field fingerprint reads elements of 1, 2 or 4 bytes)"
     numel = math.prod(int(d) for d in step.outputs[0].shape)
     if math.prod(int(d) for d in gatherer.full_shape(t.param)) != numel:
         return "an output whose element count differs from its parameter's"
@@ -139,30 +135,25 @@ def _shard_if_eligible(step: Any, gatherer: Any) -> Shard | str:
 @dataclass
 class Segment:
     """One rank's changed elements of one output: its flat range ``[lo, hi)`` of the checkpoint tensor, the
-    encoded changes (indices relative to ``lo``), and the field fingerprint of every new value in the range at its
-    positions in the whole tensor (:mod:`lora_stream.field_fingerprint`: the ranks' values add up to the tensor's)."""
+    encoded changes (indices relative to ``lo``), and the fingerprint of every new value in the range."""
 
     lo: int
     hi: int
     encoded: Encoded
-    fp: FieldFingerprint
+    fp: int
 
     def describe(self) -> dict[str, Any]:
-        return {"lo": self.lo, "hi": self.hi, "fp": list(self.fp), **self.encoded.describe()}
+        return {"lo": self.lo, "hi": self.hi, "fp": self.fp, **self.encoded.describe()}
 
 
 @dataclass
 class ElementDiff:
     """This rank's diff of every eligible step against its baseline (``changed[i]``: any element of step ``i``
-    changed here, or there was no baseline), its segments, and the new shards with their field fingerprints (the
-    baseline once committed)."""
+    changed here, or there was no baseline), its segments, and the new shards (the baseline once committed)."""
 
     changed: dict[int, bool]
     segments: dict[int, Segment]
     new: dict[int, torch.Tensor]
-    #: The stream's plan the shards follow, and each new shard's field fingerprint.
-    plan: str = ""
-    fps: dict[int, FieldFingerprint] = field(default_factory=dict)
     #: Bytes of the baseline this rank keeps (the new shards), and of the diff's segments.
     baseline_bytes: int = 0
     seconds: float = 0.0
@@ -177,10 +168,8 @@ class ElementBaseline:
     #: The stream plan the shards follow (:attr:`ParamStream.plan_digest`); ``None``: nothing committed.
     plan: str | None = None
     shards: dict[int, torch.Tensor] = field(default_factory=dict)
-    #: Each shard's field fingerprint at its positions in the whole tensor (what the next diff updates in O(changed)).
-    fps: dict[int, FieldFingerprint] = field(default_factory=dict)
-    #: The next baseline, this sync's diff; installed by :meth:`commit`.
-    pending: ElementDiff | None = None
+    #: The next baseline, from this sync's diff; installed by :meth:`commit`.
+    pending: tuple[str, dict[int, torch.Tensor]] | None = None
 
     @property
     def host_bytes(self) -> int:
@@ -189,20 +178,20 @@ class ElementBaseline:
     def valid_for(self, plan: str) -> bool:
         return self.plan is not None and self.plan == plan
 
-    def stage(self, diff: ElementDiff) -> None:
-        """Before the vote: what :meth:`commit` will install (``diff``'s new shards)."""
-        self.pending = diff
+    def stage(self, plan: str, new: dict[int, torch.Tensor]) -> None:
+        """Before the vote: what :meth:`commit` will install."""
+        self.pending = (plan, new)
 
     def commit(self) -> None:
         """After every rank voted to commit: the staged shards are the baseline (a reference swap)."""
         if self.pending is not None:
-            self.plan, self.shards, self.fps = self.pending.plan, self.pending.new, self.pending.fps
+            self.plan, self.shards = self.pending
         self.pending = None
 
     def forget(self) -> None:
         """A failed sync, or a sync not sent as elements: nothing is known (the next element sync sends every
         element of every eligible output once more)."""
-        self.plan, self.shards, self.fps, self.pending = None, {}, {}, None
+        self.plan, self.shards, self.pending = None, {}, None
 
 
 #: An element sync sends elements only while their encoded bytes stay at most this fraction of the element steps'
@@ -249,7 +238,7 @@ def read_elements(stream: Any, baseline: ElementBaseline) -> ElementRead:
     gatherer = stream.gatherer
     why: dict[int, str | None] = {}
     outputs: list[str] = []
-    diff = ElementDiff({}, {}, {}, plan=stream.plan_digest)
+    diff = ElementDiff({}, {}, {})
     for i, step in enumerate(stream._steps):
         out = step.outputs[0]
         outputs.append(out.name)
@@ -260,19 +249,15 @@ def read_elements(stream: Any, baseline: ElementBaseline) -> ElementRead:
             continue
         why[i] = None
         cast = shard.values.detach().to(device="cpu", dtype=out.dtype, copy=True).reshape(-1)
+        fp = fingerprint(cast)
         old = baseline.shards.get(i) if usable else None
-        if old is None or old.numel() != cast.numel() or i not in baseline.fps:
+        if old is None or old.numel() != cast.numel():
             index = torch.arange(cast.numel(), dtype=torch.int64)
-            fp = field_fingerprint(cast, shard.offset)  # no baseline: every value read
         else:
             index = (bits(cast) != bits(old)).nonzero().reshape(-1)
-            # Every other value was just compared equal, bit for bit, with the baseline: its fingerprint plus the
-            # changed ones' terms is the new shard's, in O(changed).
-            fp = field_add(baseline.fps[i], field_delta(index + shard.offset, old[index], cast[index]))
         diff.changed[i] = bool(index.numel()) or old is None
         diff.segments[i] = Segment(shard.offset, shard.offset + cast.numel(), encode(cast, index), fp)
         diff.new[i] = cast
-        diff.fps[i] = fp
         diff.baseline_bytes += cast.numel() * cast.element_size()
     diff.seconds = time.perf_counter() - t0
     return ElementRead(
@@ -310,7 +295,7 @@ def _frame(segments: dict[int, Segment]) -> torch.Tensor:
             i,
             s.lo,
             s.hi,
-            list(s.fp),
+            s.fp,
             s.encoded.encoding,
             s.encoded.count,
             s.encoded.numel,
@@ -336,10 +321,7 @@ def _unframe(frame: torch.Tensor) -> dict[int, Segment]:
     out: dict[int, Segment] = {}
     for i, lo, hi, fp, encoding, count, numel, dtype, size in json.loads(bytes(frame[8:at].tolist()).decode()):
         out[int(i)] = Segment(
-            lo,
-            hi,
-            Encoded(encoding, count, numel, getattr(torch, dtype), frame[at : at + size].clone()),
-            (int(fp[0]), int(fp[1])),
+            lo, hi, Encoded(encoding, count, numel, getattr(torch, dtype), frame[at : at + size].clone()), fp
         )
         at += size
     return out

@@ -1,10 +1,11 @@
 """A fingerprint of a tensor's elements that adds up over any partition of their positions and updates in O(changed).
 
-What an element sync proves its outputs by (:mod:`lora_stream.elements` on the trainer, the engine's rebuild in
-:mod:`lora_stream.engine.elements`): a trainer rank fingerprints its own range of a tensor, an engine what it holds of
-it, and the values add up to the whole tensor's, however the positions are cut (ranks' partitions, tensor-parallel
-slices, the row blocks of a fused tensor). After a sync that changed ``k`` elements, the new value is the old one plus
-``k`` terms: nothing else needs reading.
+The proof an element sync needs where no one process holds a whole tensor: a trainer rank fingerprints its own
+range, an engine worker what it serves of it (a tensor-parallel slice, the row block of a fused tensor), and the
+values add up to the whole tensor's, however the positions are cut. After a sync that changed ``k`` elements, the new
+value is the old one plus ``k`` terms. Element syncs do not use it yet: on this project's CPU machine, updating it
+costs more per changed element than :mod:`lora_stream.fingerprint` costs per element read (measured in
+``docs/performance.md``), so today's syncs read and hash their ranges with that fingerprint instead.
 
 **The form.** The element at flat position ``i`` of the whole tensor is read as the unsigned integer of its bits, plus
 one: ``d_i = bits(x_i) + 1``, between 1 and ``2**32`` (dtypes of 1, 2 or 4 bytes; others are refused). For a key ``r``

@@ -14,13 +14,10 @@ sync rebuilds each tensor from that copy and the changed elements, checks it, an
 shard, tensor-parallel slice, tied alias and repacking runs as in a full sync, and the bracket's own checks, state
 digest and rollback apply unchanged.
 
-The proof, every sync: the trainer sends, per rank, the field fingerprint of *every* new value of its range at its
-positions in the whole tensor (:mod:`lora_stream.field_fingerprint`); the ranks' values add up to the whole tensor's,
-which must equal the fingerprint of the tensor rebuilt here: then the rebuilt tensor is the trainer's, bit for bit
-(an engine whose copy drifted fails the sync, which is rolled back, and the next sync is full). The engine keeps each
-copy's fingerprint and updates it from the changed elements' old and new values, ``O(changed)``; it reads the copy
-in full when it does not know its fingerprint (the first element sync after a whole one) and at least once every
-:data:`REREAD_EVERY` element syncs of that tensor. The copy changes in place and keeps the
+The proof, every sync: the trainer sends, per rank, the fingerprint of *every* new value of its range
+(:func:`lora_stream.fingerprint.fingerprint`); the engine fingerprints the same range of what it rebuilt. Equal on
+every range means the rebuilt tensor is the trainer's, bit for bit (whatever the copy held: an engine whose copy
+drifted fails the sync, which is rolled back, and the next sync is full). The copy changes in place and keeps the
 old values of exactly the elements it changed, so its rollback is bit-exact and costs only those
 (:attr:`ElementShadow.kept_bytes`); the commit only drops them. Where every tensor a sync sends is an element
 payload, the engine's modules roll back the same way (:meth:`ElementShadow.restorer`): the bracket keeps no copy of
@@ -36,17 +33,13 @@ from typing import Any
 import torch
 
 from ..element_codec import decode, encoded_size
-from ..field_fingerprint import FieldFingerprint, field_add, field_delta, field_fingerprint
+from ..fingerprint import fingerprint
 from .reload import VLLMLoadError
 
 __all__ = ["ElementShadow"]
 
 #: The attribute of the model object that carries its shadow (one per engine process and model).
 _ATTR = "_lora_stream_element_shadow"
-#: A tensor's copy is read in full (its field fingerprint computed from every element) at least once in this many
-#: element syncs that change it; in between, its fingerprint is updated from the changed elements alone
-#: (docs/guarantees.md, "Element syncs").
-REREAD_EVERY = 16
 
 
 class ElementShadow:
@@ -65,10 +58,6 @@ class ElementShadow:
         self._pending: dict[str, torch.Tensor] = {}
         self._kept: list[tuple[str, torch.Tensor | slice, torch.Tensor]] = []
         self._built: dict[str, torch.Tensor] = {}
-        #: Each copy's field fingerprint (at its committed values), and how many element syncs updated it since it
-        #: was last read in full; this sync's, installed by :meth:`commit` (``None``: not known, read in full next).
-        self.fps: dict[str, tuple[FieldFingerprint, int]] = {}
-        self._pending_fps: dict[str, tuple[FieldFingerprint, int] | None] = {}
         #: A sync began and is not decided yet.
         self._open = False
         #: What the current sync rebuilt: tensors, changed elements, and their element count.
@@ -100,7 +89,7 @@ class ElementShadow:
         undecided before is rolled back first (the safe outcome is the old copy)."""
         if self._open:
             self.rollback()
-        self._pending, self._kept, self._built, self._pending_fps = {}, [], {}, {}
+        self._pending, self._kept, self._built = {}, [], {}
         self._open = True
         self.stats = {"tensors": 0.0, "changed": 0.0, "elements": 0.0}
         self._info = info
@@ -134,7 +123,6 @@ class ElementShadow:
             else:
                 if name in shadowed:
                     self._pending[name] = tensor.detach().to("cpu", copy=True).reshape(-1)
-                    self._pending_fps[name] = None  # read in full when an element sync first needs it
                 yield name, tensor
         for name, primary in later:
             if primary not in self._built:
@@ -159,9 +147,6 @@ class ElementShadow:
         ordered = _check_cover(name, segments, numel)
         target = have if have is not None else torch.empty(numel, dtype=dtype)
         flat = blob.detach().to("cpu").reshape(-1)
-        known = self.fps.get(name) if have is not None else None
-        incremental = known is not None and known[1] + 1 < REREAD_EVERY
-        terms: list[FieldFingerprint] = []
         at = 0
         for s in ordered:
             lo, hi = int(s["lo"]), int(s["hi"])
@@ -176,27 +161,20 @@ class ElementShadow:
             else:
                 where = index + lo
             if have is not None:
-                old = target[where].clone()
-                self._kept.append((name, where, old))
-                if incremental:
-                    positions = torch.arange(lo, hi) if index is None else index + lo
-                    terms.append(field_delta(positions, old, values))
+                self._kept.append((name, where, target[where].clone()))
             target[where] = values
             self.stats["changed"] += float(values.numel())
         if at != flat.numel():
             raise VLLMLoadError(f"lora_stream: parameter {name!r}: {flat.numel() - at} bytes past its elements")
-        # The proof: the trainer ranks' fingerprints of their ranges add up to the whole tensor's (the segments cover it
-        # exactly), which must be that of the tensor rebuilt here. Updated from the changed elements where the copy's
-        # fingerprint is known; read in full otherwise, and at least once every REREAD_EVERY element syncs.
-        expected = field_add(*((int(s["fp"][0]), int(s["fp"][1])) for s in segments))
-        got = field_add(known[0], *terms) if incremental and known is not None else field_fingerprint(target)
-        if got != expected:
-            raise VLLMLoadError(
-                f"lora_stream: parameter {name!r}: the elements rebuilt from this engine's copy differ from the "
-                "trainer's (the copy is not what the last sync committed); nothing of this sync is kept, the next "
-                "sync sends every tensor"
-            )
-        self._pending_fps[name] = (got, known[1] + 1 if incremental and known is not None else 0)
+        # The proof: every range the trainer holds, fingerprinted here as rebuilt, equals the trainer's.
+        for s in segments:
+            lo, hi = int(s["lo"]), int(s["hi"])
+            if fingerprint(target[lo:hi]) != int(s["fp"]):
+                raise VLLMLoadError(
+                    f"lora_stream: parameter {name!r}: elements [{lo}, {hi}) rebuilt from this engine's copy differ "
+                    "from the trainer's (the copy is not what the last sync committed); nothing of this sync is kept, "
+                    "the next sync sends every tensor"
+                )
         if have is None:
             self._pending[name] = target
         self.stats["tensors"] += 1.0
@@ -236,32 +214,26 @@ class ElementShadow:
         self._open = False
         info, self._info = self._info, None
         if info is None:
-            self.tensors, self.fps, self.token = {}, {}, None
+            self.tensors, self.token = {}, None
         else:
             self.tensors.update(self._pending)
-            for name, fp in self._pending_fps.items():
-                if fp is None:
-                    self.fps.pop(name, None)
-                else:
-                    self.fps[name] = fp
             shadowed = set(info.get("shadow") or ())
             for name in [n for n in self.tensors if n not in shadowed]:
                 del self.tensors[name]
-                self.fps.pop(name, None)
             self.token = token
-        self._pending, self._kept, self._built, self._pending_fps = {}, [], {}, {}
+        self._pending, self._kept, self._built = {}, [], {}
 
     def rollback(self) -> None:
         """The sync failed: the copy is put back, element for element, to the last committed sync's."""
         for name, where, old in reversed(self._kept):
             self.tensors[name][where] = old
-        self._pending, self._kept, self._built, self._info, self._pending_fps = {}, [], {}, None, {}
+        self._pending, self._kept, self._built, self._info = {}, [], {}, None
         self._open = False
 
     def forget(self) -> None:
         """Something else wrote the engine's weights: the copy proves nothing."""
         self.rollback()
-        self.tensors, self.fps, self.token = {}, {}, None
+        self.tensors, self.token = {}, None
 
 
 def _check_cover(name: str, segments: list[dict[str, Any]], numel: int) -> list[dict[str, Any]]:

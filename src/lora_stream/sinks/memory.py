@@ -53,7 +53,7 @@ class SinkMemory:
         if committed and diff is not None and changes is not None:
             # Every element output went (as elements or whole) or was unchanged: the new shards are what the
             # engines hold. A reference swap, after the vote.
-            self.elements.stage(diff)
+            self.elements.stage(decision.source.stream.plan_digest, diff.new)
             self.elements.commit()
         else:
             self.elements.forget()
