@@ -104,12 +104,11 @@ def agree_on_changes(
 
     ``steps``: the output names of each step of the stream's plan (:meth:`ParamStream.steps`), whose digest is
     ``plan`` (:attr:`ParamStream.plan_digest`); ``fingerprints``: this rank's (:meth:`ParamStream.fingerprints`,
-    taken in the sync's pre-flight so that a
-    failure refuses on every rank); ``last``: what this rank recorded at the engines' committed version (``None``:
-    nothing); ``engines``: the engines this rank feeds (none: it only gathers); ``aliases``: tied alias -> primary
-    output name, for the engines' units; ``force_full``: this rank needs every output sent, for this reason (the
-    engine-side merge's base must travel again). Every rank calls it with a stream of the same plan: it runs the
-    same two agreements (:meth:`Transaction.any_of`) on every path.
+    taken in the sync's pre-flight so that a failure refuses on every rank); ``last``: what this rank recorded at the
+    engines' committed version (``None``: nothing); ``engines``: the engines this rank feeds (none: it only
+    gathers); ``aliases``: tied alias -> primary output name, for the engines' units; ``force_full``: this rank needs
+    every output sent, for this reason (the engine-side merge's base must travel again). Every rank calls it with a
+    stream of the same plan: it runs the same two agreements (:meth:`Transaction.any_of`) on every path.
 
     An element sync: ``element_changed`` says, for each element step, whether any of this rank's elements changed
     (its sources are trainable, so no fingerprint can say it); ``elements_refused``, why this rank cannot send
