@@ -43,6 +43,13 @@ skipped there). Measures:
    one, and the server worker's probe through the compiled model must equal the engine's own prompt
    log-probabilities.
 
+8. **the element path on the device** (``elements=True``, full fine-tuning): one rank's read of a fully fine-tuned
+   float32 model's shards into bfloat16 (``lora_stream.elements.read_elements``: today it casts on the device and
+   copies each cast shard to the host, where it compares and fingerprints), first with no baseline, then after a
+   step that changes about 1.1% of the elements; and, on the largest weight, the fingerprints where it lives: NH
+   (``lora_stream.fingerprint``) and the field fingerprint (``lora_stream.field_fingerprint``) read whole, and the
+   field fingerprint's update from 1.1% changed. What the device-side diff and the proof per slice would save.
+
 Prints a table and writes benchmarks/results/gpu_check.json.
 """
 
@@ -450,6 +457,66 @@ def vllm_compiled_check(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
+def element_check(args: argparse.Namespace, device: torch.device) -> dict[str, float | int | bool]:
+    """Check 8 (see the module docstring)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lora_stream import ParamStream
+    from lora_stream.elements import ElementBaseline, read_elements
+    from lora_stream.field_fingerprint import field_delta, field_fingerprint
+    from lora_stream.fingerprint import fingerprint
+
+    cfg = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=max(1, args.hidden // 128),
+        num_key_value_heads=max(1, args.hidden // 512),
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(device)  # float32 masters, every parameter trainable
+    stream = ParamStream(model, dtype=torch.bfloat16)
+    baseline = ElementBaseline()
+    sync(device)
+    t0 = time.perf_counter()
+    first = read_elements(stream, baseline)
+    sync(device)
+    first_s = time.perf_counter() - t0
+    baseline.stage(stream.plan_digest, first.diff.new)
+    baseline.commit()
+    g = torch.Generator(device=device).manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():  # about 1.1% of the bf16 elements move by one step of their own size
+            hit = torch.rand(p.shape, generator=g, device=device) < 0.011
+            p.add_(torch.where(hit, p.abs() * 0.02 + 1e-3, torch.zeros_like(p)))
+    sync(device)
+    t0 = time.perf_counter()
+    second = read_elements(stream, baseline)
+    sync(device)
+    second_s = time.perf_counter() - t0
+    changed = sum(int(s.encoded.count) for s in second.diff.segments.values())
+    numel = sum(s.hi - s.lo for s in second.diff.segments.values())
+    weight = max((p for p in model.parameters()), key=lambda p: p.numel()).detach().to(torch.bfloat16).reshape(-1)
+    k = max(1, int(weight.numel() * 0.011))
+    index = torch.randperm(weight.numel(), device=device)[:k].sort().values
+    out: dict[str, float | int | bool] = {
+        "elements": numel,
+        "changed": changed,
+        "changed_fraction": changed / max(1, numel),
+        "read_first_s": first_s,
+        "read_after_step_s": second_s,
+        "largest_weight_elements": weight.numel(),
+        "nh_whole_s": timed(lambda: fingerprint(weight), device, args.repeats),
+        "field_whole_s": timed(lambda: field_fingerprint(weight), device, args.repeats),
+        "field_update_1pct_s": timed(lambda: field_delta(index, weight[index], weight[index]), device, args.repeats),
+    }
+    out.update({f"whole_because: {why}": n for why, n in second.diff.whole_because.items()})
+    del model, stream, baseline, first, second
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="small sizes: hidden 256, 2 layers, 64 MiB copies")
@@ -479,6 +546,7 @@ def main() -> None:
     merges = {name: merge_check(args, device, dt) for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32))}
     plain, fsdp = fsdp2_check(args, device)
     engine = engine_merge_check(args, device)
+    elements = element_check(args, device)
     reload_gpu: dict[str, object] | None = None
     compiled_gpu: dict[str, object] | None = None
     if args.vllm and cuda:
@@ -511,6 +579,16 @@ def main() -> None:
         f"FSDP2 gather paths {fsdp['gather_paths']} (direct: {fsdp['direct']}); max |FSDP2 - plain| "
         f"{fsdp['max_abs_diff_vs_plain']:.3g}"
     )
+    e = elements
+    print(
+        f"{'element read, one rank (no baseline / a step)':<44} {e['read_after_step_s']:>10.3f} s     "
+        f"{e['read_first_s']:.3f} s with no baseline; {e['elements']} elements, {e['changed_fraction']:.2%} changed"
+    )
+    print(
+        f"{'fingerprints of the largest weight':<44} {e['nh_whole_s']:>10.4f} s     NH whole; field whole "
+        f"{e['field_whole_s']:.4f} s, field update of 1.1% {e['field_update_1pct_s']:.4f} s "
+        f"({e['largest_weight_elements']} bf16 elements)"
+    )
     if reload_gpu is not None:
         print(f"vLLM reload on the GPU: {json.dumps(reload_gpu)}")
     for r in (plain, fsdp):
@@ -524,6 +602,7 @@ def main() -> None:
         "plain": plain,
         "fsdp2": fsdp,
         "engine_merge": engine,
+        "elements": elements,
         "vllm_reload": reload_gpu,
         "vllm_compiled": compiled_gpu,
     }
