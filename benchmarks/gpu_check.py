@@ -90,12 +90,11 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float
     return statistics.median(runs)
 
 
-def build(args: argparse.Namespace, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """A random Llama with a non-zero LoRA adapter (r=16, all linear layers), frozen, on ``device``."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama_config(args: argparse.Namespace) -> object:
+    """The random Llama's configuration at the sizes asked for."""
+    from transformers import LlamaConfig
 
-    cfg = LlamaConfig(
+    return LlamaConfig(
         vocab_size=args.vocab,
         hidden_size=args.hidden,
         intermediate_size=args.intermediate,
@@ -104,6 +103,14 @@ def build(args: argparse.Namespace, dtype: torch.dtype, device: torch.device) ->
         num_key_value_heads=max(1, args.hidden // 512),
         tie_word_embeddings=False,
     )
+
+
+def build(args: argparse.Namespace, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """A random Llama with a non-zero LoRA adapter (r=16, all linear layers), frozen, on ``device``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    cfg = llama_config(args)
     torch.manual_seed(0)
     model = get_peft_model(
         LlamaForCausalLM(cfg).to(dtype), LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")
@@ -459,22 +466,14 @@ def vllm_compiled_check(args: argparse.Namespace) -> dict[str, object]:
 
 def element_check(args: argparse.Namespace, device: torch.device) -> dict[str, float | int | bool]:
     """Check 8 (see the module docstring)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from lora_stream import ParamStream
     from lora_stream.elements import ElementBaseline, read_elements
     from lora_stream.field_fingerprint import field_delta, field_fingerprint
     from lora_stream.fingerprint import fingerprint
 
-    cfg = LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=max(1, args.hidden // 128),
-        num_key_value_heads=max(1, args.hidden // 512),
-        tie_word_embeddings=False,
-    )
+    cfg = llama_config(args)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(device)  # float32 masters, every parameter trainable
     stream = ParamStream(model, dtype=torch.bfloat16)
