@@ -827,9 +827,9 @@ def run_child_engine_script(script: str, path: str, timeout: float = 300, *, in_
 
 
 @contextlib.contextmanager
-def failing_at(point: str) -> Iterator[None]:
+def failing_at(point: str) -> Iterator[pytest.ExceptionInfo[RuntimeError]]:
     """The sync in the block fails at the transaction's fault point ``point`` (``lora_stream.testing``): a
-    ``RuntimeError("injected at POINT")`` raised there, which the block must raise."""
+    ``RuntimeError("injected at POINT")`` raised there, which the block must raise; yields pytest's record of it."""
     from lora_stream.testing import set_fault_hook
 
     def hook(p: str) -> None:
@@ -838,7 +838,7 @@ def failing_at(point: str) -> Iterator[None]:
 
     set_fault_hook(hook)
     try:
-        with pytest.raises(RuntimeError, match=f"injected at {point}"):
-            yield
+        with pytest.raises(RuntimeError, match=f"injected at {point}") as raised:
+            yield raised
     finally:
         set_fault_hook(None)

@@ -30,6 +30,7 @@ import pytest
 import torch
 from helpers import (
     VLLM_ENV,
+    failing_at,
     lora,
     perturb_adapters,
     private_base_dir,
@@ -304,18 +305,10 @@ def test_a_worker_that_restored_nothing_is_reported_never_rolled_back(
     sink = VLLMColocatedSink(child, merge="engine")
     pm = _trainer(path)
     monkeypatch.setattr(child.worker, "lora_stream_rollback", lambda: False)
-    from lora_stream.testing import set_fault_hook
-
-    def hook(point: str) -> None:
-        if point == "commit":
-            raise RuntimeError("injected at commit")
-
-    set_fault_hook(hook)
     try:
-        with pytest.raises(RuntimeError, match="injected at commit") as info:
+        with failing_at("commit") as info:
             sink.sync(ParamStream(pm, group_by="layer"), version="v1")
     finally:
-        set_fault_hook(None)
         monkeypatch.undo()
         child.worker.lora_stream_rollback()  # the real one: put the engine back for the next tests
     notes = "\n".join(getattr(info.value, "__notes__", []))

@@ -285,7 +285,6 @@ def _two_versions(path: str):  # type: ignore[no-untyped-def]
 
 
 def test_a_failure_at_any_point_leaves_the_engine_bit_identical_and_the_next_sync_works(untied) -> None:  # type: ignore[no-untyped-def]
-
     path, llm = untied
     pm = _two_versions(path)
     sink = VLLMColocatedSink(llm, verify=True)
