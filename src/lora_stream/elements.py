@@ -124,7 +124,7 @@ def _shard_if_eligible(step: Any, gatherer: Any) -> Shard | str:
         return "a merged LoRA output (or a buffer): computed from gathered tensors"
     if not getattr(t.param, "requires_grad", True):  # no merge: the step reads its own parameter only
         return "frozen (skipped whole when unchanged)"
-    if getattr(t.param, "quant_state", None) is not None or not torch.empty((), dtype=t.dtype).is_floating_point():
+    if getattr(t.param, "quant_state", None) is not None or not t.dtype.is_floating_point:
         return "a quantized parameter"
     numel = math.prod(int(d) for d in step.outputs[0].shape)
     if math.prod(int(d) for d in gatherer.full_shape(t.param)) != numel:
