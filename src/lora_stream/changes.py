@@ -26,23 +26,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .stream import ParamStream
 from .stream_pass import Selection
 from .transaction import Transaction
 from .units import Partition
 
-__all__ = ["Changes", "EngineState", "SyncedSources", "agree_on_changes", "takes_selection"]
-
-
-def takes_selection(stream: ParamStream) -> bool:
-    """Whether ``stream.iter_groups`` takes a :class:`~lora_stream.stream_pass.Selection` (a subclass that overrides it
-    without one always sends everything)."""
-    import inspect
-
-    try:
-        return "selection" in inspect.signature(stream.iter_groups).parameters
-    except (TypeError, ValueError):
-        return False
+__all__ = ["Changes", "EngineState", "SyncedSources", "agree_on_changes"]
 
 
 @dataclass(frozen=True)

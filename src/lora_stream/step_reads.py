@@ -1,9 +1,9 @@
-"""What a step of a stream reads, and its fingerprint: the parameters behind a step's targets (the merge's inputs
-included), whether any of them trains, and one fingerprint over everything a step reads.
+"""What a frozen step of a stream reads, and its fingerprint: the parameters behind a step's targets (the merge's
+inputs included), whether any of them trains, and one fingerprint over everything a step reads.
 
-Who calls it: :meth:`ParamStream.fingerprints <lora_stream.ParamStream.fingerprints>` (a sync that may be partial) and
-the element diff (:mod:`lora_stream.elements`). What breaks if a step's reads are counted elsewhere differently: a
-step whose input changed could be skipped as unchanged.
+Who calls it: :func:`lora_stream.shard_reads.read_steps` (step 1 of a sync that may be partial) and
+:meth:`ParamStream.fingerprints <lora_stream.ParamStream.fingerprints>`. What breaks if a step's reads are counted
+elsewhere differently: a step whose input changed could be skipped as unchanged.
 """
 
 from __future__ import annotations
@@ -12,9 +12,38 @@ import hashlib
 from collections.abc import Callable
 from typing import Any
 
-from .fingerprint import fingerprint
+from .core import Target
+from .fingerprint import fingerprint, fingerprint_of
 from .merge import BufferRead
-from .plan import Target
+
+
+def fingerprints(steps: list[Any], gatherer: Any) -> list[int | None]:
+    """For each of ``steps``, a fingerprint of this rank's own bytes of every source it reads, or ``None`` where the
+    step must be sent at every sync (see :meth:`ParamStream.fingerprints <lora_stream.ParamStream.fingerprints>`).
+    Reads each local shard of a step with no trainable source once; a shard two steps read is read once."""
+    local_shard = getattr(gatherer, "local_shard", None)
+    cache: dict[int, int | None] = {}
+
+    def of_param(p: Any) -> int | None:
+        if id(p) not in cache:  # frozen: steps with a trainable source are not read
+            shard = None if local_shard is None else local_shard(p)
+            cache[id(p)] = None if shard is None else fingerprint_of(shard)
+        return cache[id(p)]
+
+    out: list[int | None] = []
+    for step in steps:
+        if any(_reads_trainable(t) for t in step.inputs):
+            out.append(None)  # sent anyway: its frozen base is not read for nothing
+            continue
+        parts: list[int] | None = []
+        for t in step.inputs:
+            found = _target_fingerprints(t, of_param)
+            if found is None or parts is None:
+                parts = None
+                break
+            parts += found
+        out.append(None if parts is None else _combine(parts))
+    return out
 
 
 def _params_read(t: Target) -> list[Any]:

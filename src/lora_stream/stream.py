@@ -21,7 +21,6 @@ from .checkpoint_format import Layout
 from .coordination import Coordinator
 from .core import Step, Unit
 from .errors import LoraStreamError, StreamAbortedError
-from .fingerprint import fingerprint_of
 from .gatherers import Gatherer, auto_gatherer
 from .gatherers.base import nbytes
 from .grouping import DEFAULT_BUDGET_BYTES, Group, GroupBy, partition
@@ -29,7 +28,7 @@ from .lockstep import FLAG_CAPACITY, Lockstep, Status, describe_error
 from .merge import DEFAULT_MERGE_BLOCK_BYTES, FullTensor
 from .names import NameNormalizer, Renames
 from .plan import Target, plan_model
-from .step_reads import _combine, _params_read, _reads_trainable, _target_fingerprints
+from .step_reads import _params_read, fingerprints
 from .stream_pass import InputRequest, ParamMeta, PassRecord, PassState, Selection, StreamPass, StreamStats
 from .witness import PlanWitness
 
@@ -226,6 +225,16 @@ class ParamStream:
         outputs are produced together: one checkpoint conversion)."""
         return [[o.name for o in step.outputs] for step in self._steps]
 
+    def takes_selection(self) -> bool:
+        """Whether :meth:`iter_groups` takes a :class:`Selection` (a subclass that overrides it without one always
+        sends everything, and a sync of it is never partial)."""
+        import inspect
+
+        try:
+            return "selection" in inspect.signature(self.iter_groups).parameters
+        except (TypeError, ValueError):
+            return False
+
     def step_bytes(self) -> list[int]:
         """The bytes of each step's outputs, in stream order."""
         return [sum(nbytes(torch.Size(o.shape), o.dtype) for o in step.outputs) for step in self._steps]
@@ -236,29 +245,7 @@ class ParamStream:
         at every sync: a source is trainable (``requires_grad``), quantized, or the gatherer cannot say
         (``local_shard``). No communication; reads the local shards of every step with no trainable source once (a
         step with one is not read: it is sent anyway)."""
-        local_shard = getattr(self.gatherer, "local_shard", None)
-        cache: dict[int, int | None] = {}
-
-        def of_param(p: Any) -> int | None:
-            if id(p) not in cache:  # frozen: steps with a trainable source are not read
-                shard = None if local_shard is None else local_shard(p)
-                cache[id(p)] = None if shard is None else fingerprint_of(shard)
-            return cache[id(p)]
-
-        out: list[int | None] = []
-        for step in self._steps:
-            if any(_reads_trainable(t) for t in step.inputs):
-                out.append(None)  # sent anyway: its frozen base is not read for nothing
-                continue
-            parts: list[int] | None = []
-            for t in step.inputs:
-                found = _target_fingerprints(t, of_param)
-                if found is None or parts is None:
-                    parts = None
-                    break
-                parts += found
-            out.append(None if parts is None else _combine(parts))
-        return out
+        return fingerprints(self._steps, self.gatherer)
 
     def _select(self, selection: Selection) -> list[Group]:
         """The groups a pass over ``selection`` gathers: each with its selected steps only, reading only what they

@@ -6,10 +6,11 @@ engine, an engine in a child process -- once per sync, first, inside the sync's 
 
 * the route's pre-flight (:meth:`Route.preflight <lora_stream.sinks.route.Route.preflight>`: the stream against
   every engine's checkpoint; a refusal refuses on every rank, with every engine untouched);
-* the verification's probe, an adapter sync's staging place, the engine-side merge's recipes (what the engines
-  cannot merge exactly is refused here);
-* for a sync that may be partial, this rank's fingerprints of every frozen shard, and what each engine proves it
-  holds (:meth:`Route.engine_states <lora_stream.sinks.route.Route.engine_states>`);
+* an adapter sync's staging place, the engine-side merge's recipes (what the engines cannot merge exactly is
+  refused here);
+* for a sync that may be partial, one read of this rank's local shards (:func:`~lora_stream.shard_reads.read_steps`:
+  the fingerprints of every frozen shard and, for element syncs, the diff of every trainable one), and what each
+  engine proves it holds (:meth:`Route.engine_states <lora_stream.sinks.route.Route.engine_states>`);
 
 then the transaction's pre-flight agreement, and the agreement on what changed
 (:func:`~lora_stream.changes.agree_on_changes`). The :class:`Decision` is the same on every rank (but for this rank's
@@ -26,7 +27,8 @@ import uuid
 from typing import Any, Protocol
 
 from ..adapter import AdapterStream
-from ..changes import agree_on_changes, takes_selection
+from ..changes import agree_on_changes
+from ..shard_reads import read_steps
 from ..stream import ParamStream
 from ..stream_pass import Selection
 from ..transaction import Transaction
@@ -34,7 +36,7 @@ from .decision import Decision
 from .memory import SinkMemory
 from .route import Route
 from .source import ElementSource, SyncSource, source_for
-from .verify import VerifyPolicy, model_vocab_size, probe_ids
+from .verify import VerifyPolicy
 
 __all__ = ["Decision", "DecideOptions", "decide", "decide_for"]
 
@@ -56,7 +58,6 @@ def decide_for(
     memory: SinkMemory,
     *,
     version: str | None,
-    probe: bool = False,
     lora_name: str | None = None,
 ) -> Decision:
     """:func:`decide` with ``sink``'s own options (whether this sync verifies, under its policy and ``memory``; a
@@ -71,7 +72,6 @@ def decide_for(
         skip_unchanged=sink.skip_unchanged,
         merge=sink.merge,
         elements=sink.elements,
-        probe=probe,
         lora_name=lora_name,
     )
 
@@ -86,14 +86,12 @@ def decide(
     verifying: bool,
     skip_unchanged: bool,
     merge: str,
-    probe: bool = False,
     lora_name: str | None = None,
     elements: bool = False,
 ) -> Decision:
     """Decide this sync on every rank (see the module docstring); raise on every rank if any rank refused.
 
-    ``verifying``: step 3 verifies (the same on every rank: :meth:`SinkMemory.verifying`); ``probe``: the probe's
-    token ids are chosen here (a server's workers probe before loading); ``lora_name``: an
+    ``verifying``: step 3 verifies (the same on every rank: :meth:`SinkMemory.verifying`); ``lora_name``: an
     :class:`~lora_stream.AdapterStream` is staged under this name (a route that loads adapters); ``merge``:
     ``"trainer"`` or ``"engine"``; ``skip_unchanged``: a merged sync may be partial; ``elements``: a merged sync's
     trainable outputs may travel as the elements that changed (:mod:`lora_stream.elements`)."""
@@ -101,31 +99,30 @@ def decide(
 
     def check() -> tuple[Any, ...]:
         aliases = route.preflight(stream, verifying)
-        ids = probe_ids(model_vocab_size(stream.model)) if verifying and probe else None
         adapter = None
         if lora_name is not None and isinstance(stream, AdapterStream):
             adapter = {"path": _staging_path(lora_name), "config": stream.adapter_config()}
         t = time.perf_counter()
         merge_plan = memory.base.plan(stream) if adapter is None and merge == "engine" else None
         base_fps = merge_plan.base_fingerprints(stream) if merge_plan is not None else None
-        skipping = skip_unchanged and adapter is None and takes_selection(stream)
+        skipping = skip_unchanged and adapter is None and stream.takes_selection()
         steps = stream.steps()
-        fingerprints = stream.fingerprints() if skipping else None
         stages["fingerprint_s"] = time.perf_counter() - t
-        read = None
-        if skipping and elements and merge_plan is None:
-            from ..elements import read_elements
-
-            read = read_elements(stream, memory.elements)
-            stages["element_diff_s"] = read.diff.seconds
+        fingerprints = read = None
+        if skipping:
+            reads = read_steps(stream, memory.elements if elements and merge_plan is None else None)
+            fingerprints, read = reads.fingerprints, reads.elements
+            stages["fingerprint_s"] += reads.fingerprint_s
+            if read is not None:
+                stages["element_diff_s"] = read.diff.seconds
         engines = None
         if fingerprints is not None:  # the proof reads every weight: only for a sync that may be partial
             t = time.perf_counter()
             engines = route.engine_states()
             stages["state_check_s"] = time.perf_counter() - t
-        return aliases, ids, adapter, merge_plan, base_fps, fingerprints, engines, read, steps
+        return aliases, adapter, merge_plan, base_fps, fingerprints, engines, read, steps
 
-    aliases, ids, adapter, merge_plan, base_fps, fingerprints, engines, read, steps = tx.prepare(check)
+    aliases, adapter, merge_plan, base_fps, fingerprints, engines, read, steps = tx.prepare(check)
     changes = None
     sends = None
     if fingerprints is not None:
@@ -188,7 +185,7 @@ def decide(
             base_fp=memory.base.sent,
         )
     diff = read.diff if read is not None else None
-    return Decision(source, aliases, changes, adapter, verifying, ids, merge_plan, base_fps, stages, diff)
+    return Decision(source, aliases, changes, adapter, verifying, merge_plan, base_fps, stages, diff)
 
 
 def _staging_path(lora_name: str) -> str:

@@ -31,9 +31,8 @@ class Decision:
     changes: Changes | None
     #: An adapter sync's staging (``{"path", "config"}``); ``None``: a merged sync.
     adapter: dict[str, Any] | None
-    #: Whether step 3 verifies this sync, and the probe's token ids (``None``: the route probes by itself).
+    #: Whether step 3 verifies this sync (the route chooses its probe).
     verifying: bool
-    probe_ids: list[int] | None
     #: ``merge="engine"``: the stream's recipes, and this rank's fingerprints of the adapted steps' bases.
     merge_plan: Any
     base_fps: dict[str, int] | None

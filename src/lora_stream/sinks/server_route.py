@@ -38,7 +38,7 @@ from .server_replica import (
     load_error,
 )
 from .server_verify import agree_on_weights, verify_replica
-from .verify import Verification, trainer_logprobs
+from .verify import Verification, model_vocab_size, probe_ids, trainer_logprobs
 
 __all__ = ["ServerRoute"]
 
@@ -58,6 +58,8 @@ class ServerRoute(ServerChecks, ForwardOnly):
         self.mine = [r for r in sink._assign() if r.sender == sink.rank]
         self.keeper = LeaseKeeper(self.mine, sink.lease)
         self.decision: Decision | None = None
+        #: A verified sync's probe (:meth:`preflight`); ``None``: this sync does not verify.
+        self.probe_ids: list[int] | None = None
         self.digests: list[str] = []
         self.excluded: dict[str, str] = {}
         self.readmitted: tuple[str, ...] = ()
@@ -96,7 +98,8 @@ class ServerRoute(ServerChecks, ForwardOnly):
     def preflight(self, stream: ParamStream, verifying: bool) -> dict[str, str]:
         """This rank's servers: reachability, credentials, the pre-flight, the transfer groups. Raises (or, under
         ``"exclude"``, excludes the server) before anything is sent. A server that a vanished sink left paused or in
-        an open update is healed by its lease at this sync's first request."""
+        an open update is healed by its lease at this sync's first request. A verified sync's probe is chosen here,
+        the same on every rank: the servers' workers probe before loading, so it travels with the transfer."""
         self._phase()
         refuse_verified_adapter(stream, verifying)
         aliases: dict[str, str] = {}
@@ -109,6 +112,7 @@ class ServerRoute(ServerChecks, ForwardOnly):
                 self._ensure_engine(r)
 
             self._on(r, check)
+        self.probe_ids = probe_ids(model_vocab_size(stream.model)) if verifying else None
         return aliases
 
     def engine_states(self) -> list[EngineState]:
@@ -161,7 +165,7 @@ class ServerRoute(ServerChecks, ForwardOnly):
     def _arm(self, decision: Decision) -> Any:
         """Tell each live server's engine what this sync asks of its workers; returns what is sent."""
         # The probe before loading serves the "it changed" check only, which needs the previous sync verified.
-        ids = decision.probe_ids
+        ids = self.probe_ids
         before = ids if ids is not None and self.memory.history.wants_before(self.memory.syncs) else None
         # A partial update, or one carrying elements: the workers must hold exactly this sink's last commit.
         partial = decision.changes is not None and decision.source.selection is not None
@@ -180,8 +184,8 @@ class ServerRoute(ServerChecks, ForwardOnly):
         server this rank feeds checked against it. Returns this rank's worst server verification (``None`` when it
         feeds none); the weight digest of each server that passed is compared across the fleet next."""
         self._phase()
-        assert self.decision is not None and self.decision.probe_ids is not None
-        ids = self.decision.probe_ids
+        assert self.decision is not None and self.probe_ids is not None
+        ids = self.probe_ids
         model = self.decision.source.stream.model
         t = time.perf_counter()
         trainer, scale = trainer_logprobs(model, ids)

@@ -329,9 +329,7 @@ class VLLMServerSink:
             decision: Decision | None = None
             committed = False
             try:
-                decision = decide_for(
-                    self, tx, stream, route, self._memory, version=version, probe=True, lora_name=self.lora_name
-                )
+                decision = decide_for(self, tx, stream, route, self._memory, version=version, lora_name=self.lora_name)
                 try:
                     route.transfer(tx, decision)
                     known = decision.source.ended_early
