@@ -10,11 +10,12 @@ import pytest
 import torch
 from helpers import lora, tiny_llama
 
-from lora_stream import ParamStream
+from lora_stream import ParamStream, elements
 from lora_stream.element_codec import ENCODINGS, bits, decode, encode, encoded_size
-from lora_stream.elements import ElementBaseline, check_elements_option, exchange, read_elements
+from lora_stream.elements import ElementBaseline, check_elements_option, diff_shard, exchange, read_elements
 from lora_stream.engine.elements import ElementShadow
 from lora_stream.engine.reload import VLLMLoadError
+from lora_stream.fingerprint import BLOCK_WORDS, fingerprint
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
 
@@ -72,7 +73,8 @@ def _full_ft(seed: int = 0) -> torch.nn.Module:
 
 def test_the_diff_finds_every_structured_edit_and_only_those() -> None:
     """Bit for bit: a sign flip, a power of two, a swap, a permutation, 0.0 -> -0.0 are changes; NaN -> the same NaN
-    is not; the baseline is what the engine holds only once the sync commits."""
+    is not; the baseline is what the engine holds only once the sync commits: a read advances it in place, and until
+    the commit nothing is known."""
     model = _full_ft()
     stream = ParamStream(model, dtype=torch.bfloat16)
     baseline = ElementBaseline()
@@ -84,7 +86,7 @@ def test_the_diff_finds_every_structured_edit_and_only_those() -> None:
     baseline.stage(stream.plan_digest, first.new)
     assert baseline.shards == {}  # staged only
     baseline.commit()
-    assert baseline.valid_for(stream.plan_digest) and baseline.host_bytes == first.baseline_bytes
+    assert baseline.valid_for(stream.plan_digest) and baseline.nbytes == first.baseline_bytes
     w = dict(model.named_parameters())["model.layers.0.mlp.down_proj.weight"]
     flat = w.data.view(-1)
     with torch.no_grad():
@@ -99,18 +101,75 @@ def test_the_diff_finds_every_structured_edit_and_only_those() -> None:
         flat[20:23] = flat[20:23][torch.tensor([1, 2, 0])].clone()
         flat[5] = -0.0
         flat[0] = float("nan")  # the same NaN: unchanged
-    diff = read_elements(stream, baseline).diff
     names = [stream.steps()[i][0] for i in eligible]
     step = eligible[names.index("model.layers.0.mlp.down_proj.weight")]
+    held = baseline.shards[step]
+    cast_before = held.clone()
+    diff = read_elements(stream, baseline).diff
+    assert not baseline.valid_for(stream.plan_digest)  # advanced in place: nothing known until the commit
+    assert diff.new[step] is held  # no second copy
     seg = diff.segments[step]
     index, _ = decode(seg.encoded.encoding, seg.encoded.blob, seg.encoded.count, seg.encoded.numel, seg.encoded.dtype)
     expected = {3, 7, 10, 11, 20, 21, 22, 5}
-    cast_before = baseline.shards[step]
     same_bf16 = {i for i in expected if bits(cast_before[i : i + 1]).item() == bits(diff.new[step][i : i + 1]).item()}
     assert index is not None and set(index.tolist()) == expected - same_bf16
     assert diff.changed[step] and sum(diff.changed.values()) == 1
     baseline.forget()
     assert not baseline.valid_for(stream.plan_digest)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("n", [1, 3 * BLOCK_WORDS + 5, 9 * BLOCK_WORDS])
+def test_the_diff_reads_a_shard_a_chunk_at_a_time_and_equals_the_whole_read(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, n: int
+) -> None:
+    """Chunks of one block (and a shard that ends inside one): the changed positions on both sides of every chunk
+    boundary, the values written into the baseline in place (only those), and the fingerprint of the whole new
+    shard, all as one read of the whole would give them."""
+    monkeypatch.setattr(elements, "DIFF_CHUNK_BYTES", BLOCK_WORDS * 8)
+    g = torch.Generator().manual_seed(n)
+    master = torch.randn(n, generator=g)  # the trainer's float32 shard
+    first, index, fp = diff_shard(master, dtype, None)
+    assert torch.equal(bits(first), bits(master.to(dtype))) and torch.equal(index, torch.arange(n))
+    assert fp == fingerprint(master.to(dtype))
+    step = BLOCK_WORDS * 8 // first.element_size()
+    edges = sorted({i for b in range(step, n, step) for i in (b - 1, b)} | {0, n - 1})
+    master[edges] = -master[edges]
+    master[min(5, n - 1)] *= 2.0
+    old = first.clone()
+    new, index, fp = diff_shard(master, dtype, first)
+    cast = master.to(dtype)
+    assert new is first and torch.equal(bits(new), bits(cast)) and fp == fingerprint(cast)
+    assert torch.equal(index, (bits(cast) != bits(old)).nonzero().reshape(-1))
+    assert set(edges) <= set(index.tolist())
+    # A baseline of another size or dtype is not compared: every element, into a new tensor.
+    other, index, _ = diff_shard(master, dtype, first[:-1] if n > 1 else first.to(torch.float64))
+    assert other is not first and index.numel() == n
+
+
+def test_a_read_that_fails_part_way_leaves_no_baseline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The read writes the baseline's shards in place: one that stops half way must not leave them to be compared
+    against (they would be neither the engines' values nor the new ones)."""
+    model = _full_ft()
+    stream = ParamStream(model, dtype=torch.bfloat16)
+    baseline = ElementBaseline()
+    baseline.stage(stream.plan_digest, read_elements(stream, baseline).diff.new)
+    baseline.commit()
+    calls = []
+
+    def failing(*args: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("out of memory")
+        return diff_shard(*args)
+
+    monkeypatch.setattr(elements, "diff_shard", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        read_elements(stream, baseline)
+    assert not baseline.valid_for(stream.plan_digest) and baseline.shards == {}
+    monkeypatch.undo()
+    again = read_elements(stream, baseline).diff
+    assert all(again.changed.values())  # no baseline: every element of every output
 
 
 def test_what_cannot_go_as_elements_says_why() -> None:

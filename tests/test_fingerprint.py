@@ -190,3 +190,35 @@ def test_the_streams_fingerprints_see_every_write_to_a_frozen_source_and_skip_tr
     # Made trainable: no fingerprint while it is.
     norm.requires_grad_(True)
     assert dict(zip(names, stream.fingerprints(), strict=True))["model.norm.weight"] is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8], ids=str)
+@pytest.mark.parametrize("n_bytes", [0, 5, 8 * BLOCK_WORDS, 24 * BLOCK_WORDS + 12, 8 * (CHUNK_WORDS + BLOCK_WORDS)])
+def test_a_running_fingerprint_of_pieces_is_the_fingerprint_of_the_whole(dtype: torch.dtype, n_bytes: int) -> None:
+    """Pieces of whole blocks (one, or several), the last one ending anywhere, one of them at an odd offset (read
+    through a copy): the value of the whole, read at once; and the misuses refused."""
+    from lora_stream.fingerprint import RunningFingerprint
+
+    item = torch.empty((), dtype=dtype).element_size()
+    whole = torch.randint(0, 255, (n_bytes - n_bytes % item,), dtype=torch.uint8).view(dtype)
+    n = whole.numel()
+    for block_multiple in (1, 2, 64):
+        running = RunningFingerprint(dtype, (n,))
+        step = BLOCK_WORDS * 8 * block_multiple // item
+        for a in range(0, n, step):
+            piece = whole[a : a + step]
+            if a == step:  # the same bytes at an address no int64 view can read
+                shifted = torch.empty(piece.numel() * item + 1, dtype=torch.uint8)[1:]
+                shifted.copy_(piece.view(torch.uint8))
+                piece = shifted.view(dtype) if item == 1 else piece
+            running.update(piece)
+        assert running.value() == fingerprint(whole)
+    running = RunningFingerprint(dtype, (n,))
+    with pytest.raises(ValueError, match="a piece of"):
+        running.update(torch.zeros(1, dtype=torch.float64))
+    if n > BLOCK_WORDS * 8 // item:
+        running.update(whole[:1])
+        with pytest.raises(ValueError, match="inside a block"):
+            running.update(whole[1:2])
+    with pytest.raises(ValueError, match="bytes fingerprinted"):
+        RunningFingerprint(dtype, (n + 1,)).value()

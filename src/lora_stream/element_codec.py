@@ -70,14 +70,15 @@ class Encoded:
 
 def encode(new: torch.Tensor, index: torch.Tensor) -> Encoded:
     """The elements of ``new`` (a flat tensor: every value of the range it covers) at the ascending flat ``index``
-    (``int64``), in the smallest of :data:`ENCODINGS`."""
-    new = new.detach().to("cpu").reshape(-1).contiguous()
-    index = index.to("cpu", torch.int64).reshape(-1)
+    (``int64``), in the smallest of :data:`ENCODINGS`, on the host. Only what travels leaves ``new``'s device: the
+    changed values and their indices (or, dense, every value)."""
+    new = new.detach().reshape(-1)
     numel, k, dtype, s = new.numel(), int(index.numel()), new.dtype, new.element_size()
     best = min(ENCODINGS, key=lambda e: (encoded_size(e, k, numel, s), ENCODINGS.index(e)))
     if best == "dense":
-        return Encoded("dense", numel, numel, dtype, new.view(torch.uint8).reshape(-1).clone())
-    values = new[index]
+        return Encoded("dense", numel, numel, dtype, new.to("cpu").contiguous().view(torch.uint8).reshape(-1).clone())
+    values = new[index.reshape(-1).to(new.device)].to("cpu")
+    index = index.to("cpu", torch.int64).reshape(-1)
     if best == "indices":
         head = index.to(_index_dtype(numel)).view(torch.uint8)
     else:

@@ -11,13 +11,15 @@ Who calls it: step 1 of a sync (:mod:`lora_stream.sinks.decide`), on every rank,
   expert conversion, a quantized base, a persistent ZeRO-3 parameter, a frozen one (which the fingerprints skip
   whole already) -- goes as before, and :attr:`ElementRead.why` says why.
 * **The baseline** (:class:`ElementBaseline`): this rank's shard of every eligible output, cast to the served dtype,
-  as the engines hold it since the last committed sync -- in host memory, ``1/N`` of the model under ZeRO-3 and
-  FSDP2. It advances only when the sync commits (:meth:`ElementBaseline.commit`: a reference swap, nothing that can
-  fail after the vote), and is dropped by any failed sync.
-* **The diff** (:func:`read_elements`, one pass over the plan's steps): the new cast shard compared with the
-  baseline *bit for bit*; the changed elements, encoded (:mod:`lora_stream.element_codec`), and a fingerprint of the
-  whole new shard, which the engine checks against what it rebuilt (every sync proves the engine loads what a full
-  sync would have loaded).
+  as the engines hold it since the last committed sync -- where the shard lives (on a GPU trainer, its device),
+  ``1/N`` of the model under ZeRO-3 and FSDP2. The diff advances it in place (only the changed elements are
+  written: no second copy), and it counts again only when the sync commits (:meth:`ElementBaseline.commit`:
+  nothing that can fail after the vote); until then, and after any failed sync, nothing is known.
+* **The diff** (:func:`read_elements`, one pass over the plan's steps; :func:`diff_shard`, one pass over a shard,
+  a chunk at a time, on its device): each chunk cast, compared with the baseline *bit for bit* and fingerprinted
+  while at hand; the changed elements, encoded (:mod:`lora_stream.element_codec`: only they leave the device), and
+  the fingerprint of the whole new shard, which the engine checks against what it rebuilt (every sync proves the
+  engine loads what a full sync would have loaded).
 * **The exchange** (:func:`exchange`): the ranks feeding engines need every rank's changes; the encoded changes
   (not the tensors) are all-gathered over the stream's process group.
 """
@@ -34,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .element_codec import Encoded, bits, encode
-from .fingerprint import fingerprint
+from .fingerprint import CHUNK_WORDS, RunningFingerprint
 
 __all__ = [
     "check_elements_option",
@@ -42,6 +44,7 @@ __all__ = [
     "ElementDiff",
     "Segment",
     "ElementRead",
+    "diff_shard",
     "exchange",
     "read_elements",
     "shard_of",
@@ -172,7 +175,8 @@ class ElementBaseline:
     pending: tuple[str, dict[int, torch.Tensor]] | None = None
 
     @property
-    def host_bytes(self) -> int:
+    def nbytes(self) -> int:
+        """Bytes of the shards held (where each shard lives: on a GPU trainer, its device)."""
         return sum(t.numel() * t.element_size() for t in self.shards.values())
 
     def valid_for(self, plan: str) -> bool:
@@ -229,12 +233,16 @@ class ElementRead:
 def read_elements(stream: Any, baseline: ElementBaseline) -> ElementRead:
     """One pass over the steps of ``stream``'s plan: which can go as elements, and for each of those this rank's
     diff against ``baseline`` (compared only if it follows this stream's plan); then whether this rank can send
-    them, and what the exchange needs of the stream. Reads each eligible local shard once, on its device, and copies
-    the cast shard to host memory."""
+    them, and what the exchange needs of the stream. Reads each eligible local shard once, on its device
+    (:func:`diff_shard`); the baseline is advanced in place, and is not valid again until this sync commits."""
     import time
 
     t0 = time.perf_counter()
     usable = baseline.valid_for(stream.plan_digest)
+    # The read advances the baseline's shards in place: from here on nothing is known until this sync commits
+    # (:meth:`ElementBaseline.commit` installs them again); a read that fails part way leaves no baseline either.
+    held = baseline.shards if usable else {}
+    baseline.forget()
     gatherer = stream.gatherer
     why: dict[int, str | None] = {}
     outputs: list[str] = []
@@ -248,17 +256,12 @@ def read_elements(stream: Any, baseline: ElementBaseline) -> ElementRead:
             diff.whole_because[shard] = diff.whole_because.get(shard, 0) + 1
             continue
         why[i] = None
-        cast = shard.values.detach().to(device="cpu", dtype=out.dtype, copy=True).reshape(-1)
-        fp = fingerprint(cast)
-        old = baseline.shards.get(i) if usable else None
-        if old is None or old.numel() != cast.numel():
-            index = torch.arange(cast.numel(), dtype=torch.int64)
-        else:
-            index = (bits(cast) != bits(old)).nonzero().reshape(-1)
+        old = held.get(i)
+        new, index, fp = diff_shard(shard.values, out.dtype, old)
         diff.changed[i] = bool(index.numel()) or old is None
-        diff.segments[i] = Segment(shard.offset, shard.offset + cast.numel(), encode(cast, index), fp)
-        diff.new[i] = cast
-        diff.baseline_bytes += cast.numel() * cast.element_size()
+        diff.segments[i] = Segment(shard.offset, shard.offset + new.numel(), encode(new, index), fp)
+        diff.new[i] = new
+        diff.baseline_bytes += new.numel() * new.element_size()
     diff.seconds = time.perf_counter() - t0
     return ElementRead(
         diff,
@@ -270,6 +273,48 @@ def read_elements(stream: Any, baseline: ElementBaseline) -> ElementRead:
         bool(gatherer.collective),
         stream.agreement_timeout.total_seconds(),
     )
+
+
+#: Bytes of the served dtype the diff reads at a time (a whole number of the fingerprint's blocks): a chunk is cast,
+#: compared and fingerprinted while it is at hand, and no temporary is larger.
+DIFF_CHUNK_BYTES = CHUNK_WORDS * 8
+
+
+@torch.no_grad()
+def diff_shard(
+    values: torch.Tensor, dtype: torch.dtype, old: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """One pass over ``values`` (this rank's flat shard), a chunk at a time, on its device: each chunk cast to
+    ``dtype``, compared bit for bit with ``old`` (the baseline's shard, the engines' values) and fingerprinted.
+
+    Returns ``(new, index, fp)``: ``new``, the cast shard -- ``old`` itself, advanced in place (only the changed
+    elements are written), or a new tensor on the shard's device when there is no ``old`` of its size; ``index``, the
+    changed flat positions (every one without ``old``), ascending, on the same device; ``fp``, :func:`fingerprint`
+    of ``new``. Nothing of the shard is copied to the host."""
+    flat = values.detach().reshape(-1)
+    n = flat.numel()
+    if old is not None and (old.numel() != n or old.dtype != dtype or old.device != flat.device):
+        old = None
+    new = old if old is not None else torch.empty(n, dtype=dtype, device=flat.device)
+    step = max(1, DIFF_CHUNK_BYTES // new.element_size())
+    running = RunningFingerprint(dtype, (n,))
+    found: list[torch.Tensor] = []
+    for a in range(0, n, step):
+        chunk = flat[a : a + step].to(dtype)
+        held = new[a : a + step]
+        if old is None:
+            held.copy_(chunk)
+        else:
+            changed = (bits(chunk) != bits(held)).nonzero().reshape(-1)
+            if changed.numel():
+                held.index_copy_(0, changed, chunk.index_select(0, changed))
+                found.append(changed + a)
+        running.update(held)  # the values just written or compared: what the engines will hold
+    if old is None:
+        index = torch.arange(n, dtype=torch.int64, device=flat.device)
+    else:
+        index = torch.cat(found) if found else torch.zeros(0, dtype=torch.int64, device=flat.device)
+    return new, index, running.value()
 
 
 def _refusal(diff: ElementDiff, baseline_valid: bool) -> str | None:

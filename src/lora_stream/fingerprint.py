@@ -62,6 +62,7 @@ values per tensor.
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 from collections.abc import Iterator
 
@@ -75,6 +76,7 @@ __all__ = [
     "KEY_ID",
     "KEY_LABEL",
     "FingerprintError",
+    "RunningFingerprint",
     "fingerprint",
     "fingerprint_of",
     "nh_reference",
@@ -298,6 +300,46 @@ def fingerprint(t: torch.Tensor, what: str | None = None) -> int:
             ) from e2
     head.update(lanes.numpy().tobytes())
     return _signed(int.from_bytes(head.digest(), "little"))
+
+
+class RunningFingerprint:
+    """:func:`fingerprint` of a tensor of ``dtype`` and ``shape`` whose bytes arrive in consecutive pieces, in order:
+    the same value, with no copy of the whole tensor anywhere (the element diff reads a shard a chunk at a time and
+    fingerprints each chunk while it is at hand).
+
+    Every piece but the last holds a whole number of blocks (``BLOCK_WORDS * 8`` bytes): NH hashes each block on its
+    own, so the blocks' values are the ones :func:`fingerprint` computes over the whole. A piece is read in place
+    where it is contiguous and aligned, else copied a slab at a time (as :func:`fingerprint` does)."""
+
+    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        self._bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        self._head = hashlib.blake2b(digest_size=8)
+        self._head.update(f"{dtype}|{tuple(shape)}|{self._bytes}".encode())
+        self._dtype = dtype
+        self._seen = 0
+
+    @torch.no_grad()
+    def update(self, piece: torch.Tensor) -> None:
+        """Hash the next ``piece`` (of the tensor's dtype; any shape: its bytes in logical order)."""
+        if piece.dtype != self._dtype:
+            raise ValueError(f"a piece of {piece.dtype} in a fingerprint of {self._dtype}")
+        if self._seen % (BLOCK_WORDS * 8):
+            raise ValueError("a piece after one that ended inside a block: only the last piece may")
+        n = piece.numel() * piece.element_size()
+        if self._seen + n > self._bytes:
+            raise ValueError(f"pieces of {self._seen + n} bytes in a fingerprint of {self._bytes}")
+        self._seen += n
+        if n:
+            piece = piece.detach()
+            flat = _in_place(piece)
+            lanes = _lanes_in_place(flat) if flat is not None else _lanes_copied(piece, piece.device)
+            self._head.update(lanes.numpy().tobytes())
+
+    def value(self) -> int:
+        """The fingerprint, once every byte arrived."""
+        if self._seen != self._bytes:
+            raise ValueError(f"{self._seen} of {self._bytes} bytes fingerprinted")
+        return _signed(int.from_bytes(self._head.digest(), "little"))
 
 
 def _quantized(t: torch.Tensor, what: str | None) -> int:
