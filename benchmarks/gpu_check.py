@@ -44,11 +44,12 @@ skipped there). Measures:
    log-probabilities.
 
 8. **the element path on the device** (``elements=True``, full fine-tuning): one rank's read of a fully fine-tuned
-   float32 model's shards into bfloat16 (``lora_stream.elements.read_elements``: today it casts on the device and
-   copies each cast shard to the host, where it compares and fingerprints), first with no baseline, then after a
-   step that changes about 1.1% of the elements; and, on the largest weight, the fingerprints where it lives: NH
-   (``lora_stream.fingerprint``) and the field fingerprint (``lora_stream.field_fingerprint``) read whole, and the
-   field fingerprint's update from 1.1% changed. What the device-side diff and the proof per slice would save.
+   float32 model's shards into bfloat16 (``lora_stream.elements.read_elements``: one pass over each shard on the
+   device, a chunk at a time -- cast, compare with the baseline held on the device, fingerprint -- with only the
+   changed values and indices copied to the host), first with no baseline, then after a step that changes about
+   1.1% of the elements; and, on the largest weight, the fingerprints where it lives: NH (``lora_stream.fingerprint``)
+   and the field fingerprint (``lora_stream.field_fingerprint``) read whole, and the field fingerprint's update from
+   1.1% changed. What the proof per slice would save.
 
 Prints a table and writes benchmarks/results/gpu_check.json.
 """

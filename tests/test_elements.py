@@ -129,7 +129,8 @@ def test_the_diff_reads_a_shard_a_chunk_at_a_time_and_equals_the_whole_read(
     monkeypatch.setattr(elements, "DIFF_CHUNK_BYTES", BLOCK_WORDS * 8)
     g = torch.Generator().manual_seed(n)
     master = torch.randn(n, generator=g)  # the trainer's float32 shard
-    first, index, fp = diff_shard(master, dtype, None)
+    first, index, fp, replaced = diff_shard(master, dtype, None)
+    assert replaced is None
     assert torch.equal(bits(first), bits(master.to(dtype))) and torch.equal(index, torch.arange(n))
     assert fp == fingerprint(master.to(dtype))
     step = BLOCK_WORDS * 8 // first.element_size()
@@ -137,39 +138,79 @@ def test_the_diff_reads_a_shard_a_chunk_at_a_time_and_equals_the_whole_read(
     master[edges] = -master[edges]
     master[min(5, n - 1)] *= 2.0
     old = first.clone()
-    new, index, fp = diff_shard(master, dtype, first)
+    new, index, fp, replaced = diff_shard(master, dtype, first)
     cast = master.to(dtype)
     assert new is first and torch.equal(bits(new), bits(cast)) and fp == fingerprint(cast)
     assert torch.equal(index, (bits(cast) != bits(old)).nonzero().reshape(-1))
+    assert replaced is not None and torch.equal(bits(replaced), bits(old[index]))  # what a restore writes back
     assert set(edges) <= set(index.tolist())
     # A baseline of another size or dtype is not compared: every element, into a new tensor.
-    other, index, _ = diff_shard(master, dtype, first[:-1] if n > 1 else first.to(torch.float64))
+    other, index, _, _ = diff_shard(master, dtype, first[:-1] if n > 1 else first.to(torch.float64))
     assert other is not first and index.numel() == n
 
 
-def test_a_read_that_fails_part_way_leaves_no_baseline(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The read writes the baseline's shards in place: one that stops half way must not leave them to be compared
-    against (they would be neither the engines' values nor the new ones)."""
+def test_a_read_that_fails_part_way_or_a_sync_refused_in_step_1_leaves_the_baseline_as_it_was(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The read writes the baseline's shards in place. A read that stops half way, in a shard or between two, and a
+    sync that fails anywhere in step 1 (no engine touched yet: ``restored_on_failure``) put every element back, and
+    the baseline counts again; a sync that fails later leaves none."""
+    monkeypatch.setattr(elements, "DIFF_CHUNK_BYTES", BLOCK_WORDS * 8)
     model = _full_ft()
     stream = ParamStream(model, dtype=torch.bfloat16)
     baseline = ElementBaseline()
     baseline.stage(stream.plan_digest, read_elements(stream, baseline).diff.new)
     baseline.commit()
-    calls = []
+    before = {i: t.clone() for i, t in baseline.shards.items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5)  # every element changes
+    calls: list[int] = []
+    real = elements.diff_shard
 
-    def failing(*args: Any) -> Any:
+    def failing(values: torch.Tensor, dtype: torch.dtype, old: torch.Tensor | None) -> Any:
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("out of memory")
-        return diff_shard(*args)
+        return real(values, dtype, old)
 
     monkeypatch.setattr(elements, "diff_shard", failing)
-    with pytest.raises(RuntimeError, match="out of memory"):
+    with pytest.raises(RuntimeError, match="out of memory"), baseline.restored_on_failure():
         read_elements(stream, baseline)
-    assert not baseline.valid_for(stream.plan_digest) and baseline.shards == {}
+    assert baseline.valid_for(stream.plan_digest)
+    assert all(torch.equal(bits(baseline.shards[i]), bits(t)) for i, t in before.items())
+    monkeypatch.setattr(elements, "diff_shard", real)
+    # Part way through a shard: the chunks already written are put back by the shard's own read.
+    master = torch.randn(3 * BLOCK_WORDS * 4)  # three chunks of bfloat16
+    shard = diff_shard(master, torch.bfloat16, None)[0]
+    master.add_(0.5)
+    copy = shard.clone()
+    seen: list[int] = []
+
+    class Stop(Exception):
+        pass
+
+    def update(self: Any, piece: torch.Tensor) -> None:
+        seen.append(1)
+        if len(seen) == 2:
+            raise Stop
+
+    monkeypatch.setattr(elements.RunningFingerprint, "update", update)
+    with pytest.raises(Stop):
+        diff_shard(master, torch.bfloat16, shard)
+    assert torch.equal(bits(shard), bits(copy))
     monkeypatch.undo()
-    again = read_elements(stream, baseline).diff
-    assert all(again.changed.values())  # no baseline: every element of every output
+    # A whole step 1 that fails after the read (the exchange, another rank's refusal): the same.
+    with pytest.raises(RuntimeError, match="refused"), baseline.restored_on_failure():
+        read_elements(stream, baseline)
+        assert not baseline.valid_for(stream.plan_digest)
+        raise RuntimeError("refused by another rank")
+    assert baseline.valid_for(stream.plan_digest)
+    assert all(torch.equal(bits(baseline.shards[i]), bits(t)) for i, t in before.items())
+    # Read again and failed after step 1 (the sink forgets): nothing is known.
+    read_elements(stream, baseline)
+    baseline.forget()
+    assert not baseline.valid_for(stream.plan_digest) and all(read_elements(stream, baseline).diff.changed.values())
 
 
 def test_what_cannot_go_as_elements_says_why() -> None:

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import datetime
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -166,13 +167,22 @@ class ElementDiff:
 
 @dataclass
 class ElementBaseline:
-    """This rank's shards of the eligible outputs as the engines hold them since the last committed sync."""
+    """This rank's shards of the eligible outputs as the engines hold them since the last committed sync.
+
+    A read (:func:`read_elements`) advances the shards in place: it takes them (:meth:`open`), and from then on
+    nothing is valid until the sync commits (:meth:`stage`, :meth:`commit`). What the read overwrote is kept, the
+    old values of exactly the changed elements, so that a sync failing before any engine was touched puts the shards
+    back bit for bit (:meth:`restore`); a sync failing later leaves none (:meth:`forget`)."""
 
     #: The stream plan the shards follow (:attr:`ParamStream.plan_digest`); ``None``: nothing committed.
     plan: str | None = None
     shards: dict[int, torch.Tensor] = field(default_factory=dict)
     #: The next baseline, from this sync's diff; installed by :meth:`commit`.
     pending: tuple[str, dict[int, torch.Tensor]] | None = None
+    #: While a read's sync is open: the plan and shards it took, and (shard, index, old values) of each write.
+    _undo: tuple[str | None, dict[int, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] | None = (
+        field(default=None, repr=False)
+    )
 
     @property
     def nbytes(self) -> int:
@@ -182,6 +192,38 @@ class ElementBaseline:
     def valid_for(self, plan: str) -> bool:
         return self.plan is not None and self.plan == plan
 
+    def open(self, plan: str) -> dict[int, torch.Tensor]:
+        """A read begins: the shards it compares with and advances in place (none unless they follow ``plan``).
+        Nothing is valid from here until :meth:`commit`, or :meth:`restore`."""
+        valid = self.valid_for(plan)
+        held = self.shards if valid else {}
+        self._undo = (self.plan, self.shards, []) if valid else None
+        self.plan, self.shards, self.pending = None, {}, None
+        return held
+
+    def wrote(self, shard: torch.Tensor, index: torch.Tensor, old: torch.Tensor) -> None:
+        """The read wrote ``shard[index]``, which held ``old``."""
+        if self._undo is not None:
+            self._undo[2].append((shard, index, old))
+
+    def restore(self) -> None:
+        """The read's sync failed before any engine was touched: the shards it took, as they were (the old values
+        written back), valid again. Nothing to do without an open read."""
+        if self._undo is not None:
+            plan, shards, writes = self._undo
+            for shard, index, old in reversed(writes):
+                shard.index_copy_(0, index, old)
+            self.plan, self.shards, self.pending, self._undo = plan, shards, None, None
+
+    @contextmanager
+    def restored_on_failure(self) -> Iterator[None]:
+        """Around step 1 (no engine touched yet): an exception restores what a read advanced (:meth:`restore`)."""
+        try:
+            yield
+        except BaseException:
+            self.restore()
+            raise
+
     def stage(self, plan: str, new: dict[int, torch.Tensor]) -> None:
         """Before the vote: what :meth:`commit` will install."""
         self.pending = (plan, new)
@@ -190,12 +232,12 @@ class ElementBaseline:
         """After every rank voted to commit: the staged shards are the baseline (a reference swap)."""
         if self.pending is not None:
             self.plan, self.shards = self.pending
-        self.pending = None
+        self.pending = self._undo = None
 
     def forget(self) -> None:
         """A failed sync, or a sync not sent as elements: nothing is known (the next element sync sends every
         element of every eligible output once more)."""
-        self.plan, self.shards, self.pending = None, {}, None
+        self.plan, self.shards, self.pending, self._undo = None, {}, None, None
 
 
 #: An element sync sends elements only while their encoded bytes stay at most this fraction of the element steps'
@@ -239,10 +281,9 @@ def read_elements(stream: Any, baseline: ElementBaseline) -> ElementRead:
 
     t0 = time.perf_counter()
     usable = baseline.valid_for(stream.plan_digest)
-    # The read advances the baseline's shards in place: from here on nothing is known until this sync commits
-    # (:meth:`ElementBaseline.commit` installs them again); a read that fails part way leaves no baseline either.
-    held = baseline.shards if usable else {}
-    baseline.forget()
+    # The read advances the baseline's shards in place: from here on nothing is valid until this sync commits, and
+    # what each write replaced is kept for a failure before any engine was touched (ElementBaseline.restore).
+    held = baseline.open(stream.plan_digest)
     gatherer = stream.gatherer
     why: dict[int, str | None] = {}
     outputs: list[str] = []
@@ -257,7 +298,9 @@ def read_elements(stream: Any, baseline: ElementBaseline) -> ElementRead:
             continue
         why[i] = None
         old = held.get(i)
-        new, index, fp = diff_shard(shard.values, out.dtype, old)
+        new, index, fp, replaced = diff_shard(shard.values, out.dtype, old)
+        if replaced is not None:
+            baseline.wrote(new, index, replaced)
         diff.changed[i] = bool(index.numel()) or old is None
         diff.segments[i] = Segment(shard.offset, shard.offset + new.numel(), encode(new, index), fp)
         diff.new[i] = new
@@ -283,14 +326,15 @@ DIFF_CHUNK_BYTES = CHUNK_WORDS * 8
 @torch.no_grad()
 def diff_shard(
     values: torch.Tensor, dtype: torch.dtype, old: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, int]:
+) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]:
     """One pass over ``values`` (this rank's flat shard), a chunk at a time, on its device: each chunk cast to
     ``dtype``, compared bit for bit with ``old`` (the baseline's shard, the engines' values) and fingerprinted.
 
-    Returns ``(new, index, fp)``: ``new``, the cast shard -- ``old`` itself, advanced in place (only the changed
-    elements are written), or a new tensor on the shard's device when there is no ``old`` of its size; ``index``, the
-    changed flat positions (every one without ``old``), ascending, on the same device; ``fp``, :func:`fingerprint`
-    of ``new``. Nothing of the shard is copied to the host."""
+    Returns ``(new, index, fp, replaced)``: ``new``, the cast shard -- ``old`` itself, advanced in place (only the
+    changed elements are written), or a new tensor on the shard's device when there is no ``old`` of its size and
+    dtype; ``index``, the changed flat positions (every one without ``old``), ascending, on the same device; ``fp``,
+    :func:`fingerprint` of ``new``; ``replaced``, what ``old`` held at ``index`` (``None`` without ``old``). Nothing
+    of the shard is copied to the host. A failure part way puts back what it wrote into ``old`` before raising."""
     flat = values.detach().reshape(-1)
     n = flat.numel()
     if old is not None and (old.numel() != n or old.dtype != dtype or old.device != flat.device):
@@ -299,22 +343,30 @@ def diff_shard(
     step = max(1, DIFF_CHUNK_BYTES // new.element_size())
     running = RunningFingerprint(dtype, (n,))
     found: list[torch.Tensor] = []
-    for a in range(0, n, step):
-        chunk = flat[a : a + step].to(dtype)
-        held = new[a : a + step]
-        if old is None:
-            held.copy_(chunk)
-        else:
-            changed = (bits(chunk) != bits(held)).nonzero().reshape(-1)
-            if changed.numel():
-                held.index_copy_(0, changed, chunk.index_select(0, changed))
-                found.append(changed + a)
-        running.update(held)  # the values just written or compared: what the engines will hold
+    kept: list[torch.Tensor] = []
+    try:
+        for a in range(0, n, step):
+            chunk = flat[a : a + step].to(dtype)
+            held = new[a : a + step]
+            if old is None:
+                held.copy_(chunk)
+            else:
+                changed = (bits(chunk) != bits(held)).nonzero().reshape(-1)
+                if changed.numel():
+                    found.append(changed + a)
+                    kept.append(held.index_select(0, changed))  # what the write below replaces
+                    held.index_copy_(0, changed, chunk.index_select(0, changed))
+            running.update(held)  # the values just written or compared: what the engines will hold
+    except BaseException:
+        for index, values_before in zip(found[: len(kept)], kept, strict=True):
+            new.index_copy_(0, index, values_before)
+        raise
     if old is None:
-        index = torch.arange(n, dtype=torch.int64, device=flat.device)
-    else:
-        index = torch.cat(found) if found else torch.zeros(0, dtype=torch.int64, device=flat.device)
-    return new, index, running.value()
+        return new, torch.arange(n, dtype=torch.int64, device=flat.device), running.value(), None
+    empty = torch.zeros(0, dtype=torch.int64, device=flat.device)
+    index = torch.cat(found) if found else empty
+    replaced = torch.cat(kept) if kept else new[empty]
+    return new, index, running.value(), replaced
 
 
 def _refusal(diff: ElementDiff, baseline_valid: bool) -> str | None:

@@ -62,18 +62,20 @@ def decide_for(
 ) -> Decision:
     """:func:`decide` with ``sink``'s own options (whether this sync verifies, under its policy and ``memory``; a
     partial sync; where the merge runs; element syncs): what every sink that loads a stream into engines calls."""
-    return decide(
-        tx,
-        stream,
-        route,
-        memory,
-        version=version,
-        verifying=memory.verifying(sink.verify),
-        skip_unchanged=sink.skip_unchanged,
-        merge=sink.merge,
-        elements=sink.elements,
-        lora_name=lora_name,
-    )
+    # Step 1 touches no engine: whatever fails in it leaves the element baseline its read advanced as it was.
+    with memory.elements.restored_on_failure():
+        return decide(
+            tx,
+            stream,
+            route,
+            memory,
+            version=version,
+            verifying=memory.verifying(sink.verify),
+            skip_unchanged=sink.skip_unchanged,
+            merge=sink.merge,
+            elements=sink.elements,
+            lora_name=lora_name,
+        )
 
 
 def decide(
