@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import lora, tiny_llama
 
-from lora_stream import ParamStream, elements
+from lora_stream import ParamStream, element_diff
 from lora_stream.element_codec import ENCODINGS, bits, decode, encode, encoded_size
 from lora_stream.elements import ElementBaseline, check_elements_option, diff_shard, exchange, read_elements
 from lora_stream.engine.elements import ElementShadow
@@ -126,7 +126,7 @@ def test_the_diff_reads_a_shard_a_chunk_at_a_time_and_equals_the_whole_read(
     """Chunks of one block (and a shard that ends inside one): the changed positions on both sides of every chunk
     boundary, the values written into the baseline in place (only those), and the fingerprint of the whole new
     shard, all as one read of the whole would give them."""
-    monkeypatch.setattr(elements, "DIFF_CHUNK_BYTES", BLOCK_WORDS * 8)
+    monkeypatch.setattr(element_diff, "DIFF_CHUNK_BYTES", BLOCK_WORDS * 8)
     g = torch.Generator().manual_seed(n)
     master = torch.randn(n, generator=g)  # the trainer's float32 shard
     first, index, fp, replaced = diff_shard(master, dtype, None)
@@ -155,7 +155,7 @@ def test_a_read_that_fails_part_way_or_a_sync_refused_in_step_1_leaves_the_basel
     """The read writes the baseline's shards in place. A read that stops half way, in a shard or between two, and a
     sync that fails anywhere in step 1 (no engine touched yet: ``restored_on_failure``) put every element back, and
     the baseline counts again; a sync that fails later leaves none."""
-    monkeypatch.setattr(elements, "DIFF_CHUNK_BYTES", BLOCK_WORDS * 8)
+    monkeypatch.setattr(element_diff, "DIFF_CHUNK_BYTES", BLOCK_WORDS * 8)
     model = _full_ft()
     stream = ParamStream(model, dtype=torch.bfloat16)
     baseline = ElementBaseline()
@@ -166,7 +166,7 @@ def test_a_read_that_fails_part_way_or_a_sync_refused_in_step_1_leaves_the_basel
         for p in model.parameters():
             p.add_(0.5)  # every element changes
     calls: list[int] = []
-    real = elements.diff_shard
+    real = element_diff.diff_shard
 
     def failing(values: torch.Tensor, dtype: torch.dtype, old: torch.Tensor | None) -> Any:
         calls.append(1)
@@ -174,12 +174,12 @@ def test_a_read_that_fails_part_way_or_a_sync_refused_in_step_1_leaves_the_basel
             raise RuntimeError("out of memory")
         return real(values, dtype, old)
 
-    monkeypatch.setattr(elements, "diff_shard", failing)
+    monkeypatch.setattr(element_diff, "diff_shard", failing)
     with pytest.raises(RuntimeError, match="out of memory"), baseline.restored_on_failure():
         read_elements(stream, baseline)
     assert baseline.valid_for(stream.plan_digest)
     assert all(torch.equal(bits(baseline.shards[i]), bits(t)) for i, t in before.items())
-    monkeypatch.setattr(elements, "diff_shard", real)
+    monkeypatch.setattr(element_diff, "diff_shard", real)
     # Part way through a shard: the chunks already written are put back by the shard's own read.
     master = torch.randn(3 * BLOCK_WORDS * 4)  # three chunks of bfloat16
     shard = diff_shard(master, torch.bfloat16, None)[0]
@@ -195,7 +195,7 @@ def test_a_read_that_fails_part_way_or_a_sync_refused_in_step_1_leaves_the_basel
         if len(seen) == 2:
             raise Stop
 
-    monkeypatch.setattr(elements.RunningFingerprint, "update", update)
+    monkeypatch.setattr(element_diff.RunningFingerprint, "update", update)
     with pytest.raises(Stop):
         diff_shard(master, torch.bfloat16, shard)
     assert torch.equal(bits(shard), bits(copy))
@@ -236,7 +236,7 @@ def test_the_option_is_checked_at_construction() -> None:
 # -- the engine's copy -------------------------------------------------------------------------------------------------
 def _segments(name: str, old: torch.Tensor, new: torch.Tensor, ranks: int = 2) -> tuple[torch.Tensor, dict]:  # type: ignore[type-arg]
     """What the trainer sends for one output: each rank's range, its changed elements encoded, its fingerprint."""
-    from lora_stream.elements import Segment
+    from lora_stream.element_diff import Segment
     from lora_stream.fingerprint import fingerprint
 
     flat_old, flat_new = old.reshape(-1), new.reshape(-1)
@@ -354,7 +354,7 @@ def test_a_sync_left_open_is_rolled_back_when_the_next_begins_and_a_late_commit_
 
 
 def test_one_process_exchange_is_this_ranks_own() -> None:
-    from lora_stream.elements import Segment
+    from lora_stream.element_diff import Segment
     from lora_stream.fingerprint import fingerprint
 
     t = torch.arange(8, dtype=torch.float32)

@@ -36,8 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .element_codec import Encoded, bits, encode
-from .fingerprint import CHUNK_WORDS, RunningFingerprint
+from .element_codec import Encoded
+from .element_diff import Segment, diff_segment, diff_shard
 
 __all__ = [
     "check_elements_option",
@@ -137,20 +137,6 @@ def _shard_if_eligible(step: Any, gatherer: Any) -> Shard | str:
 
 
 @dataclass
-class Segment:
-    """One rank's changed elements of one output: its flat range ``[lo, hi)`` of the checkpoint tensor, the
-    encoded changes (indices relative to ``lo``), and the fingerprint of every new value in the range."""
-
-    lo: int
-    hi: int
-    encoded: Encoded
-    fp: int
-
-    def describe(self) -> dict[str, Any]:
-        return {"lo": self.lo, "hi": self.hi, "fp": self.fp, **self.encoded.describe()}
-
-
-@dataclass
 class ElementDiff:
     """This rank's diff of every eligible step against its baseline (``changed[i]``: any element of step ``i``
     changed here, or there was no baseline), its segments, and the new shards (the baseline once committed)."""
@@ -192,19 +178,16 @@ class ElementBaseline:
     def valid_for(self, plan: str) -> bool:
         return self.plan is not None and self.plan == plan
 
-    def open(self, plan: str) -> dict[int, torch.Tensor]:
-        """A read begins: the shards it compares with and advances in place (none unless they follow ``plan``).
-        Nothing is valid from here until :meth:`commit`, or :meth:`restore`."""
+    def open(self, plan: str) -> tuple[dict[int, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+        """A read begins: the shards it compares with and advances in place (none unless they follow ``plan``), and
+        the journal where it notes each write (``(shard, index, old values)``). Nothing is valid from here until
+        :meth:`commit`, or :meth:`restore`."""
         valid = self.valid_for(plan)
         held = self.shards if valid else {}
-        self._undo = (self.plan, self.shards, []) if valid else None
+        journal: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._undo = (self.plan, self.shards, journal) if valid else None
         self.plan, self.shards, self.pending = None, {}, None
-        return held
-
-    def wrote(self, shard: torch.Tensor, index: torch.Tensor, old: torch.Tensor) -> None:
-        """The read wrote ``shard[index]``, which held ``old``."""
-        if self._undo is not None:
-            self._undo[2].append((shard, index, old))
+        return held, journal
 
     def restore(self) -> None:
         """The read's sync failed before any engine was touched: the shards it took, as they were (the old values
@@ -283,7 +266,7 @@ def read_elements(stream: Any, baseline: ElementBaseline) -> ElementRead:
     usable = baseline.valid_for(stream.plan_digest)
     # The read advances the baseline's shards in place: from here on nothing is valid until this sync commits, and
     # what each write replaced is kept for a failure before any engine was touched (ElementBaseline.restore).
-    held = baseline.open(stream.plan_digest)
+    held, undo = baseline.open(stream.plan_digest)
     gatherer = stream.gatherer
     why: dict[int, str | None] = {}
     outputs: list[str] = []
@@ -298,11 +281,9 @@ def read_elements(stream: Any, baseline: ElementBaseline) -> ElementRead:
             continue
         why[i] = None
         old = held.get(i)
-        new, index, fp, replaced = diff_shard(shard.values, out.dtype, old)
-        if replaced is not None:
-            baseline.wrote(new, index, replaced)
-        diff.changed[i] = bool(index.numel()) or old is None
-        diff.segments[i] = Segment(shard.offset, shard.offset + new.numel(), encode(new, index), fp)
+        segment, new, changed = diff_segment(shard.values, shard.offset, out.dtype, old, undo)
+        diff.changed[i] = changed or old is None
+        diff.segments[i] = segment
         diff.new[i] = new
         diff.baseline_bytes += new.numel() * new.element_size()
     diff.seconds = time.perf_counter() - t0
@@ -316,57 +297,6 @@ def read_elements(stream: Any, baseline: ElementBaseline) -> ElementRead:
         bool(gatherer.collective),
         stream.agreement_timeout.total_seconds(),
     )
-
-
-#: Bytes of the served dtype the diff reads at a time (a whole number of the fingerprint's blocks): a chunk is cast,
-#: compared and fingerprinted while it is at hand, and no temporary is larger.
-DIFF_CHUNK_BYTES = CHUNK_WORDS * 8
-
-
-@torch.no_grad()
-def diff_shard(
-    values: torch.Tensor, dtype: torch.dtype, old: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]:
-    """One pass over ``values`` (this rank's flat shard), a chunk at a time, on its device: each chunk cast to
-    ``dtype``, compared bit for bit with ``old`` (the baseline's shard, the engines' values) and fingerprinted.
-
-    Returns ``(new, index, fp, replaced)``: ``new``, the cast shard -- ``old`` itself, advanced in place (only the
-    changed elements are written), or a new tensor on the shard's device when there is no ``old`` of its size and
-    dtype; ``index``, the changed flat positions (every one without ``old``), ascending, on the same device; ``fp``,
-    :func:`fingerprint` of ``new``; ``replaced``, what ``old`` held at ``index`` (``None`` without ``old``). Nothing
-    of the shard is copied to the host. A failure part way puts back what it wrote into ``old`` before raising."""
-    flat = values.detach().reshape(-1)
-    n = flat.numel()
-    if old is not None and (old.numel() != n or old.dtype != dtype or old.device != flat.device):
-        old = None
-    new = old if old is not None else torch.empty(n, dtype=dtype, device=flat.device)
-    step = max(1, DIFF_CHUNK_BYTES // new.element_size())
-    running = RunningFingerprint(dtype, (n,))
-    found: list[torch.Tensor] = []
-    kept: list[torch.Tensor] = []
-    try:
-        for a in range(0, n, step):
-            chunk = flat[a : a + step].to(dtype)
-            held = new[a : a + step]
-            if old is None:
-                held.copy_(chunk)
-            else:
-                changed = (bits(chunk) != bits(held)).nonzero().reshape(-1)
-                if changed.numel():
-                    found.append(changed + a)
-                    kept.append(held.index_select(0, changed))  # what the write below replaces
-                    held.index_copy_(0, changed, chunk.index_select(0, changed))
-            running.update(held)  # the values just written or compared: what the engines will hold
-    except BaseException:
-        for index, values_before in zip(found[: len(kept)], kept, strict=True):
-            new.index_copy_(0, index, values_before)
-        raise
-    if old is None:
-        return new, torch.arange(n, dtype=torch.int64, device=flat.device), running.value(), None
-    empty = torch.zeros(0, dtype=torch.int64, device=flat.device)
-    index = torch.cat(found) if found else empty
-    replaced = torch.cat(kept) if kept else new[empty]
-    return new, index, running.value(), replaced
 
 
 def _refusal(diff: ElementDiff, baseline_valid: bool) -> str | None:
