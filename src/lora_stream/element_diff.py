@@ -45,11 +45,12 @@ def diff_shard(
     """One pass over ``values`` (this rank's flat shard), a chunk at a time, on its device: each chunk cast to
     ``dtype``, compared bit for bit with ``old`` (the baseline's shard, the engines' values) and fingerprinted.
 
-    Returns ``(new, index, fp, replaced)``: ``new``, the cast shard -- ``old`` itself, advanced in place (only the
-    changed elements are written), or a new tensor on the shard's device when there is no ``old`` of its size and
-    dtype; ``index``, the changed flat positions (every one without ``old``), ascending, on the same device; ``fp``,
-    :func:`fingerprint` of ``new``; ``replaced``, what ``old`` held at ``index`` (``None`` without ``old``). Nothing
-    of the shard is copied to the host. A failure part way puts back what it wrote into ``old`` before raising."""
+    Returns ``(new, index, fp, replaced)``: ``new``, the cast shard -- ``old`` itself, advanced in place (each chunk
+    written over the one it was compared with: only the changed elements' bits differ), or a new tensor on the
+    shard's device when there is no ``old`` of its size and dtype; ``index``, the changed flat positions (every one
+    without ``old``), ascending, on the same device; ``fp``, :func:`fingerprint` of ``new``; ``replaced``, what
+    ``old`` held at ``index`` (``None`` without ``old``). Nothing of the shard is copied to the host. A failure part
+    way puts back what it wrote into ``old`` before raising."""
     flat = values.detach().reshape(-1)
     n = flat.numel()
     if old is not None and (old.numel() != n or old.dtype != dtype or old.device != flat.device):
@@ -63,15 +64,15 @@ def diff_shard(
         for a in range(0, n, step):
             chunk = flat[a : a + step].to(dtype)
             held = new[a : a + step]
-            if old is None:
-                held.copy_(chunk)
-            else:
+            if old is not None:
                 changed = (bits(chunk) != bits(held)).nonzero().reshape(-1)
                 if changed.numel():
                     found.append(changed + a)
                     kept.append(held.index_select(0, changed))  # what the write below replaces
-                    held.index_copy_(0, changed, chunk.index_select(0, changed))
-            running.update(held)  # the values just written or compared: what the engines will hold
+            # The whole chunk, written in order while it is at hand: cheaper than scattering the changed elements,
+            # and the unchanged ones are written with the bits they hold.
+            held.copy_(chunk)
+            running.update(held)  # the values just written: what the engines will hold
     except BaseException:
         for index, values_before in zip(found[: len(kept)], kept, strict=True):
             new.index_copy_(0, index, values_before)
@@ -79,8 +80,8 @@ def diff_shard(
     if old is None:
         return new, torch.arange(n, dtype=torch.int64, device=flat.device), running.value(), None
     empty = torch.zeros(0, dtype=torch.int64, device=flat.device)
-    index = torch.cat(found) if found else empty
-    replaced = torch.cat(kept) if kept else new[empty]
+    index = found[0] if len(found) == 1 else torch.cat(found) if found else empty
+    replaced = kept[0] if len(kept) == 1 else torch.cat(kept) if kept else new[empty]
     return new, index, running.value(), replaced
 
 

@@ -12,9 +12,10 @@ Who calls it: step 1 of a sync (:mod:`lora_stream.sinks.decide`), on every rank,
   whole already) -- goes as before, and :attr:`ElementRead.why` says why.
 * **The baseline** (:class:`ElementBaseline`): this rank's shard of every eligible output, cast to the served dtype,
   as the engines hold it since the last committed sync -- where the shard lives (on a GPU trainer, its device),
-  ``1/N`` of the model under ZeRO-3 and FSDP2. The diff advances it in place (only the changed elements are
-  written: no second copy), and it counts again only when the sync commits (:meth:`ElementBaseline.commit`:
-  nothing that can fail after the vote); until then, and after any failed sync, nothing is known.
+  ``1/N`` of the model under ZeRO-3 and FSDP2. The diff advances it in place (no second copy; the old values of
+  the changed elements are kept until the sync ends), and it counts again only when the sync commits
+  (:meth:`ElementBaseline.commit`: nothing that can fail after the vote); until then, and after any failed sync,
+  nothing is known.
 * **The diff** (:func:`read_elements`, one pass over the plan's steps; :func:`diff_shard`, one pass over a shard,
   a chunk at a time, on its device): each chunk cast, compared with the baseline *bit for bit* and fingerprinted
   while at hand; the changed elements, encoded (:mod:`lora_stream.element_codec`: only they leave the device), and
