@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from helpers import event, require, results_of
-from launch import assert_all_ok, describe, launch
+from launch import assert_all_ok, describe, free_port, launch
 
 from lora_stream.integrations.trl import TESTED_TRL, UnsupportedTrlError, use_lora_stream
 from lora_stream.sinks.record import METRICS
@@ -273,8 +273,20 @@ def test_the_example_runs(mode: list[str], tmp_path: Path) -> None:
         server = Server(model_dir, trl=True, extra=("--dtype", "bfloat16")).wait_ready()
         runs = [[*flags, "--model", model_dir, "--server", server.url] for flags in ([], ["--full"])]
     try:
-        # As `python examples/grpo_trl.py ...` runs it: a program of its own, not a rank of a launched job.
-        done = [launch(str(root / "examples" / "grpo_trl.py"), *r, world=1, timeout=400, ranks=False)[0] for r in runs]
+        # As `python examples/grpo_trl.py ...` runs it: a program of its own, not a rank of a launched job. With a
+        # port of its own for TRL's engine group: left unset, TRL takes 29500 when it looks free, and a process the
+        # other test worker starts at the same moment can take it between TRL's look and its bind (EADDRINUSE).
+        done = [
+            launch(
+                str(root / "examples" / "grpo_trl.py"),
+                *r,
+                world=1,
+                timeout=400,
+                ranks=False,
+                env={"MASTER_PORT": str(free_port())},
+            )[0]
+            for r in runs
+        ]
     finally:
         if server is not None:
             server.stop()
