@@ -186,11 +186,12 @@ def _in_place(t: torch.Tensor) -> torch.Tensor | None:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _lanes_in_place(flat: torch.Tensor) -> torch.Tensor:
-    """The block values of an aligned, contiguous tensor's bytes (``flat``), read in place."""
+def _lanes_in_place(flat: torch.Tensor, nh: _NH | None = None) -> torch.Tensor:
+    """The block values of an aligned, contiguous tensor's bytes (``flat``), read in place; with ``nh``'s
+    temporaries (on ``flat``'s device, for at least ``min(words, CHUNK_WORDS)`` words) where given."""
     n = flat.numel()
     whole = n // 8
-    nh = _NH(_key(flat.device), max(whole, 1))
+    nh = nh if nh is not None else _NH(_key(flat.device), max(whole, 1))
     values: list[torch.Tensor] = []
     main = flat[: whole * 8].view(torch.int64)
     for start in range(0, whole, CHUNK_WORDS):
@@ -317,6 +318,9 @@ class RunningFingerprint:
         self._head.update(f"{dtype}|{tuple(shape)}|{self._bytes}".encode())
         self._dtype = dtype
         self._seen = 0
+        # One set of NH temporaries for every piece (allocating and zeroing them per piece would cost more than
+        # reading the piece): made at the first piece read in place, on its device.
+        self._nh: _NH | None = None
 
     @torch.no_grad()
     def update(self, piece: torch.Tensor) -> None:
@@ -332,7 +336,12 @@ class RunningFingerprint:
         if n:
             piece = piece.detach()
             flat = _in_place(piece)
-            lanes = _lanes_in_place(flat) if flat is not None else _lanes_copied(piece, piece.device)
+            if flat is None:
+                lanes = _lanes_copied(piece, piece.device)
+            else:
+                if self._nh is None or self._nh.key.device != flat.device:
+                    self._nh = _NH(_key(flat.device), max(1, -(-self._bytes // 8)))
+                lanes = _lanes_in_place(flat, self._nh)
             self._head.update(lanes.numpy().tobytes())
 
     def value(self) -> int:
