@@ -47,6 +47,12 @@ class Coordinator:
             active and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1  # type: ignore[arg-type]
         )
 
+    def over_default_group(self) -> Coordinator:
+        """The same agreement (digest, timeout) over ``torch.distributed``'s default group, taking part wherever that
+        group has peers: what a sync of a stream whose gatherer does not communicate agrees over (one process per
+        rank under DDP may share one engine, so a rank that refused must stop the others too)."""
+        return Coordinator(None, self.digest, self.timeout)
+
     def agree(self, ok: bool, what: str, reason: str = "") -> None:
         """Every rank says whether it can go on; if any cannot, every *other* rank raises.
 

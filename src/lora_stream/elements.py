@@ -6,10 +6,11 @@ Who calls it: step 1 of a sync (:mod:`lora_stream.sinks.decide`), on every rank,
 
 * **Eligible**: one trainable parameter in, one output out, no merge and no checkpoint conversion (the output is
   the parameter, cast to the served dtype: a per-element identity), and a gatherer that can say which flat range of
-  the parameter this rank holds (:func:`shard_of`): ZeRO-3's partition (``ds_tensor``), FSDP2's ``Shard(0)`` local
-  shard, or the whole tensor where nothing is sharded (one process, DDP). Everything else -- a LoRA merge, a fused
-  expert conversion, a quantized base, a persistent ZeRO-3 parameter, a frozen one (which the fingerprints skip
-  whole already) -- goes as before, and :attr:`ElementRead.why` says why.
+  the parameter this rank holds (:func:`shard_of`, the gatherer's ``flat_range``): ZeRO-3's partition
+  (``ds_tensor``), FSDP2's ``Shard(0)`` local shard, or the whole tensor where nothing is sharded (one process,
+  DDP). Everything else -- a LoRA merge, a fused expert conversion, a quantized base, a persistent ZeRO-3
+  parameter, a frozen one (which the fingerprints skip whole already) -- goes as before, and
+  :attr:`ElementRead.why` says why.
 * **The baseline** (:class:`ElementBaseline`): this rank's shard of every eligible output, cast to the served dtype,
   as the engines hold it since the last committed sync -- where the shard lives (on a GPU trainer, its device),
   ``1/N`` of the model under ZeRO-3 and FSDP2. The diff advances it in place (no second copy; the old values of
@@ -39,6 +40,7 @@ import torch.distributed as dist
 
 from .element_codec import Encoded
 from .element_diff import Segment, diff_segment, diff_shard
+from .gatherers.base import FlatRange
 
 __all__ = [
     "check_elements_option",
@@ -46,11 +48,25 @@ __all__ = [
     "ElementDiff",
     "Segment",
     "ElementRead",
+    "StepReads",
     "diff_shard",
     "exchange",
     "read_elements",
     "shard_of",
 ]
+
+
+@dataclass(frozen=True)
+class StepReads:
+    """What step 1 read of a stream's local shards (:meth:`ParamStream.read_steps
+    <lora_stream.ParamStream.read_steps>`), each shard once."""
+
+    #: Per step, in stream order, :meth:`ParamStream.fingerprints <lora_stream.ParamStream.fingerprints>`.
+    fingerprints: list[int | None]
+    #: The element read of the trainable steps (``None``: the sink sends no elements this sync).
+    elements: ElementRead | None
+    #: Seconds spent fingerprinting the frozen steps.
+    fingerprint_s: float
 
 
 def check_elements_option(elements: bool, skip_unchanged: bool, merge: str) -> bool:
@@ -69,57 +85,19 @@ def check_elements_option(elements: bool, skip_unchanged: bool, merge: str) -> b
     return elements
 
 
-@dataclass(frozen=True)
-class Shard:
-    """The flat range ``[offset, offset + values.numel())`` of a parameter this rank holds, and its values."""
-
-    offset: int
-    values: torch.Tensor
-
-
-def shard_of(gatherer: Any, param: Any, numel: int) -> Shard | str:
-    """This rank's flat range of ``param`` (``numel`` elements whole) under ``gatherer``, or why it has none that
-    an element sync can use."""
-    name = getattr(gatherer, "name", type(gatherer).__name__)
-    part = getattr(param, "ds_tensor", None)
-    if part is not None:  # DeepSpeed ZeRO-3: an equal flat partition per rank, the last one padded
-        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-        if "nvme" in str(getattr(part, "final_location", "") or "").lower():
-            return "ZeRO-3 keeps its partition on NVMe"
-        if getattr(param, "ds_status", None) == ZeroParamStatus.AVAILABLE:
-            return "a persistent ZeRO-3 parameter (whole on every rank)"
-        size = int(part.ds_numel)
-        rank = dist.get_rank(getattr(param, "ds_process_group", None))
-        lo = min(rank * size, numel)
-        hi = min(lo + size, numel)
-        return Shard(lo, part.view(-1).narrow(0, 0, hi - lo))
-    from .gatherers.fsdp2 import is_dtensor
-
-    if is_dtensor(param):
-        from torch.distributed.tensor import Shard as DShard
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        placements = tuple(param.placements)
-        if param.device_mesh.ndim != 1 or placements != (DShard(0),):
-            return f"an FSDP2 placement other than Shard(0) on one mesh dimension: {placements}"
-        local = param.detach().to_local()
-        _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, placements)
-        row = 1
-        for d in param.shape[1:]:
-            row *= int(d)
-        if not local.is_contiguous():
-            return "an FSDP2 local shard that is not contiguous"
-        return Shard(int(offset[0]) * row, local.reshape(-1))
-    if getattr(gatherer, "collective", False):
-        return f"the {name} gatherer does not say which elements of this parameter this rank holds"
-    whole = param.detach() if isinstance(param, torch.Tensor) else None
-    if whole is None or whole.numel() != numel:
-        return f"the {name} gatherer does not hold this parameter whole"
-    return Shard(0, whole.reshape(-1))
+def shard_of(gatherer: Any, param: Any, numel: int) -> FlatRange | str:
+    """This rank's flat range of ``param`` (``numel`` elements whole) under ``gatherer`` (its ``flat_range``), or why
+    it has none that an element sync can use. A gatherer of its own without ``flat_range`` cannot say: its outputs
+    go whole."""
+    flat_range = getattr(gatherer, "flat_range", None)
+    if flat_range is None:
+        name = getattr(gatherer, "name", type(gatherer).__name__)
+        return f"the {name} gatherer does not say which elements of a parameter this rank holds (no flat_range)"
+    answer: FlatRange | str = flat_range(param, numel)
+    return answer
 
 
-def _shard_if_eligible(step: Any, gatherer: Any) -> Shard | str:
+def _shard_if_eligible(step: Any, gatherer: Any) -> FlatRange | str:
     """This rank's shard of ``step``'s one parameter if the step can go as elements, or why not (the same on every
     rank: it reads the plan and the parameter's placement only)."""
     if len(step.inputs) != 1 or len(step.outputs) != 1 or step.convert is not None:

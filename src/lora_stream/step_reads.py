@@ -1,9 +1,9 @@
 """What a frozen step of a stream reads, and its fingerprint: the parameters behind a step's targets (the merge's
 inputs included), whether any of them trains, and one fingerprint over everything a step reads.
 
-Who calls it: :func:`lora_stream.shard_reads.read_steps` (step 1 of a sync that may be partial) and
-:meth:`ParamStream.fingerprints <lora_stream.ParamStream.fingerprints>`. What breaks if a step's reads are counted
-elsewhere differently: a step whose input changed could be skipped as unchanged.
+Who calls it: :meth:`ParamStream.read_steps <lora_stream.ParamStream.read_steps>` (step 1 of a sync that may be
+partial) and :meth:`ParamStream.fingerprints <lora_stream.ParamStream.fingerprints>`. What breaks if a step's reads
+are counted elsewhere differently: a step whose input changed could be skipped as unchanged.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from .buffers import HeapTrimmer, OutputPool, ProcessMemory, Scratch
 from .checkpoint_format import Layout
 from .coordination import Coordinator
 from .core import Step, Unit
+from .elements import ElementBaseline, StepReads, read_elements
 from .errors import LoraStreamError, StreamAbortedError
 from .gatherers import Gatherer, auto_gatherer
 from .gatherers.base import nbytes
@@ -246,6 +247,17 @@ class ParamStream:
         (``local_shard``). No communication; reads the local shards of every step with no trainable source once (a
         step with one is not read: it is sent anyway)."""
         return fingerprints(self._steps, self.gatherer)
+
+    def read_steps(self, baseline: ElementBaseline | None = None) -> StepReads:
+        """Step 1's one read of this rank's local shards, for a sync that may be partial (no communication): with a
+        ``baseline`` (a sink built with ``elements=True``), the trainable steps' element diff against it
+        (:func:`~lora_stream.elements.read_elements`); then :meth:`fingerprints`. The two read disjoint shards: the
+        fingerprints skip every step with a trainable source, and only such a step can go as elements. Read apart,
+        a shard could change between the proof and the send, and each read would walk the plan again."""
+        read = read_elements(self, baseline) if baseline is not None else None
+        t = time.perf_counter()
+        fps = fingerprints(self._steps, self.gatherer)
+        return StepReads(fps, read, time.perf_counter() - t)
 
     def _select(self, selection: Selection) -> list[Group]:
         """The groups a pass over ``selection`` gathers: each with its selected steps only, reading only what they

@@ -88,10 +88,15 @@ class Transaction:
     Args:
         coordinator: the stream's (``stream.coordinator``): the trainer ranks that iterate it.
         what: the sink's name, used in the agreement's messages.
+        lockstep: the stream's gatherer communicates, and the agreements run in lockstep with its passes over its
+            group; ``False``: it does not (one process, DDP), and they run over ``torch.distributed``'s default group
+            instead (:meth:`Coordinator.over_default_group
+            <lora_stream.coordination.Coordinator.over_default_group>`).
     """
 
     def __init__(self, coordinator: Coordinator, what: str, *, lockstep: bool = True) -> None:
-        self.coordinator = coordinator
+        # Not in lockstep: the gatherer does not communicate, and the sync agrees over the default group instead.
+        self.coordinator = coordinator if lockstep else coordinator.over_default_group()
         self.what = what
         self.lockstep = lockstep
         self.error: BaseException | None = None
@@ -134,10 +139,7 @@ class Transaction:
         previous = stream._agreement_timeout
         if wait_s is not None:  # before the coordinator is built: a non-collective one reads it
             stream._agreement_timeout = max(stream.timeout, datetime.timedelta(seconds=wait_s))
-        if stream.gatherer.collective:
-            tx = cls(stream.coordinator, what, lockstep=True)
-        else:
-            tx = cls(Coordinator(None, stream.coordinator.digest, stream.agreement_timeout), what, lockstep=False)
+        tx = cls(stream.coordinator, what, lockstep=stream.gatherer.collective)
         tx.stream = stream
         tx._previous_wait = previous
         return tx

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -15,6 +16,7 @@ __all__ = [
     "BUFFER_ALIGN",
     "COALESCE_BYTES",
     "FlatGather",
+    "FlatRange",
     "KEEP_BYTES",
     "Gatherer",
     "GathererBase",
@@ -26,6 +28,7 @@ __all__ = [
     "flat_staging_bytes",
     "nbytes",
     "reusable_buffer",
+    "whole_range",
 ]
 
 
@@ -33,6 +36,23 @@ def detached(param: ParamRef) -> torch.Tensor:
     """The parameter's tensor without a copy; ``detach()`` keeps the consumer out of the trainer's autograd graph."""
     t: torch.Tensor = param.detach()
     return t
+
+
+@dataclass(frozen=True)
+class FlatRange:
+    """The flat range ``[offset, offset + values.numel())`` of a parameter that this rank holds, and its values (a
+    view of the rank's own storage): what ``flat_range`` answers (:class:`Gatherer`)."""
+
+    offset: int
+    values: torch.Tensor
+
+
+def whole_range(param: ParamRef, numel: int, name: str) -> FlatRange | str:
+    """The whole parameter as its one flat range, where nothing is sharded, or why not (``name``: the gatherer's)."""
+    whole = param.detach() if isinstance(param, torch.Tensor) else None
+    if whole is None or whole.numel() != numel:
+        return f"the {name} gatherer does not hold this parameter whole"
+    return FlatRange(0, whole.reshape(-1))
 
 
 #: Tensors laid out in one gather buffer start at multiples of this many bytes, so that a view of any dtype is legal.
@@ -196,6 +216,10 @@ class Gatherer(Protocol):
       read without communication: what a sync fingerprints to prove a frozen source unchanged
       (:mod:`lora_stream.changes`). ``None`` (or no such method): the gatherer cannot say, and every output reading
       ``param`` is sent at every sync.
+    * ``flat_range(param, numel)``: the :class:`FlatRange` of ``param`` (``numel`` elements whole) this rank holds,
+      read without communication, or why it has none an element sync can use (a sentence, the same on every rank):
+      what an element sync diffs (:mod:`lora_stream.elements`). No such method: a collective gatherer cannot say,
+      and a gatherer that is not holds the parameter whole.
     * ``gather_key(param)``: see :meth:`GathererBase.gather_key`; with it (and :class:`GathererBase`'s
       ``gather_bytes``) budget grouping is linear in the number of parameters.
     """
@@ -288,6 +312,10 @@ class GathererBase:
         """The whole parameter: nothing is sharded (``local_shard`` in :class:`Gatherer`)."""
         return detached(param) if isinstance(param, torch.Tensor) else None
 
+    def flat_range(self, param: ParamRef, numel: int) -> FlatRange | str:
+        """The whole parameter: nothing is sharded (``flat_range`` in :class:`Gatherer`)."""
+        return whole_range(param, numel, self.name)
+
     def gather_key(self, param: ParamRef) -> tuple[Hashable, int]:
         """What gathering ``param`` materializes, as ``(key, bytes)``: parameters with the same key are
         materialized together, once (here each parameter by itself; FSDP1: its whole unit).
@@ -333,6 +361,10 @@ class ShardedGathererBase(GathererBase):
     def held_bytes(self) -> int:
         """Whole bytes this gatherer currently holds because of the stream."""
         return self._held
+
+    def flat_range(self, param: ParamRef, numel: int) -> FlatRange | str:
+        """A sharded gatherer says which elements it holds only where it knows its layout (ZeRO-3, FSDP2)."""
+        return f"the {self.name} gatherer does not say which elements of this parameter this rank holds"
 
     def _direct_options(self, coalesce_bytes: int, keep_bytes: int) -> None:
         """The direct path's options both sharded gatherers take, checked; and the state of keeping its buffers."""

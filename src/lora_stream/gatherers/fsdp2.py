@@ -26,6 +26,7 @@ from ..core import FullTensor
 from .base import (
     COALESCE_BYTES,
     FlatGather,
+    FlatRange,
     ShardedGathererBase,
     aligned,
     coalesced,
@@ -152,6 +153,27 @@ class Fsdp2Gatherer(ShardedGathererBase):
             local: torch.Tensor = param.detach().to_local()
             return local
         return super().local_shard(param)
+
+    def flat_range(self, param: Any, numel: int) -> FlatRange | str:
+        """This rank's ``Shard(0)`` local shard of a DTensor parameter as a flat range (``flat_range`` in the gatherer
+        contract): whole rows, from its first row's offset. Other placements, and a shard that is not contiguous,
+        cannot say."""
+        if not is_dtensor(param):
+            return super().flat_range(param, numel)
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        placements = tuple(param.placements)
+        if param.device_mesh.ndim != 1 or placements != (Shard(0),):
+            return f"an FSDP2 placement other than Shard(0) on one mesh dimension: {placements}"
+        local = param.detach().to_local()
+        _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, placements)
+        row = 1
+        for d in param.shape[1:]:
+            row *= int(d)
+        if not local.is_contiguous():
+            return "an FSDP2 local shard that is not contiguous"
+        return FlatRange(int(offset[0]) * row, local.reshape(-1))
 
     def _sharded(self, module: nn.Module, name: str, registered: Any) -> Any:
         fsdp_param = self._fsdp_params.get((id(module), name))

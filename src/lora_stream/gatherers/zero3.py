@@ -45,6 +45,7 @@ from ..core import FullTensor
 from .base import (
     COALESCE_BYTES,
     FlatGather,
+    FlatRange,
     ShardedGathererBase,
     aligned,
     coalesced,
@@ -378,6 +379,25 @@ class ZeroThreeGatherer(ShardedGathererBase):
                 layout.large.append((p, out))
             layout.full[id(p)] = out.narrow(0, 0, p.ds_numel).view(p.ds_shape)
         return layout
+
+    def flat_range(self, param: Any, numel: int) -> FlatRange | str:
+        """This rank's partition of ``param`` (``flat_range`` in the gatherer contract): an equal flat range per rank,
+        the last one padded (the padding is not part of the range). None for a partition on NVMe, or a persistent
+        parameter (whole on every rank, so its partition is not what a gather reads)."""
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        part = getattr(param, "ds_tensor", None)
+        if part is None:
+            return super().flat_range(param, numel)
+        if "nvme" in str(getattr(part, "final_location", "") or "").lower():
+            return "ZeRO-3 keeps its partition on NVMe"
+        if getattr(param, "ds_status", None) == ZeroParamStatus.AVAILABLE:
+            return "a persistent ZeRO-3 parameter (whole on every rank)"
+        size = int(part.ds_numel)
+        rank = dist.get_rank(getattr(param, "ds_process_group", None))
+        lo = min(rank * size, numel)
+        hi = min(lo + size, numel)
+        return FlatRange(lo, part.view(-1).narrow(0, 0, hi - lo))
 
     def local_shard(self, param: Any) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
         """Every buffer of ``param`` this rank's gather may read: its partition (``ds_tensor``), and, where the

@@ -8,9 +8,10 @@ engine, an engine in a child process -- once per sync, first, inside the sync's 
   every engine's checkpoint; a refusal refuses on every rank, with every engine untouched);
 * an adapter sync's staging place, the engine-side merge's recipes (what the engines cannot merge exactly is
   refused here);
-* for a sync that may be partial, one read of this rank's local shards (:func:`~lora_stream.shard_reads.read_steps`:
-  the fingerprints of every frozen shard and, for element syncs, the diff of every trainable one), and what each
-  engine proves it holds (:meth:`Route.engine_states <lora_stream.sinks.route.Route.engine_states>`);
+* for a sync that may be partial, one read of this rank's local shards (:meth:`ParamStream.read_steps
+  <lora_stream.ParamStream.read_steps>`: the fingerprints of every frozen shard and, for element syncs, the diff of
+  every trainable one), and what each engine proves it holds (:meth:`Route.engine_states
+  <lora_stream.sinks.route.Route.engine_states>`);
 
 then the transaction's pre-flight agreement, and the agreement on what changed
 (:func:`~lora_stream.changes.agree_on_changes`). The :class:`Decision` is the same on every rank (but for this rank's
@@ -28,7 +29,6 @@ from typing import Any, Protocol
 
 from ..adapter import AdapterStream
 from ..changes import agree_on_changes
-from ..shard_reads import read_steps
 from ..stream import ParamStream
 from ..stream_pass import Selection
 from ..transaction import Transaction
@@ -112,7 +112,7 @@ def decide(
         stages["fingerprint_s"] = time.perf_counter() - t
         fingerprints = read = None
         if skipping:
-            reads = read_steps(stream, memory.elements if elements and merge_plan is None else None)
+            reads = stream.read_steps(memory.elements if elements and merge_plan is None else None)
             fingerprints, read = reads.fingerprints, reads.elements
             stages["fingerprint_s"] += reads.fingerprint_s
             if read is not None:
