@@ -338,8 +338,8 @@ class Setup:
     # groups; none in a steady state) or "every_64mib" (once per 64 MiB released: the library the published runs ran)
     trim_policy: Literal["growth", "every_64mib"] = "growth"
     # Which linear layers LoRA targets: "all" (every linear layer; the MoE models' attention, their experts being
-    # fused parameters) or "attention" (q, k, v, o only).
-    lora_targets: Literal["all", "attention"] = "all"
+    # fused parameters), "attention" (q, k, v, o only) or "none" (full fine-tuning: no adapter, no merge).
+    lora_targets: Literal["all", "attention", "none"] = "all"
     # A sync after the first with skip_unchanged (the default): only outputs with a trainable source travel; every
     # rank fingerprints its shard of the sources of every other output instead.
     skip_unchanged: bool = False
@@ -362,6 +362,8 @@ def plan(shape: ModelShape, s: Setup) -> tuple[list[Unit], list[Group]]:
     if s.lora_targets == "attention":
         attention = (".q_proj", ".k_proj", ".v_proj", ".o_proj")
         us = [dataclasses.replace(u, lora=u.lora and u.name.endswith(attention)) for u in us]
+    if s.lora_targets == "none":  # full fine-tuning: every output is its parameter, cast, with nothing to merge
+        us = [dataclasses.replace(u, lora=False) for u in us]
     if s.skip_unchanged and s.mode == "merged":
         us = [u for u in us if u.lora]  # what changes with the adapter (and vLLM fuses LoRA targets with each other)
     if s.mode in FACTORS_ONLY:
