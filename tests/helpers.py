@@ -328,13 +328,14 @@ VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"
 PROMPTS = [[1, 17, 42, 99, 5], [7, 300, 2, 11, 64, 8, 900]]
 
 
-def vllm_llama(*, tie: bool = False, seed: int = 0, inter: int = 128) -> nn.Module:
-    """The smallest Llama vLLM's CPU attention runs (head_dim 32), with weights large enough to give varied tokens."""
+def vllm_llama(*, tie: bool = False, seed: int = 0, inter: int = 128, vocab: int = 1000) -> nn.Module:
+    """The smallest Llama vLLM's CPU attention runs (head_dim 32), with weights large enough to give varied tokens.
+    ``vocab``: vLLM pads its embedding to a multiple of 64 rows (1000 -> 1024)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=1000,
+        vocab_size=vocab,
         hidden_size=64,
         intermediate_size=inter,
         num_hidden_layers=2,
@@ -809,8 +810,8 @@ def clear_cpu_shm() -> None:
         seg.unlink(missing_ok=True)
 
 
-def run_child_engine_script(script: str, path: str, timeout: float = 300, *, in_process: bool = False) -> str:
-    """Run ``tests/workers/<script>`` with an engine in a child process (V1 multiprocessing, no insecure
+def run_child_engine_script(script: str, path: str, *args: str, timeout: float = 300, in_process: bool = False) -> str:
+    """Run ``tests/workers/<script> path *args`` with an engine in a child process (V1 multiprocessing, no insecure
     serialization) or, with ``in_process``, in the script's own process (for tests that need an engine of their own:
     vLLM's parallel state is per process, and tearing down a second engine breaks a module's shared one); returns
     its output, asserting it exited cleanly."""
@@ -821,7 +822,7 @@ def run_child_engine_script(script: str, path: str, timeout: float = 300, *, in_
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1",
         "VLLM_ALLOW_INSECURE_SERIALIZATION": None,  # the extension must not need it
     }
-    (rank,) = launch(script.removesuffix(".py"), path, world=1, timeout=timeout, env=env, fork=in_process)
+    (rank,) = launch(script.removesuffix(".py"), path, *args, world=1, timeout=timeout, env=env, fork=in_process)
     assert rank.returncode == 0, rank.output[-8000:]
     return rank.output
 

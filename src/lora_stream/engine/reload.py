@@ -263,6 +263,7 @@ class ReloadBracket:
         optional: Collection[str] = (),
         restore: Any = None,
         record: bool = True,
+        written: Collection[str] = (),
     ) -> None:
         """Open the bracket. ``expect``: a partial update, which sends exactly these checkpoint names onto the
         weights of the committed sync ``base``; every module they do not feed is left untouched (not snapshotted,
@@ -277,7 +278,12 @@ class ReloadBracket:
         asked.
 
         ``record=False``: the commit will name no sync (a sink that never sends a partial update), so :meth:`finish`
-        measures no digest of the model's state for it (a commit that names one anyway records it then)."""
+        measures no digest of the model's state for it (a commit that names one anyway records it then).
+
+        ``written``: modules this update writes outside the bracket (an element sync's writes in place,
+        :class:`~lora_stream.engine.elements.ElementShadow`), by qualified name. The bracket leaves them as it leaves
+        the untouched ones (proven against the record now, guarded against every loader, not kept), and
+        :meth:`finish` measures them with the modules it reloaded, so that a commit records what they hold."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         from .holding import held_by
@@ -345,7 +351,7 @@ class ReloadBracket:
         self._untouched, self._partial = untouched, expect is not None
         # What a commit of this update records: after a partial update, every module but those it was barred from
         # touching (they were proven just above); after a full one, everything.
-        self._to_record = {n for n in modules if n not in untouched} if expect is not None else None
+        self._to_record = {n for n in modules if n not in untouched or n in written} if expect is not None else None
         if not record:
             # The caller commits with no token (a sink that never sends a partial sync): no digest is recorded,
             # so finish() measures none (one read of every weight, for a proof nobody will ask for).

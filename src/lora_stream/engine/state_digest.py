@@ -87,6 +87,7 @@ import torch
 from ..fingerprint import fingerprint
 
 __all__ = [
+    "derived",
     "install",
     "measure",
     "ModuleState",
@@ -291,6 +292,25 @@ class _Digest:
             return  # plain objects (configs, quant methods, backends) are not entered: see "Not covered"
         for label, child in children:
             yield from self._reach(child, f"{what} {label}", depth + 1, seen)
+
+
+class _Labels(_Digest):
+    """The walk of :class:`_Digest` without reading a byte: each tensor reached is named, not fingerprinted."""
+
+    def tensor(self, t: torch.Tensor, what: str) -> Any:
+        return what
+
+
+def derived(module: torch.nn.Module) -> list[str]:
+    """What ``module`` holds beyond its parameters and buffers, by label: every tensor and kernel handle a plain
+    attribute reaches (what its digest covers as attributes). Empty: the module computes with its parameters and
+    buffers alone, as far as a module can show (:mod:`lora_stream.engine.identity`)."""
+    walk = _Labels()
+    out: list[str] = []
+    for name, value in module.__dict__.items():
+        if not _skipped_attr(module, name, walk._lora):
+            out.extend(what for what, _ in walk._reach(value, f"attribute {name!r}", 0, set()))
+    return out
 
 
 def module_state(module: torch.nn.Module) -> ModuleState:

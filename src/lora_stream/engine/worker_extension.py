@@ -47,6 +47,7 @@ class LoraStreamWorkerExtension:
         # Refused here, before the bracket opens, when this worker's copy is not of the sync the elements follow.
         shadow = ElementShadow.of(self.model_runner.model)
         shadow.begin(elements, base)
+        expect = shadow.reloaded(expect)  # not what it writes in place
         restore = shadow.restorer(expect, optional or ()) if keep_previous else None
         bracket = ReloadBracket(self.model_runner.model, self.model_runner.model_config)
         bracket.begin(
@@ -56,6 +57,7 @@ class LoraStreamWorkerExtension:
             optional=optional or (),
             restore=restore,
             record=record,
+            written=shadow.written_modules,
         )
         self._lora_stream_bracket = bracket
 

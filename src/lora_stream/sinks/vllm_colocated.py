@@ -248,6 +248,7 @@ class VLLMColocatedSink:
 
             shadow = ElementShadow.of(self._bracket.model)
             shadow.begin(elements, base)
+            expect = shadow.reloaded(expect)  # not what it writes in place
             restore = shadow.restorer(expect, source.aliases) if self.rollback else None
             self._bracket.begin(
                 keep_previous=self.rollback,
@@ -256,6 +257,7 @@ class VLLMColocatedSink:
                 optional=source.aliases,
                 restore=restore,
                 record=self.skip_unchanged,
+                written=shadow.written_modules,
             )
         else:
             self._rpc("lora_stream_begin", self.rollback, expect, base, source.aliases, elements, self.skip_unchanged)
