@@ -198,8 +198,33 @@ def worker_args(args: argparse.Namespace) -> list[str]:
     return [args.lrs, str(args.warmup), str(args.steps), str(args.batch), str(args.seq)]
 
 
+#: ``--linear torch``: every Python process an engine runs in takes vLLM's torch-linear path for the CPU (what vLLM
+#: does where oneDNN and sgl-kernel are unavailable), so that it serves every weight as loaded, as CUDA does.
+TORCH_LINEAR = """\
+try:
+    import vllm._custom_ops as _ops
+    import vllm.model_executor.layers.utils as _utils
+
+    _ops._supports_onednn = False
+    _utils.check_cpu_sgl_kernel = lambda *args: False
+except Exception as exc:
+    raise SystemExit(f"--linear torch could not select vLLM's torch-linear path: {exc}")
+"""
+
+
+def engine_env(args: argparse.Namespace, tmp: str) -> dict[str, str]:
+    """The environment of the engines' processes (a ``sitecustomize`` that selects vLLM's torch-linear path)."""
+    if args.linear == "default":
+        return {}
+    site = Path(tmp) / "torch-linear"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(TORCH_LINEAR)
+    return {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+
+
 def run_server(args: argparse.Namespace, path: str, tmp: str) -> dict[str, Any]:
-    with vllm_servers(path, 2, timeout=600, dtype="bfloat16", one_by_one=True) as [(_, url_e), (_, url_f)]:
+    env = engine_env(args, tmp)
+    with vllm_servers(path, 2, timeout=600, dtype="bfloat16", one_by_one=True, env=env) as [(_, url_e), (_, url_f)]:
         out = str(Path(tmp) / "server-out")
         cmd = [sys.executable, str(HERE / "elements_worker.py"), "server", path, url_e, url_f, out, *worker_args(args)]
         ranks = run_ranks(cmd, out, timeout=3600, failure="the server case failed:\n", tail=6000)
@@ -213,6 +238,7 @@ def run_colocated(args: argparse.Namespace, path: str, tmp: str) -> dict[str, An
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "TOKENIZERS_PARALLELISM": "false",
+        **engine_env(args, tmp),
     }
     cmd = [sys.executable, str(HERE / "elements_worker.py"), "colocated", path, out, *worker_args(args), args.lora_lrs]
     p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=3600)
@@ -282,6 +308,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--cases", default="server,colocated")
+    ap.add_argument(
+        "--linear",
+        choices=("default", "torch"),
+        default="default",
+        help="the engines' linear layers: vllm-cpu's default (oneDNN or sgl-kernel: served from packed copies) or "
+        "vLLM's torch-linear path (served as loaded, as on CUDA: element syncs write them in place)",
+    )
     ap.add_argument("--out", default=str(HERE / "results" / "elements.json"))
     args = ap.parse_args()
     start, load = time.monotonic(), os.getloadavg()[0]

@@ -227,10 +227,17 @@ def colocated(argv: list[str]) -> None:
     }
     stream = ParamStream(model, dtype=torch.bfloat16, group_by="layer")
 
+    from lora_stream.engine.elements import ElementShadow
+    from lora_stream.sinks.local_engine import local_model_runner
+
+    shadow = ElementShadow.of(local_model_runner(llm.llm_engine).model)
+
     def sync(kind: str, lr: float, i: int, label: str | None = None) -> None:
         t = time.perf_counter()
         r = sinks[kind].sync(stream, version=f"{label or kind}-{lr:g}-{i}")
         rows.append(row(label or kind, lr, i, time.perf_counter() - t, r, 0))
+        # The engine's own figures: tensors written where they are served, and its host copy.
+        rows[-1]["engine"] = {"in_place": shadow.stats.get("in_place", 0.0), "copy_bytes": shadow.host_bytes}
 
     sync("elements", 0.0, -1)
     prev = local_shards(model, 0)
