@@ -6,29 +6,33 @@ GPU scale: Llama-3-8B and Llama-3-70B on H100 nodes, beside verl's published fig
 
 Where each rate comes from, kept apart in the JSON:
 
-* **measured on the host here** (:data:`HOST`): the host passes an engine worker makes in lora_stream's element path
-  today (decode, rebuild of every touched tensor from its host copy, NH over it), per element and per thread, from
-  the floors of ``bench_elements.py``'s model on this machine (docs/performance.md, "Element syncs"). They are the
-  same passes on a GPU node's host, so they carry over, up to the host's speed per thread.
+* **measured on the host here** (:data:`HOST`): the host passes an engine worker makes on the element path's
+  rebuild (decode, rebuild of every touched tensor from its host copy, NH over it), per element and per thread,
+  from the floors of ``bench_elements.py``'s model on this machine (docs/performance.md, "Element syncs"). They
+  are the same passes on a GPU node's host, so they carry over, up to the host's speed per thread.
 * **assumed for GPUs** (``cost_model.GPU_PROFILES``): HBM, NVLink, InfiniBand and PCIe figures, as the full-sync
   projections use. Nothing here has been measured on a GPU; ``benchmarks/gpu_check.py`` (check 8) times the trainer's
   diff on the first device it meets.
 * **the full sync**: ``cost_model.predict`` of the same setup with nothing to merge (``lora_targets="none"``).
 
-Three element paths, per stage (equations in :func:`predict_elements`; docs/performance.md gives the tables):
+Three engine paths, per stage (equations in :func:`predict_elements`; docs/performance.md gives the tables); the
+trainer's side is the same in all three (its read on the device, one pass a chunk):
 
-* ``today``: the trainer's read as it is now (on the device, one pass a chunk); each engine worker rebuilds every
-  tensor holding a changed element whole, from a host copy of the whole model it keeps, fingerprints it on the host
-  (NH), copies it to the device and reloads its module through vLLM (``load_weights`` and the layer's processing);
-  the state digests read the engine's weights before and after.
-* ``in place``: the design of the issue "the proof scales with the change": where a parameter is served in its
-  checkpoint layout (CUDA bf16 dense models: essentially all of them), ``index_copy_`` of the changed elements with
-  their old values kept, one read of the served bytes on the device for the proof, no host copy, digests updated.
-* ``in place, O(k) proof``: the same, with the proof and digests updated from the changes alone between full
-  re-reads (the field fingerprint's update), which the docs must state as a bound.
+* ``rebuild``: each engine worker rebuilds every tensor holding a changed element whole, from a host copy of the
+  whole model it keeps, fingerprints it on the host (NH), copies it to the device and reloads its module through
+  vLLM (``load_weights`` and the layer's processing). What lora_stream does for a module not served in its own
+  layout: every module of a tensor-parallel worker (it holds slices), a repacked or quantized one.
+* ``in place``: what lora_stream does where the engine serves a tensor in its own layout (one tensor-parallel
+  worker, bf16 dense weights on CUDA): the changed elements written where they are served, old values kept, the
+  proof one read of the served bytes on the device, no host copy; the state digest reads the engine's weights on
+  the device three times per sync (the pre-flight's check, the reload bracket's check, the commit's record).
+* ``in place, O(k) proof``: the design beyond it: the proof and the digests updated from the changes alone between
+  full re-reads (a decomposable fingerprint such as ``lora_stream.field_fingerprint``), which would also prove a
+  tensor-parallel worker's slices.
 
-Generation is paused for: the whole full sync's load (as today), and for an element sync the engine's apply, its
-proof, the vote and the commit; ``today`` also pauses through the rebuild and the reload.
+Generation is paused for the whole of a full sync into a server (the gather, the send, the load), and for an element
+sync for the engine's apply, its proof, the commit's digest, the vote and the commit; ``rebuild`` also pauses
+through the rebuild and the reload.
 """
 
 from __future__ import annotations
@@ -44,10 +48,10 @@ from typing import Any, Literal
 from cost_model import GB, GPU_PROFILES, MODELS, RESULTS, SCENARIOS, ModelShape, Rates, Setup, param_count, predict
 
 Route = Literal["server", "colocated"]
-Path_ = Literal["today", "in place", "in place, O(k) proof"]
-PATHS: tuple[Path_, ...] = ("today", "in place", "in place, O(k) proof")
+Path_ = Literal["rebuild", "in place", "in place, O(k) proof"]
+PATHS: tuple[Path_, ...] = ("rebuild", "in place", "in place, O(k) proof")
 
-#: Host rates of today's engine path, measured on this machine's CPU (docs/performance.md, "Element syncs", and
+#: Host rates of the engine's rebuild path, measured on this machine's CPU (docs/performance.md, "Element syncs", and
 #: the floors behind it: one thread unless said), seconds per element or per byte.
 HOST = {
     # NH (lora_stream.fingerprint) over a rebuilt tensor: 0.034 s for the 17M-element model, 2 threads.
@@ -134,16 +138,21 @@ def predict_elements(
         stages["send"] = payload / r.send_bps + r.send_latency + r.fixed_server + r.fixed_pause
     worker_elements = n / tp
     worker_changed = changed / tp
+    checked = path != "in place, O(k) proof"
+    if checked:  # the pre-flight's check of the engine's state: a read of its weights, before the pause
+        stages["state check (pre-flight)"] = worker_elements * 2 / r.copy_bps
     tensors = 7 * shape.layers + 3  # checkpoint tensors a dense Llama holds that an element sync touches
     apply: dict[str, float] = {}
-    if path == "today":
+    if checked:  # the reload bracket's check, the last moment before a byte is written: under the pause
+        apply["state check (bracket)"] = worker_elements * 2 / r.copy_bps
+    if path == "rebuild":
         host = HOST_THREADS
         apply["decode and scatter (host)"] = worker_changed * HOST["decode_scatter_s_per_changed"] / host
         apply["rebuild touched tensors (host)"] = worker_elements * HOST["clone_s_per_element"] / host
         apply["NH of rebuilt tensors (host)"] = worker_elements * HOST["nh_s_per_element"] / host
         apply["rebuilt tensors to device"] = worker_elements * 2 / PCIE_BPS
         apply["reload (load_weights)"] = worker_elements * 2 / r.load_bps + tensors * r.load_per_tensor
-        apply["state digests (before, after)"] = 2 * worker_elements * 2 / r.copy_bps
+        apply["state digest (commit's record)"] = worker_elements * 2 / r.copy_bps
         host_bytes = worker_elements * 2
     else:
         apply["changes to device"] = worker_changed * CHANGED_BYTES / PCIE_BPS
@@ -151,9 +160,10 @@ def predict_elements(
         apply["index_copy_ (old kept)"] = worker_changed * 2 * 3 / r.copy_bps + tensors * 2 * LAUNCH_S
         if path == "in place":
             apply["proof: one read of the served bytes"] = worker_elements * 2 / r.copy_bps
+            apply["state digest (commit's record)"] = worker_elements * 2 / r.copy_bps
         else:
             apply["proof: O(k) update"] = worker_changed * 2 * 4 / r.copy_bps + tensors * LAUNCH_S
-        apply["state digests (O(k))"] = worker_changed * 2 * 2 / r.copy_bps + tensors * LAUNCH_S
+            apply["state digest (O(k) update)"] = worker_changed * 2 * 2 / r.copy_bps + tensors * LAUNCH_S
         host_bytes = worker_changed * CHANGED_BYTES
     stages.update(apply)
     vote = 2 * r.ar_latency + (r.fixed_pause if route == "server" else 0.0)
