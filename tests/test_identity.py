@@ -138,6 +138,11 @@ def test_a_module_that_is_not_its_tensors_in_one_way_is_reloaded_instead() -> No
     model = _Model(t)
     model.norm.weight = nn.Parameter(t["n"].float(), requires_grad=False)
     assert "n" not in observe(model, RECEIVERS, {n: x.view(-1) for n, x in t.items()})
+    # A parameter another module holds too (tied weights): that module may compute with a copy of its own.
+    model = _Model(t)
+    model.head = nn.Module()
+    model.head.weight = model.norm.weight
+    assert "n" not in observe(model, RECEIVERS, {n: x.view(-1) for n, x in t.items()})
     # A name another module also reads, or one the engine holds no copy of, keeps its module out.
     receivers = {**RECEIVERS, "n": {"norm", "qkv"}}
     assert set(observe(model, receivers, {n: x.view(-1) for n, x in t.items()})) == set()

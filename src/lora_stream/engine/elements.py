@@ -36,7 +36,7 @@ import torch
 from ..element_codec import decode, encoded_size
 from ..fingerprint import fingerprint
 from .holding import LoadMap
-from .identity import Placement, observe, valid
+from .identity import Placement, observe, shared_parameters, valid
 from .reload import VLLMLoadError
 
 __all__ = ["ElementShadow"]
@@ -141,12 +141,13 @@ class ElementShadow:
         by_module: dict[str, list[str]] = {}
         for name, placement in self.placements.items():
             by_module.setdefault(placement.module, []).append(name)
+        shared = shared_parameters(model)
         for module, names in by_module.items():
             if not all(n in payloads and n not in aliased for n in names):
                 continue
-            served = {n: self.placements[n].view() for n in names}
-            if valid(model, [self.placements[n] for n in names]) and all(v is not None for v in served.values()):
-                self._in_place.update({n: v for n, v in served.items() if v is not None})
+            served = {n: v for n in names if (v := self.placements[n].view()) is not None}
+            if len(served) == len(names) and valid(model, [self.placements[n] for n in names], shared):
+                self._in_place.update(served)
                 self.written_modules.add(module)
 
     def reloaded(self, expect: list[str] | None) -> list[str] | None:

