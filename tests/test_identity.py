@@ -138,11 +138,20 @@ def test_a_module_that_is_not_its_tensors_in_one_way_is_reloaded_instead() -> No
     model = _Model(t)
     model.norm.weight = nn.Parameter(t["n"].float(), requires_grad=False)
     assert "n" not in observe(model, RECEIVERS, {n: x.view(-1) for n, x in t.items()})
-    # A parameter another module holds too (tied weights): that module may compute with a copy of its own.
-    model = _Model(t)
-    model.head = nn.Module()
-    model.head.weight = model.norm.weight
-    assert "n" not in observe(model, RECEIVERS, {n: x.view(-1) for n, x in t.items()})
+    # A parameter another module holds too (tied weights), or another parameter over its storage: that module may
+    # compute with a copy of its own.
+    for tied in (lambda w: w, lambda w: nn.Parameter(w.data, requires_grad=False)):
+        model = _Model(t)
+        model.head = nn.Module()
+        model.head.weight = tied(model.norm.weight)
+        assert "n" not in observe(model, RECEIVERS, {n: x.view(-1) for n, x in t.items()})
+    # A tensor whose elements are all equal is its own image under any permutation or transpose (and zeros under
+    # any scaling): whatever the engine did to it, the bytes would match. Refused until its elements differ.
+    for value in (0.0, 1.0):
+        flat = {**t, "n": torch.full_like(t["n"], value)}
+        model = _Model(flat)
+        model.norm.weight.data.mul_(3)  # zeros stay zeros: a scaled norm that (b) alone would take
+        assert "n" not in observe(model, RECEIVERS, {n: x.view(-1) for n, x in flat.items()})
     # A name another module also reads, or one the engine holds no copy of, keeps its module out.
     receivers = {**RECEIVERS, "n": {"norm", "qkv"}}
     assert set(observe(model, receivers, {n: x.view(-1) for n, x in t.items()})) == set()
@@ -197,3 +206,19 @@ def test_a_full_update_writes_nothing_in_place() -> None:
     loaded = dict(shadow.feed(sync["blobs"].items()))
     assert set(loaded) == {"q", "k", "v", "n"}  # every one rebuilt for the reload
     shadow.rollback()
+
+
+def test_a_payload_to_be_written_in_place_that_never_comes_fails_the_sync() -> None:
+    """The reload bracket does not reload the modules written in place, so it cannot see one of their tensors
+    missing: the shadow's check after the bracket finished does, and the rollback puts back what did come."""
+    t = _tensors()
+    model = _Model(t)
+    shadow = _committed(model, t)
+    _, sync = _step(t, ["q", "k", "v", "n"])
+    before = {n: x.clone() for n, x in _served(model).items()}
+    shadow.begin(sync["info"], "s1")
+    list(shadow.feed((n, b) for n, b in sync["blobs"].items() if n != "v"))  # v lost on the way
+    with pytest.raises(VLLMLoadError, match=r"never came \['v'\]"):
+        shadow.check()
+    shadow.rollback()
+    assert all(torch.equal(x, before[n]) for n, x in _served(model).items()) and shadow.token == "s1"

@@ -70,10 +70,12 @@ class ElementShadow:
         #: This sync's payloads written where they are served (their served elements), and their modules (which no
         #: bracket reloads).
         self._in_place: dict[str, torch.Tensor] = {}
+        self._applied: set[str] = set()
         self.written_modules: set[str] = set()
         #: A sync began and is not decided yet.
         self._open = False
-        #: What the current sync rebuilt: tensors, changed elements, and their element count; tensors in place.
+        #: What the current sync did: tensors rebuilt, tensors written in place, changed elements, and the element
+        #: count of both.
         self.stats: dict[str, float] = {}
 
     @classmethod
@@ -114,7 +116,7 @@ class ElementShadow:
         if self._open:
             self.rollback()
         self._pending, self._kept, self._built = {}, [], {}
-        self._in_place, self.written_modules = {}, set()
+        self._in_place, self._applied, self.written_modules = {}, set(), set()
         self._open = True
         self.stats = {"tensors": 0.0, "changed": 0.0, "elements": 0.0, "in_place": 0.0}
         self._info = info
@@ -150,6 +152,17 @@ class ElementShadow:
                 self._in_place.update(served)
                 self.written_modules.add(module)
 
+    def check(self) -> None:
+        """After every pair of the sync was fed (the reload bracket finished): raises :class:`VLLMLoadError` when a
+        payload this sync was to write in place never came. The bracket cannot see it (it does not reload those
+        modules), and the module would serve old and new elements under the new sync's name."""
+        missing = sorted(n for n in self._in_place if n not in self._applied)
+        if missing:
+            raise VLLMLoadError(
+                f"lora_stream: {len(missing)} element payload(s) to be written where they are served never came "
+                f"{missing[:20]}; nothing of this sync is kept, the next sync sends every tensor"
+            )
+
     def reloaded(self, expect: list[str] | None) -> list[str] | None:
         """The names of ``expect`` the reload bracket loads: all but those written in place (a full update,
         ``None``, reloads every module, so nothing is written in place then)."""
@@ -174,6 +187,7 @@ class ElementShadow:
             primary = aliases.get(name)
             if name in self._in_place:
                 self._apply(name, self._in_place[name], tensor, payloads[name], keep=True)
+                self._applied.add(name)
                 self.stats["in_place"] += 1.0
             elif name in payloads:
                 built = self._rebuild(name, tensor, payloads[name])
@@ -211,6 +225,7 @@ class ElementShadow:
             )
         target = have if have is not None else torch.empty(numel, dtype=dtype)
         self._apply(name, target, blob, spec, keep=keep)
+        self.stats["tensors"] += 1.0
         if not keep:
             self._pending[name] = target
         return target.view(shape)
@@ -250,7 +265,6 @@ class ElementShadow:
                     "from the trainer's (the copy is not what the last sync committed); nothing of this sync is kept, "
                     "the next sync sends every tensor"
                 )
-        self.stats["tensors"] += 1.0
         self.stats["elements"] += float(numel)
 
     def restorer(self, expect: Collection[str] | None, optional: Collection[str] = ()) -> Callable[[], Any] | None:

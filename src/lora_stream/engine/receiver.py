@@ -130,8 +130,11 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
         update, self._merge = self._merge, None
         self._pending = None
         EngineMerger.of(self.model).drop(update)  # the base file it prepared, if any
-        ElementShadow.of(self.model).rollback()
-        return rolled_back(self._bracket)
+        try:
+            ElementShadow.of(self.model).rollback()
+        finally:
+            restored = rolled_back(self._bracket)
+        return restored
 
     def _not_restored(self, kept: bool | None) -> str | None:
         """Why a rollback that restored nothing leaves the engine serving new weights (``None``: nothing was
@@ -298,6 +301,7 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
                 error = report.error(" (server worker)")
                 if error is not None:
                     raise error
+                shadow.check()  # every payload it was to write in place came
                 # Which checkpoint names this worker's modules read together (for the trainer's next partial sync).
                 self._units = report.units
                 if merge is not None:

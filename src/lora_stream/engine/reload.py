@@ -404,6 +404,8 @@ class ReloadBracket:
         if not self._open:
             raise RuntimeError("load() outside a reload bracket: call begin() first")
         pairs = [(n, t) for n, t in pairs if n not in optional or self.has_parameter(n)]
+        if not pairs:  # every tensor of the batch was written in place (or is an alias the model does not hold)
+            return []
         names = [n for n, _ in pairs]
         again = sorted({n for n in names if n in self._sent} | {n for n in names if names.count(n) > 1})
         if again:

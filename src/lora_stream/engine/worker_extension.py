@@ -133,6 +133,9 @@ class LoraStreamWorkerExtension:
             if rest:
                 bracket.load(rest, self._lora_stream_optional)
         report = bracket.finish().to_wire()
+        from .elements import ElementShadow
+
+        ElementShadow.of(self.model_runner.model).check()  # every payload it was to write in place came
         if update is not None:
             from .merger import EngineMerger
 
@@ -177,10 +180,11 @@ class LoraStreamWorkerExtension:
         bracket, self._lora_stream_bracket = self._lora_stream_bracket, None
         update, self._lora_stream_merge = self._lora_stream_merge, None
         EngineMerger.of(self.model_runner.model).drop(update)
-        ElementShadow.of(self.model_runner.model).rollback()
-        if bracket is None:
-            return True
-        return rolled_back(bracket)
+        try:
+            ElementShadow.of(self.model_runner.model).rollback()
+        finally:
+            restored = True if bracket is None else rolled_back(bracket)
+        return restored
 
     # -- adapter sync (VLLMLoRASink): stage in this process, then the sink calls vLLM's own add_lora -------------------
     def lora_stream_stage_adapter(

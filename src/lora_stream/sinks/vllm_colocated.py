@@ -286,7 +286,11 @@ class VLLMColocatedSink:
         try:
             if self._bracket is not None:
                 if failed is None:
-                    return self._bracket.finish()
+                    from ..engine.elements import ElementShadow
+
+                    report = self._bracket.finish()
+                    ElementShadow.of(self._bracket.model).check()  # every payload it was to write in place came
+                    return report
                 self._bracket.abort()
                 return LoadReport()
             if failed is None:
@@ -388,8 +392,10 @@ class _EngineRoute(LocalEngineChecks):
             if sink._bracket is not None:
                 from ..engine.elements import ElementShadow
 
-                ElementShadow.of(sink._bracket.model).rollback()
-                restored = [bool(sink._bracket.rollback())]
+                try:
+                    ElementShadow.of(sink._bracket.model).rollback()
+                finally:
+                    restored = [bool(sink._bracket.rollback())]
             else:
                 restored = [bool(r) for r in sink._rpc("lora_stream_rollback")]
             if not all(restored):
