@@ -3,8 +3,8 @@ AdamW at a small learning rate, the served bfloat16 cast changing in a few eleme
 
 Reports {"event": "step", ...} per element sync (what went, the engine's copy against the trainer's cast with
 ``torch.equal``, what it serves against a full sync of the same weights, how many tensors were written where they
-are served and the host copy's bytes), and {"event": "fault", ...} for a failure at every fault point of an element
-sync (the engine, and its copy, bit-identical afterwards).
+are served, which the engine serves in their own layout, and the host copy's bytes), and {"event": "fault", ...}
+for a failure at every fault point of an element sync (the engine, and its copy, bit-identical afterwards).
 
 Usage: vllm_elements_bf16.py CHECKPOINT [default|torch-linear]. ``torch-linear``: vLLM's own fallback for linear
 layers, the path it takes where oneDNN and sgl-kernel are unavailable (selected in this process before the engine
@@ -70,7 +70,7 @@ def main(path: str, mode: str = "default") -> None:
         step(k)
         record = sink.sync(stream(), version=f"v{k}")
         shadow = ElementShadow.of(engine_model)
-        in_place, host_bytes = shadow.stats.get("in_place"), shadow.host_bytes
+        in_place, host_bytes, placed = shadow.stats.get("in_place"), shadow.host_bytes, sorted(shadow.placements)
         served = vllm_generate(llm)
         exact_copy = copy_is_the_trainers()
         full.sync(stream())
@@ -87,6 +87,7 @@ def main(path: str, mode: str = "default") -> None:
             same=same,
             in_place=in_place,
             host_bytes=host_bytes,
+            placed=placed,
             line=record.summary(),
         )
     for point in [p for p in FAULT_POINTS if p not in ("group:<k>", "verify")] + ["group:0"]:
