@@ -101,13 +101,21 @@ def test_what_is_served_in_its_layout_is_written_in_place_and_proven_there_with_
     assert all(torch.equal(shadow.held(n).view(new[n].shape), new[n]) for n in new)  # type: ignore[union-attr]
 
 
-def test_a_failed_sync_puts_the_served_elements_back_bit_for_bit() -> None:
+def _begun() -> tuple[_Model, ElementShadow, dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]:
+    """A model and its shadow after a full sync, then an element sync of a few changes to q, k, v and the norm
+    begun on it: the model, the shadow, the old tensors, the new ones and the sync, and what the model served."""
     t = _tensors()
     model = _Model(t)
     shadow = _committed(model, t)
     new, sync = _step(t, ["q", "k", "v", "n"])
     before = {n: x.clone() for n, x in _served(model).items()}
     shadow.begin(sync["info"], "s1")
+    return model, shadow, {"old": t, "new": new}, sync, before
+
+
+def test_a_failed_sync_puts_the_served_elements_back_bit_for_bit() -> None:
+    model, shadow, tensors, sync, before = _begun()
+    t, new = tensors["old"], tensors["new"]
     list(shadow.feed(sync["blobs"].items()))
     assert not torch.equal(_served(model)["k"], before["k"])
     shadow.rollback()
@@ -211,12 +219,7 @@ def test_a_full_update_writes_nothing_in_place() -> None:
 def test_a_payload_to_be_written_in_place_that_never_comes_fails_the_sync() -> None:
     """The reload bracket does not reload the modules written in place, so it cannot see one of their tensors
     missing: the shadow's check after the bracket finished does, and the rollback puts back what did come."""
-    t = _tensors()
-    model = _Model(t)
-    shadow = _committed(model, t)
-    _, sync = _step(t, ["q", "k", "v", "n"])
-    before = {n: x.clone() for n, x in _served(model).items()}
-    shadow.begin(sync["info"], "s1")
+    model, shadow, _, sync, before = _begun()
     list(shadow.feed((n, b) for n, b in sync["blobs"].items() if n != "v"))  # v lost on the way
     with pytest.raises(VLLMLoadError, match=r"never came \['v'\]"):
         shadow.check()
