@@ -256,7 +256,7 @@ class ParamStream:
         a shard could change between the proof and the send, and each read would walk the plan again."""
         read = read_elements(self, baseline) if baseline is not None else None
         t = time.perf_counter()
-        fps = fingerprints(self._steps, self.gatherer)
+        fps = self.fingerprints()
         return StepReads(fps, read, time.perf_counter() - t)
 
     def _select(self, selection: Selection) -> list[Group]:
