@@ -146,6 +146,15 @@ def test_a_module_that_is_not_its_tensors_in_one_way_is_reloaded_instead() -> No
     model = _Model(t)
     model.norm.weight = nn.Parameter(t["n"].float(), requires_grad=False)
     assert "n" not in observe(model, RECEIVERS, {n: x.view(-1) for n, x in t.items()})
+    # Structured edits of the fused module: two rows swapped, a column negated, a power-of-two scaling of k.
+    for edit in (
+        lambda w: w.copy_(w[[1, 0, *range(2, w.shape[0])]]),
+        lambda w: w[:, 3].neg_(),
+        lambda w: w[8:12].mul_(2),
+    ):
+        model = _Model(t)
+        edit(model.qkv.weight.data)
+        assert set(observe(model, RECEIVERS, {n: x.view(-1) for n, x in t.items()})) == {"n"}
     # A parameter another module holds too (tied weights), or another parameter over its storage: that module may
     # compute with a copy of its own.
     for tied in (lambda w: w, lambda w: nn.Parameter(w.data, requires_grad=False)):
