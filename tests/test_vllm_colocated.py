@@ -619,3 +619,8 @@ def test_element_syncs_of_full_fine_tuning_into_a_bf16_engine_are_exact_and_roll
     assert after["prepare"] is None, after  # refused before the engine was touched: elements again
     assert all("failed" in (after[p] or "") for p in after if p != "prepare"), after
     assert event(out, "after")["full_because"] is None  # the whole sync after the last fault committed: elements
+    # A write into a served tensor between two syncs, by a writer lora_stream never saw: the engine's state no
+    # longer proves its last commit, so the next sync sends every tensor, and what the engine serves is exact.
+    foreign = event(out, "foreign")
+    assert "engine" in (foreign["full_because"] or ""), foreign
+    assert not foreign["in_place"] and foreign["copy_exact"] and foreign["same"], foreign

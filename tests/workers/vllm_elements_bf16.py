@@ -4,7 +4,8 @@ AdamW at a small learning rate, the served bfloat16 cast changing in a few eleme
 Reports {"event": "step", ...} per element sync (what went, the engine's copy against the trainer's cast with
 ``torch.equal``, what it serves against a full sync of the same weights, how many tensors were written where they
 are served, which the engine serves in their own layout, and the host copy's bytes), and {"event": "fault", ...}
-for a failure at every fault point of an element sync (the engine, and its copy, bit-identical afterwards).
+for a failure at every fault point of an element sync (the engine, and its copy, bit-identical afterwards), and
+{"event": "foreign", ...} for the sync after a write that bypassed every loader into a tensor served in its layout.
 
 Usage: vllm_elements_bf16.py CHECKPOINT [default|torch-linear]. ``torch-linear``: vLLM's own fallback for linear
 layers, the path it takes where oneDNN and sgl-kernel are unavailable (selected in this process before the engine
@@ -126,6 +127,25 @@ def main(path: str, mode: str = "default") -> None:
         report(event="next", point=point, full_because=sink.sync(stream(), version="next").full_because)
     record = sink.sync(stream(), version="after")
     report(event="after", full_because=record.full_because)
+    # A writer that bypasses every loader, into a tensor the engine serves in its own layout (a fused projection
+    # on the torch-linear path, a norm on the default one), between two element syncs: the next sync must not
+    # trust the engine's copy (that tensor is the copy), and must leave it serving exactly the trainer's weights.
+    layer = engine_model.model.layers[0]
+    written = layer.self_attn.qkv_proj.weight if mode == "torch-linear" else layer.input_layernorm.weight
+    with torch.no_grad():
+        written.view(-1)[:3] += 0.5
+    step(20)
+    record = sink.sync(stream(), version="foreign")
+    served = vllm_generate(llm)
+    exact_copy = copy_is_the_trainers()
+    full.sync(stream())
+    report(
+        event="foreign",
+        full_because=record.full_because,
+        in_place=ElementShadow.of(engine_model).stats.get("in_place"),
+        copy_exact=exact_copy,
+        same=vllm_generate(llm) == served,
+    )
 
 
 if __name__ == "__main__":
