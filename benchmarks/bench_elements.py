@@ -24,7 +24,8 @@ random token batches, and streams ``ParamStream(model, dtype=torch.bfloat16)``. 
 Reported per case and learning rate (medians over the measured steps; seconds the slowest rank's): the changed
 fraction (every element compared by the worker itself, bit for bit, against the previous step), bytes sent by the
 element sync and by the full one, the element bytes against the changed elements' values plus a 4-byte index each,
-time and its ratio, the trainer's diff seconds, the server workers' load seconds, the trainer's peak gathered bytes,
+time and its ratio, the trainer's diff seconds, the server workers' load seconds, how long each kept the servers'
+generation paused (``stages["paused_s"]``), the trainer's peak gathered bytes,
 the element baseline in host memory per rank, the encodings used, and whether both engines served the same. Also the
 trainer's element path on one thread (cast, compare, encode, fingerprint) as a floor. ``--cases`` picks ``server``
 and/or ``colocated`` (which includes ``lora``). Writes benchmarks/results/elements.json (a run: about 2.5 minutes).
@@ -68,6 +69,7 @@ COLUMNS = (
     Col("x full", ">6.2f"),
     Col("diff s", ">6.3f"),
     Col("engine s el/full", ">16"),
+    Col("paused s el/full", ">16"),
     Col("gathered MiB el/full", ">21"),
     Col("baseline MiB/rank", ">17.1f"),
     Col("encodings", "<28"),
@@ -258,6 +260,16 @@ def engine_pair(r: dict[str, Any]) -> str:
     return f"{el.get('load_s', 0) + el.get('finish_s', 0):.3f} / {full.get('load_s', 0) + full.get('finish_s', 0):.3f}"
 
 
+def paused_pair(r: dict[str, Any]) -> str:
+    """How long the element and the full sync kept generation paused on the servers (the feeding rank's
+    ``stages["paused_s"]``: its first /pause sent until its last /resume returned); '-' for an engine in the
+    trainer's process, which generates nothing during any sync."""
+    el, full = r["stages_elements"].get("paused_s"), r["stages_full"].get("paused_s")
+    if el is None or full is None:
+        return "-"
+    return f"{el:.3f} / {full:.3f}"
+
+
 def element_floor(args: argparse.Namespace, rounds: int = 5) -> dict[str, Any]:
     """What the trainer's part of an element sync costs at the least, per rank, one thread (as each rank runs): on a
     float32 shard of half the model's parameters, one AdamW-sized step (``lr * sign``) at the first learning rate,
@@ -350,6 +362,7 @@ def main() -> None:
                     r["x_full"],
                     r["stages_elements"].get("element_diff_s", 0.0),
                     engine_pair(r),
+                    paused_pair(r),
                     mib_pair(r["peak_gathered_bytes_elements"], r["peak_gathered_bytes_full"]),
                     r["baseline_bytes_per_rank"] / MiB,
                     enc,

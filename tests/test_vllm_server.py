@@ -527,11 +527,17 @@ def _element_checks(results, *, faults: bool) -> dict[str, list[dict]]:  # type:
     assert equal.get("v2") is True and equal.get("v4") is True, describe(results)
     if faults:
         seen = [e["point"] for e in events["fault"]]
-        assert len(seen) == len(FAULT_POINTS), seen
+        assert len(seen) == len(FAULT_POINTS) + 1, seen  # the shared points, "decision-recorded" and "staged"
         for e in events["fault"]:
             assert e["equal"] is True, f"the servers' outputs changed after a failed element sync at {e['point']}"
             assert e["version"].endswith("-elements"), e
             assert e["seconds"] < 60, e
+            # A failure before the servers are paused pauses nothing; one after it did pause them.
+            assert (e["pauses"] == 0) == (e["point"] in ("prepare", "group:0", "staged")), e
+        # The payload reached the server and was decoded and checked while it kept generating (not paused, its
+        # update session open), serving what it served.
+        staged = next(e for e in events["fault"] if e["point"] == "staged")
+        assert staged["during"] == {"paused": False, "session": True, "generated": True}, staged
         for rank in (0, 1):
             for point in seen:
                 assert syncs[rank, f"{point}-elements"]["elements"]["tensors"] > 0, syncs[rank, f"{point}-elements"]

@@ -70,17 +70,25 @@ def test_the_soak_with_elements_on_ends_every_round_on_the_last_committed_versio
 ) -> None:
     """The same promises with element syncs (``elements=True``): a fully fine-tuned ZeRO-3 trainer edits a few
     elements of each rank's partition before each sync, and the servers rebuild every tensor from the copy they
-    keep. A rank raising, dying, and stopped past its lease, each interrupting an element sync; after each, a plain
+    keep. A rank raising, dying, and stopped past its lease, each interrupting an element sync (the last two before
+    the servers are paused, their payload received); after each, a plain
     round (full: it follows a failure) and one more (elements), so that every sync after a committed one goes as
     elements (the soak checks it) and the servers serve the trainer's own weights after every commit."""
     for s in servers:
         if not s.healthy():  # the other soak left it down
             s.restart()
     kinds = ("raise", "die", "stop-rank")
-    rounds = 1 + 3 * len(kinds)  # a plain round, then each fault with two plain rounds after it
-    # This seed's plan: a raise after the element blobs were sent (group:1), a death while the servers load them
-    # (reload-check), a rank stopped before the vote.
-    report = Soak(servers, checkpoint, tmp_path, seed=SEED + 7, elements=True).run(rounds, kinds=kinds)
+    # A plain round, then each fault with two plain rounds after it: a raise after the element blobs were sent
+    # (group:1); then, at "staged" (every server holds the payload, none is paused yet, each one's update session is
+    # open), the feeding rank of a server dying (its lease ends the session by itself, generation never paused) and
+    # a rank stopped past the lease (both raise, the servers heal).
+    faults = [("raise", 1, "group:1"), ("die", 0, "staged"), ("stop-rank", 1, "staged")]
+    plan = [{"fault": "none", "rank": 0, "point": "commit", "server": 0}]
+    for kind, rank, point in faults:
+        plan.append({"fault": kind, "rank": rank, "point": point, "server": rank})
+        plan += [{"fault": "none", "rank": rank, "point": point, "server": rank}] * 2
+    plan = [dict(r, k=k) for k, r in enumerate(plan)]
+    report = Soak(servers, checkpoint, tmp_path, seed=SEED + 7, elements=True).run(plan=plan)
     text = json.dumps(report.as_json(), indent=1)
     assert not report.problems, text
     assert {r["fault"] for r in report.rounds} >= set(kinds) and report.rounds[-1]["committed"], text

@@ -52,7 +52,9 @@ T = TypeVar("T")
 #: groups it skips too, in their place, so that a point fires on every sync whatever changed); after the engine's
 #: reload check; after the verification probe; after the prefix-cache reset; just before the commit vote. The server
 #: route adds ``"decision-recorded"``: after the vote, once this rank recorded the decision at its servers and before
-#: the vote that every server did (:meth:`ServerRoute.commit <lora_stream.sinks.server_route.ServerRoute.commit>`).
+#: the vote that every server did (:meth:`ServerRoute.commit <lora_stream.sinks.server_route.ServerRoute.commit>`);
+#: and, for an element sync, ``"staged"``: once its servers received, decoded and checked the payload, before they
+#: are paused (:meth:`ServerRoute.transfer <lora_stream.sinks.server_route.ServerRoute.transfer>`).
 FAULT_POINTS = ("prepare", "group:<k>", "reload-check", "verify", "prefix-cache", "commit")
 
 FaultHook = Callable[[str], None]

@@ -9,7 +9,9 @@ Usage: element_sync.py GATHERER CHECKPOINT URLS [faults]
 Reports {"event": "sync", "label", "tensors", "gathered", "full_because", "elements", "kept", ...} per sync,
 {"event": "equal", "label", "equal"} where what an element sync serves is compared (==, greedy tokens and logprobs)
 with what a full sync of the same weights serves on every server, and with ``faults`` {"event": "fault", "point",
-"equal", "version", "error"} for a failure on rank 1 only at every fault point of an element sync.
+"equal", "version", "error", "pauses", "during"} for a failure on rank 1 only at every fault point of an element sync
+("staged" included: the servers received the payload and are not paused yet; ``during``: what the first server
+said and served at that point; ``pauses``: the /pause requests the failed sync sent).
 """
 
 from __future__ import annotations
@@ -100,14 +102,41 @@ def main() -> None:
     step()  # AdamW moves every float32 element: elements would cost more than the tensors
     sync("v6")
     if faults:
-        for point in [p for p in FAULT_POINTS if p not in ("group:<k>", "verify")] + ["group:0", "decision-recorded"]:
+        from lora_stream.sinks.server_client import VLLMServerClient
+
+        # Every /pause this process sends: a failure before the servers are paused must send none.
+        pauses: list[str] = []
+        pause = VLLMServerClient.pause
+
+        def counted(self: VLLMServerClient, mode: str) -> None:
+            pauses.append(self.url)
+            pause(self, mode)
+
+        VLLMServerClient.pause = counted  # type: ignore[method-assign]
+        points = [p for p in FAULT_POINTS if p not in ("group:<k>", "verify")] + ["group:0", "decision-recorded"]
+        for point in [*points, "staged"]:
             sync(f"{point}-base")  # after a failed sync: everything
             edit(model, 3, (0, 1))
             sync(f"{point}-elements")  # the baseline and the engines' copy of that sync
             edit(model, 4, (1,))
             before = served()
 
-            set_fault_hook(fail_on_rank_1(point, rank))
+            during: dict[str, object] = {}
+            failing = fail_on_rank_1(point, rank)
+
+            def hook(p: str, failing=failing, during=during, before=before) -> None:  # type: ignore[no-untyped-def]
+                if p == "staged" and rank == 0:
+                    # The payload is on the servers, decoded and checked; they are held (their update session is
+                    # open) and not paused: generation goes on.
+                    import requests
+
+                    status = requests.get(f"{urls[0]}/lora_stream/lease", timeout=30).json()
+                    during.update(paused=status["paused"], session=status["session"])
+                    during["generated"] = served() == before
+                failing(p)
+
+            set_fault_hook(hook)
+            paused_before = len(pauses)
             t = time.monotonic()
             try:
                 sync(f"{point}-fails")
@@ -128,6 +157,8 @@ def main() -> None:
                     equal=served() == before,
                     version=version,
                     seconds=time.monotonic() - t,
+                    pauses=len(pauses) - paused_before,
+                    during=during,
                 )
         sync("after-faults")
         edit(model, 5, (0, 1))

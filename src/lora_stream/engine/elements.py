@@ -39,7 +39,7 @@ from .holding import LoadMap
 from .identity import Placement, observe, shared_parameters, valid
 from .reload import VLLMLoadError
 
-__all__ = ["ElementShadow"]
+__all__ = ["Decoded", "ElementShadow", "decode_payload"]
 
 #: The attribute of the model object that carries its shadow (one per engine process and model).
 _ATTR = "_lora_stream_element_shadow"
@@ -51,8 +51,8 @@ class ElementShadow:
     parameter itself.
 
     Lifecycle per sync (the sync's ``elements`` info, ``None`` when the sink sends no elements):
-    :meth:`begin` -> :meth:`reloaded` (what the reload bracket loads) -> :meth:`feed` (every loaded pair) ->
-    :meth:`commit` or :meth:`rollback`.
+    :meth:`begin` -> :meth:`stage` (a server's payloads, decoded before the pause; optional) -> :meth:`reloaded`
+    (what the reload bracket loads) -> :meth:`feed` (every loaded pair) -> :meth:`commit` or :meth:`rollback`.
     """
 
     def __init__(self, model: Any = None) -> None:
@@ -72,6 +72,8 @@ class ElementShadow:
         self._in_place: dict[str, torch.Tensor] = {}
         self._applied: set[str] = set()
         self.written_modules: set[str] = set()
+        #: This sync's payloads decoded where they arrived, before the write (:meth:`stage`).
+        self._staged: dict[str, Decoded] = {}
         #: A sync began and is not decided yet.
         self._open = False
         #: What the current sync did: tensors rebuilt, tensors written in place, changed elements, and the element
@@ -116,7 +118,7 @@ class ElementShadow:
         if self._open:
             self.rollback()
         self._pending, self._kept, self._built = {}, [], {}
-        self._in_place, self._applied, self.written_modules = {}, set(), set()
+        self._in_place, self._applied, self.written_modules, self._staged = {}, set(), set(), {}
         self._open = True
         self.stats = {"tensors": 0.0, "changed": 0.0, "elements": 0.0, "in_place": 0.0}
         self._info = info
@@ -151,6 +153,12 @@ class ElementShadow:
             if len(served) == len(names) and valid(model, [self.placements[n] for n in names], shared):
                 self._in_place.update(served)
                 self.written_modules.add(module)
+
+    def stage(self, decoded: dict[str, Decoded]) -> None:
+        """After :meth:`begin`: this sync's payloads, decoded and checked already where they arrived
+        (:func:`decode_payload`, which a server's workers run while the engine still serves), taken as they are
+        instead of decoded again. Each is used once, by the payload of its name."""
+        self._staged = dict(decoded)
 
     def check(self) -> None:
         """After every pair of the sync was fed (the reload bracket finished): raises :class:`VLLMLoadError` when a
@@ -232,32 +240,22 @@ class ElementShadow:
 
     def _apply(self, name: str, target: torch.Tensor, blob: torch.Tensor, spec: dict[str, Any], *, keep: bool) -> None:
         """Write the payload's elements into ``target`` (flat), keeping the old values when ``keep``, then prove
-        every range the trainer holds against its fingerprint, read from ``target`` as written."""
+        every range the trainer holds against its fingerprint, read from ``target`` as written. The payload was
+        decoded and checked already where it arrived before the write (:meth:`stage`), else it is here."""
         dtype = getattr(torch, spec["dtype"])
         numel = math.prod(int(d) for d in spec["shape"])
         if target.numel() != numel or target.dtype != dtype:
             raise VLLMLoadError(f"lora_stream: parameter {name!r}: the engine's copy is not {numel} {dtype} elements")
-        segments = spec["segments"]
-        ordered = _check_cover(name, segments, numel)
-        flat = blob.detach().to("cpu").reshape(-1)
-        at = 0
-        for s in ordered:
-            lo, hi = int(s["lo"]), int(s["hi"])
-            size = encoded_size(s["encoding"], int(s["count"]), hi - lo, target.element_size())
-            try:
-                index, values = decode(s["encoding"], flat[at : at + size], int(s["count"]), hi - lo, dtype)
-            except ValueError as exc:
-                raise VLLMLoadError(f"lora_stream: parameter {name!r}: {exc}") from exc
-            at += size
+        staged = self._staged.pop(name, None)
+        segments = staged if staged is not None else decode_payload(name, blob, spec)
+        for lo, hi, index, values in segments:
             where: torch.Tensor | slice = slice(lo, hi) if index is None else (index + lo).to(target.device)
             if keep:
                 self._kept.append((target, where, target[where].clone()))
             target[where] = values.to(target.device)
             self.stats["changed"] += float(values.numel())
-        if at != flat.numel():
-            raise VLLMLoadError(f"lora_stream: parameter {name!r}: {flat.numel() - at} bytes past its elements")
         # The proof: every range the trainer holds, fingerprinted here as written, equals the trainer's.
-        for s in segments:
+        for s in spec["segments"]:
             lo, hi = int(s["lo"]), int(s["hi"])
             if fingerprint(target[lo:hi]) != int(s["fp"]):
                 raise VLLMLoadError(
@@ -311,7 +309,7 @@ class ElementShadow:
                 del self.tensors[name]
             self.token = token
         self._pending, self._kept, self._built = {}, [], {}
-        self._in_place, self.written_modules = {}, set()
+        self._in_place, self.written_modules, self._staged = {}, set(), {}
 
     def rollback(self) -> None:
         """The sync failed: the copy -- and what was written in place, which the engine serves -- is put back,
@@ -320,13 +318,45 @@ class ElementShadow:
         for target, where, old in reversed(self._kept):
             target[where] = old
         self._pending, self._kept, self._built, self._info = {}, [], {}, None
-        self._in_place, self.written_modules = {}, set()
+        self._in_place, self.written_modules, self._staged = {}, set(), {}
         self._open = False
 
     def forget(self) -> None:
         """Something else wrote the engine's weights: the copy proves nothing."""
         self.rollback()
         self.tensors, self.placements, self.token = {}, {}, None
+
+
+#: One element payload decoded, by range: ``(lo, hi, index, values)``, ``index`` relative to ``lo`` (``None``: every
+#: element of the range, in order).
+Decoded = list[tuple[int, int, "torch.Tensor | None", torch.Tensor]]
+
+
+def decode_payload(name: str, blob: torch.Tensor, spec: dict[str, Any]) -> Decoded:
+    """The changed elements one element payload of checkpoint tensor ``name`` carries (its travelling ``blob`` and
+    its ``spec``: shape, dtype, segments), by range, checked: the ranges cover the tensor exactly
+    (:func:`_check_cover`), each range's encoding decodes, and no byte is left over. Reads the payload only, never
+    the engine: what a server's workers run on what they received while the engine still serves (nothing is
+    written). Raises :class:`VLLMLoadError` naming the parameter."""
+    dtype = getattr(torch, spec["dtype"])
+    numel = math.prod(int(d) for d in spec["shape"])
+    ordered = _check_cover(name, spec["segments"], numel)
+    flat = blob.detach().to("cpu").reshape(-1)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    out: Decoded = []
+    at = 0
+    for s in ordered:
+        lo, hi = int(s["lo"]), int(s["hi"])
+        size = encoded_size(s["encoding"], int(s["count"]), hi - lo, itemsize)
+        try:
+            index, values = decode(s["encoding"], flat[at : at + size], int(s["count"]), hi - lo, dtype)
+        except ValueError as exc:
+            raise VLLMLoadError(f"lora_stream: parameter {name!r}: {exc}") from exc
+        at += size
+        out.append((lo, hi, index, values))
+    if at != flat.numel():
+        raise VLLMLoadError(f"lora_stream: parameter {name!r}: {flat.numel() - at} bytes past its elements")
+    return out
 
 
 def _check_cover(name: str, segments: list[dict[str, Any]], numel: int) -> list[dict[str, Any]]:

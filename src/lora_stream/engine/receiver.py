@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,6 +32,25 @@ __all__ = ["WorkerTransferEngine"]
 logger = logging.getLogger("lora_stream")
 
 
+@dataclass
+class _Staged:
+    """An update's tensors received ahead of their load (``TransferUpdateInfo.stage``), by the thread that received
+    them: their chunks, the element payloads among them decoded and checked, or what failed. Only that thread writes
+    it, until it ends; the worker reads it after joining the thread."""
+
+    #: The update's names, dtypes, shapes and chunk sizes: the loading update must name the same.
+    key: tuple[Any, ...]
+    buffers: list[torch.Tensor] = field(default_factory=list)
+    decoded: dict[str, Any] = field(default_factory=dict)
+    error: BaseException | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+    thread: threading.Thread | None = None
+
+
+def _staging_key(info: TransferUpdateInfo) -> tuple[Any, ...]:
+    return (list(info.names), list(info.dtype_names), [list(x) for x in info.shapes], list(info.chunk_sizes))
+
+
 class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdateInfo]):  # type: ignore[misc]
     """Receives packed chunks over gloo and loads them with the model's ``load_weights`` inside the reload bracket.
 
@@ -43,6 +64,10 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
     closed and checked when the update's last chunk has been loaded; a module vLLM did not reload whole fails the
     update with :class:`~lora_stream.engine.reload.VLLMLoadError`, which the trainer's sink raises as the colocated
     sink would.
+
+    An update may also arrive ahead of its load (``stage``, an element sync's payload): received on a thread while
+    the engine keeps generating, its element payloads decoded and checked there, and loaded by a later update of the
+    same session (``staged``) once the trainer paused the server. A rollback or the session's end drops it unloaded.
     """
 
     init_info_cls = TransferInitInfo
@@ -72,12 +97,16 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
         #: An update loaded into the bracket and not decided yet: whether it kept what a rollback restores
         #: (``rollback=True``); ``None``: none pending.
         self._pending: bool | None = None
+        #: Tensors received ahead of their load (``stage``), until the update that loads them or the session's end.
+        self._staged: _Staged | None = None
+        self._timeout_s = 120.0
 
     def init_transfer_engine(self, init_info: TransferInitInfo) -> None:
         self.shutdown()  # a new trainer (after a failed one) starts a new group
         pc = self.parallel_config
         rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
         self.buffer_bytes = init_info.buffer_bytes
+        self._timeout_s = float(init_info.timeout_s)
         self._rank = rank
         self.group = TransferGroup(
             init_info.master_address,
@@ -105,6 +134,7 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
     def finish_weight_update(self) -> None:
         # receive_weights already closed and checked the bracket; this closes one that an update never reached.
         # Finishing ends the update: one the trainer did not roll back stands (vLLM's protocol has no other way).
+        self._drop_staged()
         self._bracket.abort()
         self._bracket.commit()
         self._commit_merge()
@@ -129,6 +159,7 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
 
         update, self._merge = self._merge, None
         self._pending = None
+        self._drop_staged()  # received, never loaded: nothing of it is served
         EngineMerger.of(self.model).drop(update)  # the base file it prepared, if any
         try:
             ElementShadow.of(self.model).rollback()
@@ -162,6 +193,9 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
         if update_info.command == "verify":
             self._verify(update_info.probe_ids or [])
             return
+        if update_info.command == "staged":
+            self._await_staged()
+            return
         if update_info.command is not None:
             self._decide(update_info.command, update_info.sync, update_info.version)
             return
@@ -174,6 +208,10 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
                 f"chunk plan mismatch: trainer sent {update_info.chunk_sizes}, worker computed "
                 f"{[len(c) for c in plan.chunks]} (different lora_stream versions on the two sides?)"
             )
+        if update_info.stage:
+            self._stage(update_info, plan, dtypes)
+            return
+        staged = self._take_staged(update_info) if update_info.staged else None
         adapter = update_info.adapter
         received: dict[str, torch.Tensor] = {}
         clock = time.perf_counter
@@ -219,7 +257,8 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
                     # Refused before the bracket opened (this worker's base is not the trainer's). The chunks
                     # already on their way are taken and dropped, so that the trainer learns this reason from the
                     # update's answer rather than a data plane torn down under it.
-                    self._drain(plan)
+                    if staged is None:
+                        self._drain(plan)
                     raise exc
             elif adapter is None:
                 from .merger import EngineMerger
@@ -229,8 +268,11 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
                 try:
                     shadow.begin(update_info.elements, update_info.base)
                 except VLLMLoadError:
-                    self._drain(plan)  # as a refused merge: the reason reaches the trainer in the answer
+                    if staged is None:
+                        self._drain(plan)  # as a refused merge: the reason reaches the trainer in the answer
                     raise
+                if staged is not None:
+                    shadow.stage(staged.decoded)
                 # Not what it writes in place.
                 expect = shadow.reloaded(update_info.names if update_info.base is not None else None)
                 self._bracket.begin(
@@ -246,7 +288,12 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
             if adapter is None:
                 self._pending = bool(update_info.rollback)  # loaded weights from here on
 
+            if staged is not None:
+                timing.update(staged.seconds)
+
             def post(c: int) -> tuple[torch.Tensor, Any]:
+                if staged is not None:
+                    return staged.buffers[c], None  # received before this update, while the engine served
                 # A fresh buffer per chunk: the reload bracket may keep views until the layer is complete.
                 buffer = torch.empty(plan.chunk_bytes(c), dtype=torch.uint8, device=self.group.device)
                 return buffer, self.group.broadcast(buffer)
@@ -256,7 +303,8 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
                 assert nxt is not None
                 buffer, work = nxt
                 t = clock()
-                work.wait()
+                if work is not None:
+                    work.wait()
                 timing["recv_wait_s"] += clock() - t
                 # Receive the next chunk while this one is loaded.
                 nxt = post(c + 1) if c + 1 < len(plan.chunks) else None
@@ -342,6 +390,71 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
             finally:
                 self.shutdown()
             raise
+
+    def _stage(self, info: TransferUpdateInfo, plan: Any, dtypes: list[torch.dtype]) -> None:
+        """Receive ``info``'s tensors on a thread of their own and hold them, loading nothing (``stage``): this call
+        returns at once, so vLLM's engine keeps generating while the chunks arrive. The thread then decodes and
+        checks every element payload among them (:func:`~lora_stream.engine.elements.decode_payload`: reads the
+        payload, never the model). Nothing served changes until an update with ``staged=True`` loads them."""
+        self._drop_staged()
+        staged = _Staged(_staging_key(info))
+        payloads = dict((info.elements or {}).get("payloads") or {})
+        group = self.group
+        clock = time.perf_counter
+
+        def receive() -> None:
+            from .elements import decode_payload
+
+            try:
+                t = clock()
+                for c in range(len(plan.chunks)):
+                    buffer = torch.empty(plan.chunk_bytes(c), dtype=torch.uint8, device=group.device)
+                    group.broadcast(buffer).wait()
+                    staged.buffers.append(buffer)
+                staged.seconds["staged_recv_s"] = clock() - t
+                t = clock()
+                for c, chunk in enumerate(plan.chunks):
+                    views = unpack(staged.buffers[c], plan, c, info.shapes, dtypes)
+                    for i, view in zip(chunk, views):
+                        name = info.names[i]
+                        if name in payloads:
+                            staged.decoded[name] = decode_payload(name, view, payloads[name])
+                staged.seconds["staged_decode_s"] = clock() - t
+            except BaseException as exc:  # raised to the trainer by the "staged" command, or the loading update
+                staged.error = exc
+
+        staged.thread = threading.Thread(target=receive, name="lora_stream-stage", daemon=True)
+        self._staged = staged
+        staged.thread.start()
+
+    def _await_staged(self) -> _Staged:
+        """Wait for the staged receive to end (at most the data plane's timeout); raise what failed in it."""
+        staged = self._staged
+        if staged is None:
+            raise RuntimeError("lora_stream: no update was staged in this session (nothing to wait for)")
+        if staged.thread is not None:
+            staged.thread.join(self._timeout_s)
+            if staged.thread.is_alive():
+                raise TimeoutError(f"lora_stream: the staged update did not arrive within {self._timeout_s:g} s")
+        if staged.error is not None:
+            raise staged.error
+        return staged
+
+    def _take_staged(self, info: TransferUpdateInfo) -> _Staged:
+        """The staged tensors, for the update ``info`` that loads them (``staged``): received whole, and of the
+        same names, dtypes, shapes and chunks; they are used once."""
+        staged = self._await_staged()
+        self._staged = None
+        if staged.key != _staging_key(info):
+            raise ValueError("lora_stream: the update names other tensors than the ones staged for it")
+        return staged
+
+    def _drop_staged(self) -> None:
+        """Forget a staged update (the session ended, or rolled back): its thread, if still receiving, ends with the
+        data plane's timeout or its close, and writes only into what is dropped here."""
+        staged, self._staged = self._staged, None
+        if staged is not None and staged.thread is not None:
+            staged.thread.join(0.0)
 
     def _drain(self, plan: Any) -> None:
         """Receive every chunk of ``plan`` and drop it."""

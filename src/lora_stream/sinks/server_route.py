@@ -19,7 +19,7 @@ from typing import Any
 
 from ..changes import EngineState
 from ..engine.lease_terms import NOTHING_KEPT, committed_version, new_credential, no_session
-from ..errors import ReplicaError
+from ..errors import ReplicaError, TransferError
 from ..lockstep import describe_error
 from ..stream import ParamStream
 from ..transaction import Transaction, fault_point
@@ -69,6 +69,10 @@ class ServerRoute(ServerChecks, ForwardOnly):
         self.decision_s: dict[str, float] | None = None
         #: After the decision: the servers this rank left to their lease to finish forward, and why.
         self.forward_notes: list[str] = []
+        #: When this rank first asked a server to pause in this sync, and how long generation stayed paused (from
+        #: that request until the last resume returned, this rank's clock; ``None``: it paused none).
+        self._paused_at: float | None = None
+        self.paused_s: float | None = None
 
     def start(self) -> None:
         """The servers this rank feeds each start this sync from scratch, under a new lease."""
@@ -121,38 +125,41 @@ class ServerRoute(ServerChecks, ForwardOnly):
     # -- step 2: transfer ---------------------------------------------------------------------------------------------
     def transfer(self, tx: Transaction, decision: Decision) -> None:
         """Under a pause of generation, so that no request is computed partly with each version: from the pause on,
-        the sync holds each server under its lease (kept alive by this rank's heartbeat)."""
+        the sync holds each server under its lease (kept alive by this rank's heartbeat).
+
+        An element sync (:meth:`_stages`) pauses later: its servers receive the payload and decode and check it
+        while they keep generating (vLLM's update session is open, so the lease already holds them), every rank
+        agrees that they all did, and only then are they paused, to write it. A failure before that agreement never
+        pauses generation, and nothing served changed before the pause."""
         self.decision = decision
         source = self._arm(decision)
         self._phase()
         self.keeper.start()
+        staging = self._stages(decision)
         with tx.attempt():
-            for r in self._live():
-                self._on(r, lambda r=r: self._pause(r))
-            try:
-                from ..transfer.sender import send_to_engines
-
-                sending = self._live()
-                # send_to_engines names a failed engine by its position in the list it was given.
-                on_failure = (
-                    (lambda i, e: self._drop_in_transfer(sending[i].index, e))
-                    if self.sink.on_replica_failure == "exclude"
-                    else None
-                )
-                send_to_engines([r.engine for r in sending], source, on_failure=on_failure)
-            except BaseException as exc:
-                # Every worker that received data must hear the outcome: one still waiting for chunks fails when
-                # its data plane closes (and rolls back itself, ending vLLM's session); one that loaded everything
-                # waits for the decision, and the abort sends it.
-                for r in self.mine:
-                    if r.failure is None:
-                        self._settle_transfer(r)
-                error = load_error(exc)
-                if error is exc:
-                    raise
-                raise error from exc
-            finally:
-                self.sink._source.current = None
+            if not staging:
+                for r in self._live():
+                    self._on(r, lambda r=r: self._pause(r))
+            self._send(source, staging)
+            if staging:
+                for r in self._live():
+                    r.state.session = True  # open, holding the staged payload: a failure must end it
+                for r in self._live():
+                    self._on(r, lambda r=r: self._staged(r, "await_staged"))
+                fault_point("staged")
+        if staging:
+            # Every rank learns that every server holds its payload before any server pauses.
+            if not tx.vote("before pausing", known=decision.source.ended_early):
+                return
+            self._phase()
+            with tx.attempt():
+                for r in self._live():
+                    self._on(r, lambda r=r: self._pause(r))
+                for r in self._live():
+                    self._on(r, lambda r=r: self._staged(r, "load_staged"))
+        with tx.attempt() as go:
+            if not go:
+                return
             for r in self._live():
                 r.state.loaded = r.state.session = True  # the workers hold it open, waiting for the decision
             self._phase()
@@ -161,6 +168,58 @@ class ServerRoute(ServerChecks, ForwardOnly):
                 for r in self._live():
                     self._on(r, lambda r=r: self._load_adapter(r, adapter["path"]))
             fault_point("reload-check")
+
+    def _stages(self, decision: Decision) -> bool:
+        """Whether this sync's servers receive its payload before they are paused: a sync that carries changed
+        elements (a payload of the changed values, not of the model) into servers it pauses. The same on every rank
+        (the decision and the sink's options are)."""
+        changes = decision.changes
+        return changes is not None and bool(changes.elements) and self.sink.pause is not None
+
+    def _send(self, source: Any, staging: bool) -> None:
+        """One pass of ``source`` to every live server this rank feeds (every rank iterates it: its gathers are
+        collectives); ``staging``: the workers receive and hold it, loading nothing."""
+        try:
+            from ..transfer.sender import send_to_engines
+
+            sending = self._live()
+            for r in sending:
+                r.engine.stage = staging
+            # send_to_engines names a failed engine by its position in the list it was given.
+            on_failure = (
+                (lambda i, e: self._drop_in_transfer(sending[i].index, e))
+                if self.sink.on_replica_failure == "exclude"
+                else None
+            )
+            send_to_engines([r.engine for r in sending], source, on_failure=on_failure)
+        except BaseException as exc:
+            # Every worker that received data must hear the outcome: one still waiting for chunks fails when
+            # its data plane closes (and rolls back itself, ending vLLM's session); one that loaded everything
+            # waits for the decision, and the abort sends it.
+            for r in self.mine:
+                if r.failure is None:
+                    self._settle_transfer(r)
+            error = load_error(exc)
+            if error is exc:
+                raise
+            raise error from exc
+        finally:
+            self.sink._source.current = None
+
+    def _staged(self, replica: Replica, step: str) -> None:
+        """One server's step of a staged update (``await_staged`` or ``load_staged`` of its transfer engine). A
+        failure there ends vLLM's session in the workers (which roll back what they loaded): noted as the update's
+        answer, for :meth:`_settle_transfer`."""
+        engine = replica.engine
+        answer: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        engine.pending = answer
+        try:
+            getattr(engine, step)()
+        except BaseException as exc:
+            answer.set_exception(exc)
+            error = load_error(TransferError(f"the server failed the staged update ({step}): {exc}"))
+            raise error from exc
+        answer.set_result(None)
 
     def _arm(self, decision: Decision) -> Any:
         """Tell each live server's engine what this sync asks of its workers; returns what is sent."""
@@ -306,6 +365,8 @@ class ServerRoute(ServerChecks, ForwardOnly):
             stages["replicas"] = {r.url: dict(r.engine.last_stages or {}) for r in fed}
         if self.decision_s is not None:
             stages["decision"] = dict(self.decision_s)
+        if self.paused_s is not None:
+            stages["paused_s"] = self.paused_s
         return stages
 
     # -- per server (on the rank that feeds it) ----------------------------------------------------------------------
@@ -375,6 +436,8 @@ class ServerRoute(ServerChecks, ForwardOnly):
 
     def _pause(self, replica: Replica) -> None:
         if self.sink.pause is not None:
+            if self._paused_at is None:
+                self._paused_at = time.perf_counter()
             replica.state.paused = True  # sent: a pause that timed out may still land, and must be resumed
             replica.client.pause(self.sink.pause)
 
@@ -481,6 +544,8 @@ class ServerRoute(ServerChecks, ForwardOnly):
             for f in failures:
                 error.add_note(f"lora_stream: {f}")
         self.resume_failures = failures
+        if self._paused_at is not None:
+            self.paused_s = time.perf_counter() - self._paused_at
 
     def _agree_on_fleet(self, tx: Transaction) -> tuple[dict[str, str], tuple[str, ...]]:
         """Under ``"exclude"``: every rank learns which servers were excluded (and readmitted) on any rank; if none

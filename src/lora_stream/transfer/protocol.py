@@ -76,7 +76,8 @@ class TransferUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
     rollback: bool = False
     #: The trainer's decision on the update this session loaded: ``"commit"`` or ``"rollback"``; or ``"verify"``:
     #: run the probe ``probe_ids`` through the loaded weights and leave the result in the trainer's store
-    #: (:data:`VERIFY_KEY`). No tensors travel.
+    #: (:data:`VERIFY_KEY`); or ``"staged"``: wait for the ``stage`` update's receive (see ``stage``). No tensors
+    #: travel.
     command: str | None = None
     #: With tensors: run this probe through the weights served *before* loading them, for the verification's
     #: "it changed" check; with ``command="verify"``: the probe to run after.
@@ -98,6 +99,14 @@ class TransferUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
     #: A sink built with ``elements=True`` (:class:`~lora_stream.engine.elements.ElementShadow`): which tensors the
     #: workers keep a copy of, and which travel as changed elements (their shapes, dtypes and segments).
     elements: dict[str, Any] | None = None
+    #: Receive the tensors and hold them, loading nothing: the workers receive on a thread of their own and answer
+    #: at once, so that the engine keeps generating while the payload arrives and is decoded and checked (an element
+    #: sync into a paused server: only the write waits for the pause). ``command="staged"`` then waits for that
+    #: receive and raises what failed in it; a later update with ``staged=True`` and the same tensors loads them.
+    stage: bool = False
+    #: Load the tensors the latest ``stage`` update of this session received, instead of receiving any: its names,
+    #: dtypes, shapes and chunks must be this update's.
+    staged: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.names)

@@ -141,6 +141,11 @@ class TrainerTransferEngine(TrainerWeightTransferEngine[TrainerTransferInitInfo]
     digest_received: bool = False
     #: A partial sync: the sync whose committed weights this server's workers must hold (set by the sink per sync).
     base_sync: str | None = None
+    #: The pass only stages the update (``TransferUpdateInfo.stage``): the workers receive it on a thread and load
+    #: nothing; the sink loads it later with :meth:`load_staged` (set by the sink per sync).
+    stage: bool = False
+    #: The update message of the latest pass (what :meth:`load_staged` sends again, to load what it staged).
+    last_update: dict[str, Any] | None = None
     #: What the workers reported after the latest update: the checkpoint names their modules read together
     #: (``LoadReport.units``, merged over the workers; ``None``: unknown).
     last_units: list[list[str]] | None = None
@@ -232,7 +237,23 @@ class TrainerTransferEngine(TrainerWeightTransferEngine[TrainerTransferInitInfo]
             "base": self.base_sync,
             "merge": getattr(source, "merge_info", None),
             "elements": getattr(source, "element_info", None),
+            "stage": self.stage,
         }
+
+    def await_staged(self) -> None:
+        """Sender only, after a pass with :attr:`stage` set: wait until the workers received the whole update and
+        decoded and checked its element payloads (``command="staged"``); raises what failed there. Generation goes
+        on meanwhile: nothing is loaded."""
+        if self.is_sender:
+            self.client.update_weights({"command": "staged"})
+
+    def load_staged(self) -> None:
+        """Sender only, after :meth:`await_staged`: load what the workers staged, as the pass's update would have
+        (the same message, ``staged=True``: no byte travels again); answers once loaded and checked."""
+        if not self.is_sender or self.last_update is None:
+            return
+        self.client.update_weights({**self.last_update, "stage": False, "staged": True})
+        self.last_stages = {**self.last_stages, "worker": self._worker_timing()}
 
     def conclude(self, commit: bool, version: str | None, sync: str | None = None) -> None:
         """Sender only, after ``send_weights`` with ``deferred`` set: tell the workers the trainer's decision on the
@@ -360,7 +381,7 @@ def send_to_engines(
             try:
                 engine.client.start_weight_update()
                 engine.started = True
-                update = engine.update_info(meta, groups, plan)
+                update = engine.last_update = engine.update_info(meta, groups, plan)
                 engine.pending = pool.submit(engine.client.update_weights, update)
                 targets.append(_Target(i, engine, engine.pending))
             except Exception as exc:
@@ -466,4 +487,5 @@ def send_to_engines(
                 failed(target, exc)
                 continue
             stages["http_s"] += clock() - t
-        engine.last_stages = {**stages, "worker": engine._worker_timing()}
+        # A staged pass loaded nothing: the workers report once they load it (load_staged).
+        engine.last_stages = {**stages, "worker": {} if engine.stage else engine._worker_timing()}
