@@ -273,6 +273,7 @@ def _receiver(llm: Any) -> Any:
     worker._merge = None
     worker._committed = None
     worker._pending = None
+    worker._staged = None  # nothing received ahead of a pause
     return worker
 
 
