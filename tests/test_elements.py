@@ -418,3 +418,65 @@ def test_a_cast_between_the_dtypes_sent_and_served_is_named_and_only_then() -> N
     narrower = cast_note(decision(torch.bfloat16, elements=True), torch.float32)
     assert narrower == "sent bfloat16 into an engine that serves float32: it serves the values sent, widened exactly"
     assert cast_note(decision(torch.float32), None) is None  # the served dtype unknown: nothing said
+
+
+# ---- a server's element sync, received ahead of its pause (engine/receiver.py, sinks/server_staging.py) ----------
+def test_a_staged_update_is_loaded_only_by_the_pass_that_staged_it_and_once() -> None:
+    """The update that loads what the workers staged must carry the staging pass's id and name the same tensors;
+    anything else is refused before a byte is written, and the staged tensors are taken once."""
+    import dataclasses
+
+    from lora_stream.engine.receiver import WorkerTransferEngine, _Staged, _staging_key
+    from lora_stream.transfer.protocol import TransferUpdateInfo
+
+    staging = TransferUpdateInfo(["w"], ["float32"], [[4]], [1], [1], stage=True, stage_id="a1")
+    worker = object.__new__(WorkerTransferEngine)
+    worker._timeout_s = 1.0
+    cases = {
+        "the same pass": (dataclasses.replace(staging, stage=False, staged=True), True),
+        "another pass's id": (dataclasses.replace(staging, stage=False, staged=True, stage_id="b2"), False),
+        "other shapes": (dataclasses.replace(staging, stage=False, staged=True, shapes=[[5]]), False),
+    }
+    for case, (loading, ok) in cases.items():
+        worker._staged = _Staged(_staging_key(staging))
+        if ok:
+            assert worker._take_staged(loading).key == _staging_key(staging), case
+        else:
+            with pytest.raises(ValueError, match="other tensors than the ones staged"):
+                worker._take_staged(loading)
+        assert worker._staged is None, case  # taken once, whatever the outcome
+    with pytest.raises(RuntimeError, match="no update was staged"):
+        worker._take_staged(cases["the same pass"][0])
+
+
+def test_the_trainer_never_loads_or_awaits_an_update_it_did_not_stage() -> None:
+    """``load_staged`` after a pass that loaded as it sent would load nothing, and the sink would commit a server
+    that holds the old weights under the new version: refused, as is waiting for it."""
+    from lora_stream.transfer.sender import TrainerTransferEngine
+
+    engine = object.__new__(TrainerTransferEngine)
+    engine.is_sender = True
+    for last in (None, {"names": ["w"], "stage": False, "stage_id": ""}):
+        engine.last_update = last
+        with pytest.raises(RuntimeError, match="no staged update"):
+            engine.load_staged()
+        with pytest.raises(RuntimeError, match="no staged update"):
+            engine.await_staged(1.0)
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+@pytest.mark.parametrize("pause", ["wait", None])
+def test_an_element_sync_is_staged_only_over_gloo_into_servers_it_pauses(backend: str, pause: str | None) -> None:
+    """Over NCCL the workers would receive on a second thread beside the model's own collectives (which can
+    deadlock): the pause covers the transfer. A sink that does not pause has nothing to shorten. A sync with no
+    changed elements carries the model: it pauses first."""
+    from types import SimpleNamespace
+
+    from lora_stream.sinks.server_staging import StagedTransfer
+
+    route = object.__new__(StagedTransfer)
+    route.sink = SimpleNamespace(backend=backend, pause=pause)  # type: ignore[assignment]
+    for elements in ({"w": object()}, {}):
+        decision: Any = SimpleNamespace(changes=SimpleNamespace(elements=elements))
+        assert route._stages(decision) == (backend == "gloo" and pause is not None and bool(elements))
+    assert route._stages(SimpleNamespace(changes=None)) is False  # type: ignore[arg-type]

@@ -378,13 +378,18 @@ def test_the_engine_side_merge_on_a_tensor_parallel_server(checkpoint: str, tmp_
 
 
 def test_element_syncs_keep_a_fleet_serving_exactly_a_full_sync(fleet: list[Server], checkpoint: str) -> None:
-    """Two servers fed by two FSDP2 ranks (one each): every server gets every rank's changed elements."""
+    """Two servers fed by two FSDP2 ranks (one each): every server gets every rank's changed elements. Then both fed
+    by rank 0 (``spread=False``): its two servers receive the payload, and load it, at once."""
     from test_vllm_server import _element_checks
 
     a, b = fleet
     results = launch("element_sync", "fsdp2", checkpoint, f"{a.url},{b.url}", timeout=600)
     assert_all_ok(results)
-    _element_checks(results, faults=False)
+    events = _element_checks(results, faults=False)
+    one = {(e["rank"], e["label"]): e for e in events["sync"]}
+    for rank in (0, 1):
+        assert one[rank, "one-v2"]["full_because"] is None and one[rank, "one-v2"]["elements"]["tensors"] > 0
+    assert {e["label"]: e["equal"] for e in events["equal"]}.get("one-v2") is True
 
 
 # -- after every server recorded the decision, only forward -----------------------------------------------------------

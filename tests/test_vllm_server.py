@@ -532,8 +532,10 @@ def _element_checks(results, *, faults: bool) -> dict[str, list[dict]]:  # type:
             assert e["equal"] is True, f"the servers' outputs changed after a failed element sync at {e['point']}"
             assert e["version"].endswith("-elements"), e
             assert e["seconds"] < 60, e
-            # A failure before the servers are paused pauses nothing; one after it did pause them.
-            assert (e["pauses"] == 0) == (e["point"] in ("prepare", "group:0", "staged")), e
+            # A failure before the servers are paused pauses nothing, and leaves their prefix caches (nothing they
+            # were computed with changed); one after it did pause them, and reset them.
+            early = e["point"] in ("prepare", "group:0", "staged")
+            assert (e["pauses"] == 0) == early and (e["resets"] == 0) == early, e
         # The payload reached the server and was decoded and checked while it kept generating (not paused, its
         # update session open), serving what it served.
         staged = next(e for e in events["fault"] if e["point"] == "staged")

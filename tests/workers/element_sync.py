@@ -9,9 +9,10 @@ Usage: element_sync.py GATHERER CHECKPOINT URLS [faults]
 Reports {"event": "sync", "label", "tensors", "gathered", "full_because", "elements", "kept", ...} per sync,
 {"event": "equal", "label", "equal"} where what an element sync serves is compared (==, greedy tokens and logprobs)
 with what a full sync of the same weights serves on every server, and with ``faults`` {"event": "fault", "point",
-"equal", "version", "error", "pauses", "during"} for a failure on rank 1 only at every fault point of an element sync
-("staged" included: the servers received the payload and are not paused yet; ``during``: what the first server
-said and served at that point; ``pauses``: the /pause requests the failed sync sent).
+"equal", "version", "error", "pauses", "resets", "during"} for a failure on rank 1 only at every fault point of an
+element sync ("staged" included: the servers received the payload and are not paused yet; ``during``: what the first
+server said and served at that point; ``pauses`` and ``resets``: the /pause and /reset_prefix_cache requests the
+failed sync sent).
 """
 
 from __future__ import annotations
@@ -101,18 +102,32 @@ def main() -> None:
     sync("v5")
     step()  # AdamW moves every float32 element: elements would cost more than the tensors
     sync("v6")
+    if len(urls) > 1:
+        # A fleet fed by rank 0 alone: its servers receive the payload, and then load it, at once.
+        one = VLLMServerSink(urls, rank=rank, timeout=30, elements=True, spread=False)
+        sync("one-v1", one)
+        edit(model, 6, (0, 1))
+        sync("one-v2", one)
+        same_as_full("one-v2")
     if faults:
         from lora_stream.sinks.server_client import VLLMServerClient
 
-        # Every /pause this process sends: a failure before the servers are paused must send none.
+        # Every /pause and /reset_prefix_cache this process sends: a failure before the servers are paused must send
+        # neither (nothing their prefix caches were computed with changed).
         pauses: list[str] = []
-        pause = VLLMServerClient.pause
+        resets: list[str] = []
+        pause, reset = VLLMServerClient.pause, VLLMServerClient.reset_prefix_cache
 
         def counted(self: VLLMServerClient, mode: str) -> None:
             pauses.append(self.url)
             pause(self, mode)
 
+        def counted_reset(self: VLLMServerClient) -> bool:
+            resets.append(self.url)
+            return reset(self)
+
         VLLMServerClient.pause = counted  # type: ignore[method-assign]
+        VLLMServerClient.reset_prefix_cache = counted_reset  # type: ignore[method-assign]
         points = [p for p in FAULT_POINTS if p not in ("group:<k>", "verify")] + ["group:0", "decision-recorded"]
         for point in [*points, "staged"]:
             sync(f"{point}-base")  # after a failed sync: everything
@@ -136,7 +151,7 @@ def main() -> None:
                 failing(p)
 
             set_fault_hook(hook)
-            paused_before = len(pauses)
+            paused_before, reset_before = len(pauses), len(resets)
             t = time.monotonic()
             try:
                 sync(f"{point}-fails")
@@ -158,6 +173,7 @@ def main() -> None:
                     version=version,
                     seconds=time.monotonic() - t,
                     pauses=len(pauses) - paused_before,
+                    resets=len(resets) - reset_before,
                     during=during,
                 )
         sync("after-faults")

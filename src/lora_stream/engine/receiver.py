@@ -23,7 +23,7 @@ from vllm.distributed.weight_transfer.base import (  # type: ignore[import-not-f
 
 from ..transfer.group import TransferGroup
 from ..transfer.packing import plan_chunks, unpack
-from ..transfer.protocol import TIMING_KEY, VERIFY_KEY, TransferInitInfo, TransferUpdateInfo, replica_digest
+from ..transfer.protocol import STAGED_KEY, TIMING_KEY, VERIFY_KEY, TransferInitInfo, TransferUpdateInfo, replica_digest
 from .adapter_staging import StagedAdapter, prune, stage
 from .reload import ReloadBracket, VLLMLoadError
 
@@ -38,7 +38,7 @@ class _Staged:
     them: their chunks, the element payloads among them decoded and checked, or what failed. Only that thread writes
     it, until it ends; the worker reads it after joining the thread."""
 
-    #: The update's names, dtypes, shapes and chunk sizes: the loading update must name the same.
+    #: The update's stage id, names, dtypes, shapes and chunk sizes: the loading update must name the same.
     key: tuple[Any, ...]
     buffers: list[torch.Tensor] = field(default_factory=list)
     decoded: dict[str, Any] = field(default_factory=dict)
@@ -48,7 +48,13 @@ class _Staged:
 
 
 def _staging_key(info: TransferUpdateInfo) -> tuple[Any, ...]:
-    return (list(info.names), list(info.dtype_names), [list(x) for x in info.shapes], list(info.chunk_sizes))
+    return (
+        info.stage_id,
+        list(info.names),
+        list(info.dtype_names),
+        [list(x) for x in info.shapes],
+        list(info.chunk_sizes),
+    )
 
 
 class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdateInfo]):  # type: ignore[misc]
@@ -194,7 +200,13 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
             self._verify(update_info.probe_ids or [])
             return
         if update_info.command == "staged":
-            self._await_staged()
+            try:
+                self._await_staged()
+            except BaseException:
+                # vLLM ends the session on this raise, without finish_weight_update: nothing is kept for it.
+                self._drop_staged()
+                self.shutdown()
+                raise
             return
         if update_info.command is not None:
             self._decide(update_info.command, update_info.sync, update_info.version)
@@ -211,12 +223,14 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
         if update_info.stage:
             self._stage(update_info, plan, dtypes)
             return
-        staged = self._take_staged(update_info) if update_info.staged else None
+        staged: _Staged | None = None
         adapter = update_info.adapter
         received: dict[str, torch.Tensor] = {}
         clock = time.perf_counter
         timing = {"recv_wait_s": 0.0, "unpack_s": 0.0, "load_s": 0.0, "finish_s": 0.0}
         try:
+            if update_info.staged:
+                staged = self._take_staged(update_info)
             if adapter is not None and getattr(self.model, "lora_manager", None) is None:
                 raise RuntimeError(
                     "lora_stream: adapter sync into a vLLM server started without LoRA support; start it with "
@@ -400,6 +414,7 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
         staged = _Staged(_staging_key(info))
         payloads = dict((info.elements or {}).get("payloads") or {})
         group = self.group
+        done = STAGED_KEY.format(stage_id=info.stage_id, rank=self._rank)
         clock = time.perf_counter
 
         def receive() -> None:
@@ -422,13 +437,18 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
                 staged.seconds["staged_decode_s"] = clock() - t
             except BaseException as exc:  # raised to the trainer by the "staged" command, or the loading update
                 staged.error = exc
+            try:
+                group.store.set(done, "failed" if staged.error is not None else "ok")
+            except Exception:  # the group closed (the sync ended): nobody waits for this any more
+                pass
 
         staged.thread = threading.Thread(target=receive, name="lora_stream-stage", daemon=True)
         self._staged = staged
         staged.thread.start()
 
     def _await_staged(self) -> _Staged:
-        """Wait for the staged receive to end (at most the data plane's timeout); raise what failed in it."""
+        """The staged receive, once it ended (the trainer asks after every worker said so in its store: this waits
+        only for the thread to exit; at most the data plane's timeout); raise what failed in it."""
         staged = self._staged
         if staged is None:
             raise RuntimeError("lora_stream: no update was staged in this session (nothing to wait for)")

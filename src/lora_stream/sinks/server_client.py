@@ -25,9 +25,12 @@ class ServerError(LoraStreamError):
     """The vLLM server is unreachable, refused the request (status and body included), or needs an API key.
 
     ``unresponsive`` is set when the server did not answer within the timeout, or could not be reached: the sink
-    then calls it no more in that sync, and leaves it to its lease (:mod:`lora_stream.engine.lease`)."""
+    then calls it no more in that sync, and leaves it to its lease (:mod:`lora_stream.engine.lease`). ``answered``
+    is set when the server handled the call and refused it: a weight-update call's workers then ended vLLM's update
+    session (vLLM ends it when they raise)."""
 
     unresponsive: bool = False
+    answered: bool = False
 
 
 class LeaseExpiredError(ServerError):
@@ -156,14 +159,18 @@ class VLLMServerClient:
                 if budgeted:
                     self.spend(wait_s)
                 return self._request(method, path, json, timeout, budgeted=budgeted, headers=headers, _waited=True)
-            raise ServerError(f"vLLM server at {self.url} on {method} /{path}: {self._redact(response.text[:300])}")
+            error = ServerError(f"vLLM server at {self.url} on {method} /{path}: {self._redact(response.text[:300])}")
+            error.answered = True  # another sync holds it: nothing of this sync's is open there
+            raise error
         if response.status_code == 401:
             raise ServerError(f"vLLM server at {self.url} requires an API key (401 on /{path}); pass api_key=")
         if response.status_code >= 400:
-            raise ServerError(
+            error = ServerError(
                 f"vLLM server at {self.url} answered {response.status_code} on {method} /{path}: "
                 f"{self._redact(response.text[:500])}"
             )
+            error.answered = True  # the server handled the call and refused it (a worker raised, say)
+            raise error
         if not response.content:
             return None
         try:

@@ -170,6 +170,9 @@ class ServerUpdate:
         self.adapter_loaded = False
         self.adapter_path: str | None = None
         self.loaded = False  # every chunk reached the workers, which loaded and checked it
+        #: The workers may have written weights (a transfer loads each chunk as it arrives; a staged update once
+        #: loaded): undoing it resets the prefix cache. A staged update never loaded leaves the cache valid.
+        self.written = False
         self.committed = False
         #: Every server of the sync recorded the decision to commit: from then on only forward, never rolled back.
         self.decided = False

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..changes import EngineState
 from ..engine.lease_terms import NOTHING_KEPT, committed_version, new_credential, no_session
-from ..errors import ReplicaError, TransferError
+from ..errors import ReplicaError
 from ..lockstep import describe_error
 from ..stream import ParamStream
 from ..transaction import Transaction, fault_point
@@ -37,6 +37,7 @@ from .server_replica import (
     lease_lost,
     load_error,
 )
+from .server_staging import StagedTransfer
 from .server_verify import agree_on_weights, verify_replica
 from .verify import Verification, model_vocab_size, probe_ids, trainer_logprobs
 
@@ -45,7 +46,7 @@ __all__ = ["ServerRoute"]
 logger = logging.getLogger("lora_stream")
 
 
-class ServerRoute(ServerChecks, ForwardOnly):
+class ServerRoute(ServerChecks, ForwardOnly, StagedTransfer):
     """One sync's servers on this trainer rank (those it feeds), implementing :class:`~lora_stream.sinks.route.Route`.
 
     Built at the start of each sync (:meth:`start`: a new lease for each server, one excluded last time tried
@@ -140,12 +141,12 @@ class ServerRoute(ServerChecks, ForwardOnly):
             if not staging:
                 for r in self._live():
                     self._on(r, lambda r=r: self._pause(r))
+                    r.state.written = True  # each chunk is loaded as it arrives
             self._send(source, staging)
             if staging:
                 for r in self._live():
                     r.state.session = True  # open, holding the staged payload: a failure must end it
-                for r in self._live():
-                    self._on(r, lambda r=r: self._staged(r, "await_staged"))
+                self._on_each(lambda r: self._staged(r, "await_staged"))
                 fault_point("staged")
         if staging:
             # Every rank learns that every server holds its payload before any server pauses.
@@ -155,8 +156,7 @@ class ServerRoute(ServerChecks, ForwardOnly):
             with tx.attempt():
                 for r in self._live():
                     self._on(r, lambda r=r: self._pause(r))
-                for r in self._live():
-                    self._on(r, lambda r=r: self._staged(r, "load_staged"))
+                self._on_each(lambda r: self._staged(r, "load_staged"))
         with tx.attempt() as go:
             if not go:
                 return
@@ -168,13 +168,6 @@ class ServerRoute(ServerChecks, ForwardOnly):
                 for r in self._live():
                     self._on(r, lambda r=r: self._load_adapter(r, adapter["path"]))
             fault_point("reload-check")
-
-    def _stages(self, decision: Decision) -> bool:
-        """Whether this sync's servers receive its payload before they are paused: a sync that carries changed
-        elements (a payload of the changed values, not of the model) into servers it pauses. The same on every rank
-        (the decision and the sink's options are)."""
-        changes = decision.changes
-        return changes is not None and bool(changes.elements) and self.sink.pause is not None
 
     def _send(self, source: Any, staging: bool) -> None:
         """One pass of ``source`` to every live server this rank feeds (every rank iterates it: its gathers are
@@ -191,7 +184,11 @@ class ServerRoute(ServerChecks, ForwardOnly):
                 if self.sink.on_replica_failure == "exclude"
                 else None
             )
-            send_to_engines([r.engine for r in sending], source, on_failure=on_failure)
+            try:
+                send_to_engines([r.engine for r in sending], source, on_failure=on_failure)
+            finally:
+                for r in sending:
+                    r.engine.stage = False  # this pass only: the engine's other callers send what they load
         except BaseException as exc:
             # Every worker that received data must hear the outcome: one still waiting for chunks fails when
             # its data plane closes (and rolls back itself, ending vLLM's session); one that loaded everything
@@ -205,21 +202,6 @@ class ServerRoute(ServerChecks, ForwardOnly):
             raise error from exc
         finally:
             self.sink._source.current = None
-
-    def _staged(self, replica: Replica, step: str) -> None:
-        """One server's step of a staged update (``await_staged`` or ``load_staged`` of its transfer engine). A
-        failure there ends vLLM's session in the workers (which roll back what they loaded): noted as the update's
-        answer, for :meth:`_settle_transfer`."""
-        engine = replica.engine
-        answer: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        engine.pending = answer
-        try:
-            getattr(engine, step)()
-        except BaseException as exc:
-            answer.set_exception(exc)
-            error = load_error(TransferError(f"the server failed the staged update ({step}): {exc}"))
-            raise error from exc
-        answer.set_result(None)
 
     def _arm(self, decision: Decision) -> Any:
         """Tell each live server's engine what this sync asks of its workers; returns what is sent."""
@@ -512,7 +494,8 @@ class ServerRoute(ServerChecks, ForwardOnly):
                         f"lora_stream: rollback=False: layers of {replica.url} that received their weights serve the "
                         "new ones"
                     )
-                self._reset_prefix_cache(replica)
+                if state.written:  # a staged update never loaded changed nothing its cache was computed with
+                    self._reset_prefix_cache(replica)
             except LeaseExpiredError:
                 state.session = state.paused = False  # its lease already rolled it back and resumed it
         finally:

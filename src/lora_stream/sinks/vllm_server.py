@@ -377,7 +377,9 @@ class VLLMServerSink:
         world = _world_size()
         fed = -(-len(self.replicas) // world) if self.spread else len(self.replicas)
         wind_down = fed * (2 * self.timeout + self.prefix_cache_timeout)  # each server's abort and resume budgets
-        return self.wait_s(stream) + wind_down + 4 * LOST_WAIT_S + COMPLETION_GRACE_S + _MARGIN_S
+        # An element sync into paused servers agrees once more, that every server holds its payload, before pausing.
+        agreements = 5 if self.elements and self.pause is not None else 4
+        return self.wait_s(stream) + wind_down + agreements * LOST_WAIT_S + COMPLETION_GRACE_S + _MARGIN_S
 
     def _record(
         self, decision: Decision, route: ServerRoute, seconds: float, verification: Verification | None

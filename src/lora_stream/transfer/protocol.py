@@ -38,6 +38,10 @@ TRANSPORTS = ("gloo", "nccl")
 TIMING_KEY = "lora_stream_worker_timing_{rank}"
 #: Where each server worker leaves its verification (probe log-probabilities, weight digest) of the latest update.
 VERIFY_KEY = "lora_stream_worker_verify_{rank}"
+#: Where each server worker says that its receive of a staged update (``TransferUpdateInfo.stage``) ended: ``ok``, or
+#: ``failed`` (the reason comes with ``command="staged"``). The trainer waits here, not in a call: a call would hold
+#: vLLM's engine loop, and generation with it, until the receive ended.
+STAGED_KEY = "lora_stream_worker_staged_{stage_id}_{rank}"
 
 
 @dataclass
@@ -76,8 +80,8 @@ class TransferUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
     rollback: bool = False
     #: The trainer's decision on the update this session loaded: ``"commit"`` or ``"rollback"``; or ``"verify"``:
     #: run the probe ``probe_ids`` through the loaded weights and leave the result in the trainer's store
-    #: (:data:`VERIFY_KEY`); or ``"staged"``: wait for the ``stage`` update's receive (see ``stage``). No tensors
-    #: travel.
+    #: (:data:`VERIFY_KEY`); or ``"staged"``: raise what failed in the ``stage`` update's receive, which ended (see
+    #: ``stage``). No tensors travel.
     command: str | None = None
     #: With tensors: run this probe through the weights served *before* loading them, for the verification's
     #: "it changed" check; with ``command="verify"``: the probe to run after.
@@ -101,11 +105,15 @@ class TransferUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
     elements: dict[str, Any] | None = None
     #: Receive the tensors and hold them, loading nothing: the workers receive on a thread of their own and answer
     #: at once, so that the engine keeps generating while the payload arrives and is decoded and checked (an element
-    #: sync into a paused server: only the write waits for the pause). ``command="staged"`` then waits for that
-    #: receive and raises what failed in it; a later update with ``staged=True`` and the same tensors loads them.
+    #: sync into a paused server: only the write waits for the pause). Each worker says in the trainer's store when
+    #: its receive ended (:data:`STAGED_KEY`); ``command="staged"`` then answers at once with what failed in it; a
+    #: later update with ``staged=True`` and the same tensors loads them.
     stage: bool = False
-    #: Load the tensors the latest ``stage`` update of this session received, instead of receiving any: its names,
-    #: dtypes, shapes and chunks must be this update's.
+    #: A name the trainer draws for each staged pass (not a credential: it authorizes nothing): where the workers
+    #: say their receive ended (:data:`STAGED_KEY`), and what the update that loads it must carry too.
+    stage_id: str = ""
+    #: Load the tensors the latest ``stage`` update of this session received, instead of receiving any: its
+    #: ``stage_id``, names, dtypes, shapes and chunks must be this update's.
     staged: bool = False
 
     def __post_init__(self) -> None:

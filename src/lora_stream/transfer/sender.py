@@ -34,7 +34,7 @@ from ..errors import TransferError
 from ..units import merge_units
 from .group import TransferGroup
 from .packing import ChunkPlan, plan_chunks
-from .protocol import TIMING_KEY, VERIFY_KEY
+from .protocol import STAGED_KEY, TIMING_KEY, VERIFY_KEY
 
 #: Seconds to wait for the workers' reports (timing, verification) to reach the store once the server answered.
 REPORT_WAIT_S = 5.0
@@ -238,22 +238,54 @@ class TrainerTransferEngine(TrainerWeightTransferEngine[TrainerTransferInitInfo]
             "merge": getattr(source, "merge_info", None),
             "elements": getattr(source, "element_info", None),
             "stage": self.stage,
+            # Where the workers say their receive ended, and what the update that loads it must name: new per pass.
+            "stage_id": secrets.token_hex(8) if self.stage else "",
         }
 
-    def await_staged(self) -> None:
-        """Sender only, after a pass with :attr:`stage` set: wait until the workers received the whole update and
-        decoded and checked its element payloads (``command="staged"``); raises what failed there. Generation goes
-        on meanwhile: nothing is loaded."""
-        if self.is_sender:
-            self.client.update_weights({"command": "staged"})
+    def await_staged(self, wait_s: float) -> None:
+        """Sender only, after a pass with :attr:`stage` set: wait, at most ``wait_s`` seconds, until every worker
+        said in this group's store that its receive ended (the whole update received, its element payloads decoded
+        and checked), then ask what failed there (``command="staged"``, which answers at once). Generation goes on
+        meanwhile: nothing is loaded, and no call holds vLLM's engine loop while the workers receive.
+
+        Raises :class:`TimeoutError` if a worker did not say so in time (its server's update session stays open,
+        for the sink's abort to end), or the server's error answer (the workers ended the session)."""
+        import datetime
+
+        if not self.is_sender:
+            return
+        update = self._staged_update()
+        store = self.group.store
+        names = [
+            STAGED_KEY.format(stage_id=update["stage_id"], rank=rank) for rank in range(1, self.init_info.world_size)
+        ]
+        try:
+            store.wait(names, datetime.timedelta(seconds=max(wait_s, 0.001)))
+        except Exception as exc:
+            raise TimeoutError(f"the server's workers did not receive the staged update within {wait_s:.3g} s") from exc
+        for name in names:
+            try:
+                store.delete_key(name)
+            except Exception:  # a key left behind is never read again: the next pass draws another id
+                pass
+        self.client.update_weights({"command": "staged"})
 
     def load_staged(self) -> None:
         """Sender only, after :meth:`await_staged`: load what the workers staged, as the pass's update would have
         (the same message, ``staged=True``: no byte travels again); answers once loaded and checked."""
-        if not self.is_sender or self.last_update is None:
+        if not self.is_sender:
             return
-        self.client.update_weights({**self.last_update, "stage": False, "staged": True})
+        update, self.last_update = self._staged_update(), None  # loaded once
+        self.client.update_weights({**update, "stage": False, "staged": True})
         self.last_stages = {**self.last_stages, "worker": self._worker_timing()}
+
+    def _staged_update(self) -> dict[str, Any]:
+        """The latest pass's update, which must have been staged: anything else would load nothing and let the
+        sink commit a server that holds the old weights under the new version."""
+        update = self.last_update
+        if update is None or not update.get("stage"):
+            raise RuntimeError("lora_stream: no staged update to wait for or load on this engine (a sink bug)")
+        return update
 
     def conclude(self, commit: bool, version: str | None, sync: str | None = None) -> None:
         """Sender only, after ``send_weights`` with ``deferred`` set: tell the workers the trainer's decision on the
