@@ -71,18 +71,20 @@ def test_the_soak_with_elements_on_ends_every_round_on_the_last_committed_versio
     """The same promises with element syncs (``elements=True``): a fully fine-tuned ZeRO-3 trainer edits a few
     elements of each rank's partition before each sync, and the servers rebuild every tensor from the copy they
     keep. A rank raising, dying, and stopped past its lease, each interrupting an element sync (the last two before
-    the servers are paused, their payload received); after each, a plain
+    the servers are paused, their payload received), and a server stopped past its lease (within the sink's timeout)
+    while it receives the payload, generating; after each, a plain
     round (full: it follows a failure) and one more (elements), so that every sync after a committed one goes as
     elements (the soak checks it) and the servers serve the trainer's own weights after every commit."""
     for s in servers:
         if not s.healthy():  # the other soak left it down
             s.restart()
-    kinds = ("raise", "die", "stop-rank")
+    kinds = ("raise", "die", "stop-rank", "stall-server")
     # A plain round, then each fault with two plain rounds after it: a raise after the element blobs were sent
     # (group:1); then, at "staged" (every server holds the payload, none is paused yet, each one's update session is
     # open), the feeding rank of a server dying (its lease ends the session by itself, generation never paused) and
-    # a rank stopped past the lease (both raise, the servers heal).
-    faults = [("raise", 1, "group:1"), ("die", 0, "staged"), ("stop-rank", 1, "staged")]
+    # a rank stopped past the lease (both raise, the servers heal); then a server stopped while its workers receive
+    # (the trainer waits for them in its store: the sync commits once it runs again, or fails and heals).
+    faults = [("raise", 1, "group:1"), ("die", 0, "staged"), ("stop-rank", 1, "staged"), ("stall-server", 0, "group:1")]
     plan = [{"fault": "none", "rank": 0, "point": "commit", "server": 0}]
     for kind, rank, point in faults:
         plan.append({"fault": kind, "rank": rank, "point": point, "server": rank})
