@@ -480,3 +480,39 @@ def test_an_element_sync_is_staged_only_over_gloo_into_servers_it_pauses(backend
         decision: Any = SimpleNamespace(changes=SimpleNamespace(elements=elements))
         assert route._stages(decision) == (backend == "gloo" and pause is not None and bool(elements))
     assert route._stages(SimpleNamespace(changes=None)) is False  # type: ignore[arg-type]
+
+
+def test_a_staged_step_says_whether_the_servers_update_session_is_still_open() -> None:
+    """What the abort sends after a failed staged step depends on it: an error the server answered (its workers
+    raised) ended vLLM's session there; a wait that ran out, or a call never made, left it open, and the abort must
+    roll it back and end it, or the server stays held until its lease ends."""
+    import concurrent.futures
+    from types import SimpleNamespace
+
+    from lora_stream.errors import TransferError
+    from lora_stream.sinks.server_client import LeaseExpiredError, ServerError
+    from lora_stream.sinks.server_staging import StagedTransfer
+
+    answered = ServerError("vLLM server at http://h:1 answered 500 on POST /update_weights: staged update failed")
+    answered.answered = True
+    cases: dict[str, tuple[BaseException, bool, type[BaseException]]] = {
+        "the workers did not say so in time": (TimeoutError("not within 3 s"), True, TransferError),
+        "no time left to ask": (ServerError("no time left for POST /update_weights"), True, TransferError),
+        "the workers raised": (answered, False, TransferError),
+        "its lease healed it": (LeaseExpiredError("expired"), False, LeaseExpiredError),
+    }
+    route = object.__new__(StagedTransfer)
+    for case, (raised, still_open, surfaced) in cases.items():
+
+        def fail(*_: Any, raised: BaseException = raised) -> None:
+            raise raised
+
+        engine = SimpleNamespace(await_staged=fail, load_staged=fail, pending=None)
+        client = SimpleNamespace(remaining=lambda: 3.0, spend=lambda s: None)
+        replica: Any = SimpleNamespace(engine=engine, client=client, state=SimpleNamespace(written=False))
+        for step in ("await_staged", "load_staged"):
+            with pytest.raises(surfaced):
+                route._staged(replica, step)
+            pending: concurrent.futures.Future[Any] = engine.pending
+            assert pending.done() and (pending.exception() is None) == still_open, (case, step)
+        assert replica.state.written is True  # the load was asked for: the workers may have written
