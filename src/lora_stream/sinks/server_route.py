@@ -184,11 +184,14 @@ class ServerRoute(ServerChecks, ForwardOnly, StagedTransfer):
                 if self.sink.on_replica_failure == "exclude"
                 else None
             )
+            engines = [r.engine for r in sending]
             try:
-                send_to_engines([r.engine for r in sending], source, on_failure=on_failure)
+                send_to_engines(engines, source, on_failure=on_failure)
             finally:
-                for r in sending:
-                    r.engine.stage = False  # this pass only: the engine's other callers send what they load
+                # This pass only: the engine's other callers send what they load. (A server excluded mid-pass has
+                # left its replica, which no longer holds the engine.)
+                for engine in engines:
+                    engine.stage = False
         except BaseException as exc:
             # Every worker that received data must hear the outcome: one still waiting for chunks fails when
             # its data plane closes (and rolls back itself, ending vLLM's session); one that loaded everything
