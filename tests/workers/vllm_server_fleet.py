@@ -303,10 +303,11 @@ def decided_once(engine, rank: int, urls: list[str], merge: str, reference) -> N
         b_version=after[url_b][0] if rank == 0 else None,
     )
     error, message = sync("v6")
+    # Reported before the check, so that a failed sync is read beside what the servers serve.
+    report(rank=rank, event="after_restart", error=error, message=message if error else None)
     expected = reference()
     for url in urls:
         assert_vllm_serves(server_generate(url), expected)
-    report(rank=rank, event="after_restart", error=error)
 
 
 if __name__ == "__main__":
