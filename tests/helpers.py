@@ -843,3 +843,39 @@ def failing_at(point: str) -> Iterator[pytest.ExceptionInfo[RuntimeError]]:
             yield raised
     finally:
         set_fault_hook(None)
+
+
+def structured_edits(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Edits a linear (weighted-sum) fingerprint misses: every sign bit lands on bit 63 of some word at the right
+    parity, and two changes of 2**63 cancel; powers of two touch only exponent bits; swaps and permutations keep
+    every value."""
+    out: dict[str, torch.Tensor] = {}
+    rows, cols = w.shape
+    for parity in range(8):  # a column at every position of a 64-bit word, whatever the element size
+        e = w.clone()
+        e[:, parity].neg_()
+        out[f"column {parity} negated"] = e
+    for step in (2, 4, 8):
+        for offset in range(step):
+            e = w.clone()
+            e.view(-1)[offset::step].neg_()
+            out[f"every {step}th element from {offset} negated"] = e
+    for col in range(0, cols, 5):
+        for factor in (2.0, 0.5, 4.0, 2.0**-8) if w.is_floating_point() else (2, -1):
+            e = w.clone()
+            e[:, col] = (e[:, col] * factor).to(w.dtype)
+            out[f"column {col} times {factor}"] = e
+    out["the whole tensor doubled"] = (w * 2).to(w.dtype)
+    out["the whole tensor negated"] = -w
+    for a, b in ((0, 1), (1, 3), (2, rows - 1)):
+        e = w.clone()
+        e[[a, b]] = e[[b, a]]
+        out[f"rows {a} and {b} swapped"] = e
+        e = w.clone()
+        e[:, [a, b]] = e[:, [b, a]]
+        out[f"columns {a} and {b} swapped"] = e
+    gen = torch.Generator().manual_seed(w.numel())
+    out["rows permuted"] = w[torch.randperm(rows, generator=gen)]
+    out["columns permuted"] = w[:, torch.randperm(cols, generator=gen)]
+    out["transposed in place"] = w.t().contiguous().view(rows, cols) if rows == cols else w.flip(0)
+    return {k: e for k, e in out.items() if not torch.equal(e.view(torch.uint8), w.view(torch.uint8))}

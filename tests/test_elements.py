@@ -15,7 +15,8 @@ from lora_stream.element_codec import ENCODINGS, bits, decode, encode, encoded_s
 from lora_stream.elements import ElementBaseline, check_elements_option, diff_shard, exchange, read_elements
 from lora_stream.engine.elements import ElementShadow
 from lora_stream.engine.reload import VLLMLoadError
-from lora_stream.fingerprint import BLOCK_WORDS, fingerprint
+from lora_stream.fingerprint import BLOCK_WORDS
+from lora_stream.linear_fingerprint import linear_fingerprint
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
 
@@ -132,7 +133,7 @@ def test_the_diff_reads_a_shard_a_chunk_at_a_time_and_equals_the_whole_read(
     first, index, fp, replaced = diff_shard(master, dtype, None)
     assert replaced is None
     assert torch.equal(bits(first), bits(master.to(dtype))) and torch.equal(index, torch.arange(n))
-    assert fp == fingerprint(master.to(dtype))
+    assert fp == linear_fingerprint(master.to(dtype))
     step = BLOCK_WORDS * 8 // first.element_size()
     edges = sorted({i for b in range(step, n, step) for i in (b - 1, b)} | {0, n - 1})
     master[edges] = -master[edges]
@@ -140,7 +141,7 @@ def test_the_diff_reads_a_shard_a_chunk_at_a_time_and_equals_the_whole_read(
     old = first.clone()
     new, index, fp, replaced = diff_shard(master, dtype, first)
     cast = master.to(dtype)
-    assert new is first and torch.equal(bits(new), bits(cast)) and fp == fingerprint(cast)
+    assert new is first and torch.equal(bits(new), bits(cast)) and fp == linear_fingerprint(cast)
     assert torch.equal(index, (bits(cast) != bits(old)).nonzero().reshape(-1))
     assert replaced is not None and torch.equal(bits(replaced), bits(old[index]))  # what a restore writes back
     assert set(edges) <= set(index.tolist())
@@ -168,11 +169,11 @@ def test_a_read_that_fails_part_way_or_a_sync_refused_in_step_1_leaves_the_basel
     calls: list[int] = []
     real = element_diff.diff_shard
 
-    def failing(values: torch.Tensor, dtype: torch.dtype, old: torch.Tensor | None) -> Any:
+    def failing(values: torch.Tensor, dtype: torch.dtype, old: torch.Tensor | None, offset: int = 0) -> Any:
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("out of memory")
-        return real(values, dtype, old)
+        return real(values, dtype, old, offset)
 
     monkeypatch.setattr(element_diff, "diff_shard", failing)
     with pytest.raises(RuntimeError, match="out of memory"), baseline.restored_on_failure():
@@ -190,12 +191,13 @@ def test_a_read_that_fails_part_way_or_a_sync_refused_in_step_1_leaves_the_basel
     class Stop(Exception):
         pass
 
-    def update(self: Any, piece: torch.Tensor) -> None:
+    def partial(piece: torch.Tensor, offset: int = 0) -> int:
         seen.append(1)
         if len(seen) == 2:
             raise Stop
+        return 0
 
-    monkeypatch.setattr(element_diff.RunningFingerprint, "update", update)
+    monkeypatch.setattr(element_diff, "linear_fingerprint", partial)
     with pytest.raises(Stop):
         diff_shard(master, torch.bfloat16, shard)
     assert torch.equal(bits(shard), bits(copy))
@@ -237,7 +239,6 @@ def test_the_option_is_checked_at_construction() -> None:
 def _segments(name: str, old: torch.Tensor, new: torch.Tensor, ranks: int = 2) -> tuple[torch.Tensor, dict]:  # type: ignore[type-arg]
     """What the trainer sends for one output: each rank's range, its changed elements encoded, its fingerprint."""
     from lora_stream.element_diff import Segment
-    from lora_stream.fingerprint import fingerprint
 
     flat_old, flat_new = old.reshape(-1), new.reshape(-1)
     n = flat_new.numel()
@@ -246,7 +247,7 @@ def _segments(name: str, old: torch.Tensor, new: torch.Tensor, ranks: int = 2) -
     for r in range(ranks):
         lo, hi = min(r * size, n), min((r + 1) * size, n)
         index = (bits(flat_old[lo:hi]) != bits(flat_new[lo:hi])).nonzero().reshape(-1)
-        segs.append(Segment(lo, hi, encode(flat_new[lo:hi], index), fingerprint(flat_new[lo:hi].contiguous())))
+        segs.append(Segment(lo, hi, encode(flat_new[lo:hi], index), linear_fingerprint(flat_new[lo:hi], lo)))
     blob = torch.cat([s.encoded.blob for s in segs])
     spec = {"shape": list(new.shape), "dtype": str(new.dtype)[6:], "segments": [s.describe() for s in segs]}
     return blob, spec
@@ -355,10 +356,9 @@ def test_a_sync_left_open_is_rolled_back_when_the_next_begins_and_a_late_commit_
 
 def test_one_process_exchange_is_this_ranks_own() -> None:
     from lora_stream.element_diff import Segment
-    from lora_stream.fingerprint import fingerprint
 
     t = torch.arange(8, dtype=torch.float32)
-    seg = Segment(0, 8, encode(t, torch.tensor([1])), fingerprint(t))
+    seg = Segment(0, 8, encode(t, torch.tensor([1])), linear_fingerprint(t))
     assert exchange(None, False, {4: seg, 5: seg}, [5]) == {5: [seg]}
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from helpers import lora, perturb_adapters, tiny_llama
+from helpers import lora, perturb_adapters, structured_edits, tiny_llama
 
 from lora_stream import ParamStream
 from lora_stream.fingerprint import _NH, BLOCK_WORDS, CHUNK_WORDS, _key, fingerprint, nh_reference
@@ -38,42 +38,6 @@ def test_dtype_shape_and_layout() -> None:
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8]
 
 
-def _structured_edits(w: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Edits a linear (weighted-sum) fingerprint misses: every sign bit lands on bit 63 of some word at the right
-    parity, and two changes of 2**63 cancel; powers of two touch only exponent bits; swaps and permutations keep
-    every value."""
-    out: dict[str, torch.Tensor] = {}
-    rows, cols = w.shape
-    for parity in range(8):  # a column at every position of a 64-bit word, whatever the element size
-        e = w.clone()
-        e[:, parity].neg_()
-        out[f"column {parity} negated"] = e
-    for step in (2, 4, 8):
-        for offset in range(step):
-            e = w.clone()
-            e.view(-1)[offset::step].neg_()
-            out[f"every {step}th element from {offset} negated"] = e
-    for col in range(0, cols, 5):
-        for factor in (2.0, 0.5, 4.0, 2.0**-8) if w.is_floating_point() else (2, -1):
-            e = w.clone()
-            e[:, col] = (e[:, col] * factor).to(w.dtype)
-            out[f"column {col} times {factor}"] = e
-    out["the whole tensor doubled"] = (w * 2).to(w.dtype)
-    out["the whole tensor negated"] = -w
-    for a, b in ((0, 1), (1, 3), (2, rows - 1)):
-        e = w.clone()
-        e[[a, b]] = e[[b, a]]
-        out[f"rows {a} and {b} swapped"] = e
-        e = w.clone()
-        e[:, [a, b]] = e[:, [b, a]]
-        out[f"columns {a} and {b} swapped"] = e
-    gen = torch.Generator().manual_seed(w.numel())
-    out["rows permuted"] = w[torch.randperm(rows, generator=gen)]
-    out["columns permuted"] = w[:, torch.randperm(cols, generator=gen)]
-    out["transposed in place"] = w.t().contiguous().view(rows, cols) if rows == cols else w.flip(0)
-    return {k: e for k, e in out.items() if not torch.equal(e.view(torch.uint8), w.view(torch.uint8))}
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_no_structured_edit_keeps_the_fingerprint(dtype: torch.dtype) -> None:
     """Sign flips at every parity, powers of two, swapped rows and columns, permutations: in every dtype, none
@@ -81,7 +45,7 @@ def test_no_structured_edit_keeps_the_fingerprint(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(7)
     w = (torch.randn(32, 40, generator=gen) * 8).to(dtype)
     base = fingerprint(w)
-    edits = _structured_edits(w)
+    edits = structured_edits(w)
     assert len(edits) > 40
     missed = [name for name, e in edits.items() if fingerprint(e) == base]
     assert not missed, (dtype, missed)

@@ -44,6 +44,7 @@ class Server:
         """``compiled``: vLLM's default mode (torch.compile), as users run it; otherwise ``--enforce-eager``, which
         starts faster."""
         self.port = port or free_port()  # a given port: the same server restarted at the same address
+        self._port_chosen = port is None
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile("w+")
         cmd = [
@@ -90,6 +91,11 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if self._port_chosen and "Address already in use" in self.output():
+                    # Another process bound the port free_port() found, before vLLM did: start on another, once.
+                    self._port_chosen = False
+                    self._start_on(free_port())
+                    continue
                 raise RuntimeError(f"vLLM server exited with {self.proc.returncode}:\n{self.output()[-5000:]}")
             try:
                 if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
@@ -99,6 +105,16 @@ class Server:
             time.sleep(1)
         self.stop()
         raise RuntimeError(f"vLLM server not ready after {timeout} s:\n{self.output()[-5000:]}")
+
+    def _start_on(self, port: int) -> None:
+        """Start the server's command again, on ``port``."""
+        at = self.cmd.index("--port") + 1
+        self.cmd[at] = str(port)
+        self.port, self.url = port, f"http://127.0.0.1:{port}"
+        self.log = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(
+            self.cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
     def healthy(self) -> bool:
         try:

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from .element_codec import Encoded, bits, encode
-from .fingerprint import CHUNK_WORDS, RunningFingerprint
+from .fingerprint import CHUNK_WORDS
+from .linear_fingerprint import KEY_ID, P, linear_fingerprint
 
 __all__ = ["DIFF_CHUNK_BYTES", "Segment", "diff_segment", "diff_shard"]
 
@@ -22,7 +23,9 @@ __all__ = ["DIFF_CHUNK_BYTES", "Segment", "diff_segment", "diff_shard"]
 @dataclass
 class Segment:
     """One rank's changed elements of one output: its flat range ``[lo, hi)`` of the checkpoint tensor, the
-    encoded changes (indices relative to ``lo``), and the fingerprint of every new value in the range."""
+    encoded changes (indices relative to ``lo``), and the linear fingerprint of every new value in the range
+    (:func:`~lora_stream.linear_fingerprint.linear_fingerprint` at offset ``lo``: the ranks' values add up to the
+    whole tensor's)."""
 
     lo: int
     hi: int
@@ -30,17 +33,17 @@ class Segment:
     fp: int
 
     def describe(self) -> dict[str, Any]:
-        return {"lo": self.lo, "hi": self.hi, "fp": self.fp, **self.encoded.describe()}
+        return {"lo": self.lo, "hi": self.hi, "fp": self.fp, "key": KEY_ID, **self.encoded.describe()}
 
 
-#: Bytes of the served dtype the diff reads at a time (a whole number of the fingerprint's blocks): a chunk is cast,
-#: compared and fingerprinted while it is at hand, and no temporary is larger.
+#: Bytes of the served dtype the diff reads at a time: a chunk is cast, compared and fingerprinted while it is at
+#: hand, and no temporary is larger.
 DIFF_CHUNK_BYTES = CHUNK_WORDS * 8
 
 
 @torch.no_grad()
 def diff_shard(
-    values: torch.Tensor, dtype: torch.dtype, old: torch.Tensor | None
+    values: torch.Tensor, dtype: torch.dtype, old: torch.Tensor | None, offset: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]:
     """One pass over ``values`` (this rank's flat shard), a chunk at a time, on its device: each chunk cast to
     ``dtype``, compared bit for bit with ``old`` (the baseline's shard, the engines' values) and fingerprinted.
@@ -48,7 +51,9 @@ def diff_shard(
     Returns ``(new, index, fp, replaced)``: ``new``, the cast shard -- ``old`` itself, advanced in place (each chunk
     written over the one it was compared with: only the changed elements' bits differ), or a new tensor on the
     shard's device when there is no ``old`` of its size and dtype; ``index``, the changed flat positions (every one
-    without ``old``), ascending, on the same device; ``fp``, :func:`fingerprint` of ``new``; ``replaced``, what
+    without ``old``), ascending, on the same device; ``fp``, the linear fingerprint of ``new`` as the range of the
+    checkpoint tensor that starts at element ``offset`` (each chunk's partial sum, taken while it is at hand);
+    ``replaced``, what
     ``old`` held at ``index`` (``None`` without ``old``). Nothing of the shard is copied to the host. A failure part
     way puts back what it wrote into ``old`` before raising."""
     flat = values.detach().reshape(-1)
@@ -57,7 +62,7 @@ def diff_shard(
         old = None
     new = old if old is not None else torch.empty(n, dtype=dtype, device=flat.device)
     step = max(1, DIFF_CHUNK_BYTES // new.element_size())
-    running = RunningFingerprint(dtype, (n,))
+    fp = 0
     found: list[torch.Tensor] = []
     kept: list[torch.Tensor] = []
     try:
@@ -72,17 +77,17 @@ def diff_shard(
             # The whole chunk, written in order while it is at hand: cheaper than scattering the changed elements,
             # and the unchanged ones are written with the bits they hold.
             held.copy_(chunk)
-            running.update(held)  # the values just written: what the engines will hold
+            fp = (fp + linear_fingerprint(held, offset + a)) % P  # the values just written: what engines will hold
     except BaseException:
         for index, values_before in zip(found[: len(kept)], kept, strict=True):
             new.index_copy_(0, index, values_before)
         raise
     if old is None:
-        return new, torch.arange(n, dtype=torch.int64, device=flat.device), running.value(), None
+        return new, torch.arange(n, dtype=torch.int64, device=flat.device), fp, None
     empty = torch.zeros(0, dtype=torch.int64, device=flat.device)
     index = found[0] if len(found) == 1 else torch.cat(found) if found else empty
     replaced = kept[0] if len(kept) == 1 else torch.cat(kept) if kept else new[empty]
-    return new, index, running.value(), replaced
+    return new, index, fp, replaced
 
 
 def diff_segment(
@@ -95,7 +100,7 @@ def diff_segment(
     """This rank's :class:`Segment` of one output whose flat range ``[offset, offset + values.numel())`` it holds
     (:func:`diff_shard`, then the changes encoded), the new shard, and whether any element changed. Each write into
     ``old`` is noted in ``journal`` (``(shard, index, old values)``), for a restore."""
-    new, index, fp, replaced = diff_shard(values, dtype, old)
+    new, index, fp, replaced = diff_shard(values, dtype, old, offset)
     if replaced is not None:
         journal.append((new, index, replaced))
     return Segment(offset, offset + new.numel(), encode(new, index), fp), new, bool(index.numel())

@@ -15,11 +15,12 @@ shard, tensor-parallel slice, tied alias and repacking runs as in a full sync, a
 digest and rollback apply unchanged.
 
 The proof, every sync: the trainer sends, per rank, the fingerprint of *every* new value of its range
-(:func:`lora_stream.fingerprint.fingerprint`); the engine fingerprints the same range of what it rebuilt. Equal on
-every range means the rebuilt tensor is the trainer's, bit for bit (whatever the copy held: an engine whose copy
-drifted fails the sync, which is rolled back, and the next sync is full). The copy changes in place and keeps the
-old values of exactly the elements it changed, so its rollback is bit-exact and costs only those
-(:attr:`ElementShadow.kept_bytes`); the commit only drops them. Where every tensor a sync sends is an element
+(:func:`lora_stream.linear_fingerprint.linear_fingerprint`, position-keyed, so the ranks' values add up to the whole
+tensor's); the engine fingerprints the same range of what it rebuilt (the ranges cover the tensor exactly: every
+byte read once). Equal on every range means the rebuilt tensor is the trainer's, bit for bit (whatever the copy
+held: an engine whose copy drifted fails the sync, which is rolled back, and the next sync is full). The copy
+changes in place and keeps the old values of exactly the elements it changed, so its rollback is bit-exact and costs
+only those (:attr:`ElementShadow.kept_bytes`); the commit only drops them. Where every tensor a sync sends is an element
 payload, the engine's modules roll back the same way (:meth:`ElementShadow.restorer`): the bracket keeps no copy of
 the modules it reloads, and a rollback loads the restored copy's tensors again, through the same loaders.
 """
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 
 from ..element_codec import decode, encoded_size
-from ..fingerprint import fingerprint
+from ..linear_fingerprint import KEY_ID, linear_fingerprint
 from .holding import LoadMap
 from .identity import Placement, observe, shared_parameters, valid
 from .reload import VLLMLoadError
@@ -254,10 +255,11 @@ class ElementShadow:
                 self._kept.append((target, where, target[where].clone()))
             target[where] = values.to(target.device)
             self.stats["changed"] += float(values.numel())
-        # The proof: every range the trainer holds, fingerprinted here as written, equals the trainer's.
+        # The proof: each range the trainer holds, fingerprinted here as written (the ranges cover the tensor
+        # exactly, so every byte is read once), equals the trainer's.
         for s in spec["segments"]:
             lo, hi = int(s["lo"]), int(s["hi"])
-            if fingerprint(target[lo:hi]) != int(s["fp"]):
+            if linear_fingerprint(target[lo:hi], lo) != int(s["fp"]):
                 raise VLLMLoadError(
                     f"lora_stream: parameter {name!r}: elements [{lo}, {hi}) rebuilt from this engine's copy differ "
                     "from the trainer's (the copy is not what the last sync committed); nothing of this sync is kept, "
@@ -362,13 +364,18 @@ def decode_payload(name: str, blob: torch.Tensor, spec: dict[str, Any]) -> Decod
 def _check_cover(name: str, segments: list[dict[str, Any]], numel: int) -> list[dict[str, Any]]:
     """The segments of an element payload in range order (the order their encodings follow in the blob: an empty
     range encodes to no bytes, so ties do not matter), checked to cover the tensor exactly: each range within it and
-    of its stated size, the ranges with elements one after another from 0 to ``numel``, no gap and no overlap. Every
-    range is proven (its fingerprint) after the rebuild, so a range no segment covered would be loaded unproven:
-    refused."""
+    of its stated size and proven with this release's fingerprint key, the ranges with elements one after another from
+    0 to ``numel``, no gap and no overlap. Every range is proven (its fingerprint) after the rebuild, so a range no
+    segment covered would be loaded unproven: refused."""
     ordered = sorted(segments, key=lambda s: (int(s["lo"]), int(s["hi"])))
     end = 0
     for s in ordered:
         lo, hi = int(s["lo"]), int(s["hi"])
+        if s.get("key") != KEY_ID:  # another lora_stream's fingerprint: its values prove nothing here
+            raise VLLMLoadError(
+                f"lora_stream: parameter {name!r}: element range [{lo}, {hi}) is proven with fingerprint key "
+                f"{s.get('key')!r}, this engine's is {KEY_ID!r} (the trainer and the engine run different releases)"
+            )
         if not 0 <= lo <= hi <= numel or hi - lo != int(s["numel"]):
             raise VLLMLoadError(f"lora_stream: parameter {name!r}: element range [{lo}, {hi}) leaves the tensor")
         if hi == lo:
