@@ -4,6 +4,7 @@ test_vllm_colocated_dist.py, test_vllm_server.py, test_vllm_fleet.py and test_ar
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -336,6 +337,59 @@ def test_the_engine_refuses_elements_it_cannot_prove() -> None:
     shadow.begin(None, None)
     shadow.commit("s3")
     assert shadow.tensors == {} and shadow.token is None
+
+
+def test_between_full_reads_the_engines_proof_costs_the_change_and_a_full_read_comes_within_the_bound() -> None:
+    """The engine reads a whole tensor to prove it at its first element sync and at least every FULL_READ_EVERY-th
+    after; in between, its copy's fingerprint moved by the changed elements stands in for the read. A copy that
+    drifted where a sync changes elements fails that sync; one that drifted elsewhere fails the next full read,
+    within the bound, and every failure leaves the copy as it was."""
+    from lora_stream.engine.elements import FULL_READ_EVERY
+
+    g = torch.Generator().manual_seed(5)
+    cur = torch.randn(40, 30, generator=g).bfloat16()
+    shadow = _shadow_with({"w": cur})
+    token = 1
+
+    def sync(change: list[int], served: bool = True) -> float:
+        nonlocal cur, token
+        new = cur.clone()
+        new.view(-1)[change] = torch.randn(len(change), generator=g).bfloat16()
+        blob, spec = _segments("w", cur, new)
+        shadow.begin({"shadow": ["w"], "payloads": {"w": spec}, "aliases": {}}, f"s{token}")
+        list(shadow.feed([("w", blob)]))
+        read = shadow.stats["read"]
+        shadow.commit(f"s{token + 1}")
+        cur, token = new, token + 1
+        assert torch.equal(shadow.tensors["w"].view(40, 30), new) == served
+        return read
+
+    reads = [sync([3, 77, 1000 + i]) for i in range(2 * FULL_READ_EVERY + 1)]
+    full = [i for i, r in enumerate(reads) if r]
+    assert full[0] == 0 and all(r in (0.0, 1200.0) for r in reads)
+    assert all(b - a <= FULL_READ_EVERY for a, b in itertools.pairwise([*full, len(reads)]))
+    assert len(full) < len(reads) // 2  # most syncs proven in O(changed)
+    # Drift where the next sync changes elements: the moved fingerprint fails it at once.
+    while shadow.fps["w"][1] + 2 >= FULL_READ_EVERY:
+        sync([5])
+    shadow.tensors["w"][9] = -shadow.tensors["w"][9] - 1
+    drifted = shadow.tensors["w"].clone()
+    with pytest.raises(VLLMLoadError, match="'w': the elements rebuilt from this engine's copy differ"):
+        sync([9, 10])
+    shadow.rollback()
+    assert torch.equal(shadow.tensors["w"], drifted)
+    # Drift where no sync writes: not seen by an update, seen by the next full read, within the bound.
+    shadow.tensors["w"][9] = cur.view(-1)[9]
+    shadow.tensors["w"][500] = -shadow.tensors["w"][500] - 1
+    failed_at = None
+    for n in range(FULL_READ_EVERY + 1):
+        try:
+            sync([7], served=False)
+        except VLLMLoadError as exc:
+            assert "elements [" in str(exc)  # a full read names the range
+            failed_at = n
+            break
+    assert failed_at is not None and failed_at < FULL_READ_EVERY, "a drift outside the changes outlived the bound"
 
 
 def test_a_sync_left_open_is_rolled_back_when_the_next_begins_and_a_late_commit_changes_nothing() -> None:

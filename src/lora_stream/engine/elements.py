@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import math
 import weakref
+import zlib
 from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any
 
 import torch
 
 from ..element_codec import decode, encoded_size
-from ..linear_fingerprint import KEY_ID, linear_fingerprint
+from ..linear_fingerprint import KEY_ID, P, combine, linear_fingerprint, linear_update
 from .holding import LoadMap
 from .identity import Placement, observe, shared_parameters, valid
 from .reload import VLLMLoadError
@@ -44,6 +45,9 @@ __all__ = ["Decoded", "ElementShadow", "decode_payload"]
 
 #: The attribute of the model object that carries its shadow (one per engine process and model).
 _ATTR = "_lora_stream_element_shadow"
+#: Element syncs of a tensor between two proofs of it that read every byte: in between, the copy's fingerprint
+#: moved by the changed elements (read where they are written) stands in for the read (docs/guarantees.md).
+FULL_READ_EVERY = 16
 
 
 class ElementShadow:
@@ -66,6 +70,10 @@ class ElementShadow:
         self._model = weakref.ref(model) if model is not None else None
         self._info: dict[str, Any] | None = None
         self._pending: dict[str, torch.Tensor] = {}
+        #: By name: the linear fingerprint of the committed copy, and the element syncs since a proof read all of
+        #: it (a tensor not here is read in full at its next element sync).
+        self.fps: dict[str, tuple[int, int]] = {}
+        self._pending_fps: dict[str, tuple[int, int]] = {}
         self._kept: list[tuple[torch.Tensor, torch.Tensor | slice, torch.Tensor]] = []
         self._built: dict[str, torch.Tensor] = {}
         #: This sync's payloads written where they are served (their served elements), and their modules (which no
@@ -118,10 +126,10 @@ class ElementShadow:
         names out of the reload)."""
         if self._open:
             self.rollback()
-        self._pending, self._kept, self._built = {}, [], {}
+        self._pending, self._kept, self._built, self._pending_fps = {}, [], {}, {}
         self._in_place, self._applied, self.written_modules, self._staged = {}, set(), set(), {}
         self._open = True
-        self.stats = {"tensors": 0.0, "changed": 0.0, "elements": 0.0, "in_place": 0.0}
+        self.stats = {"tensors": 0.0, "changed": 0.0, "elements": 0.0, "in_place": 0.0, "read": 0.0}
         self._info = info
         if info is None:
             return
@@ -240,31 +248,62 @@ class ElementShadow:
         return target.view(shape)
 
     def _apply(self, name: str, target: torch.Tensor, blob: torch.Tensor, spec: dict[str, Any], *, keep: bool) -> None:
-        """Write the payload's elements into ``target`` (flat), keeping the old values when ``keep``, then prove
-        every range the trainer holds against its fingerprint, read from ``target`` as written. The payload was
-        decoded and checked already where it arrived before the write (:meth:`stage`), else it is here."""
+        """Write the payload's elements into ``target`` (flat), keeping the old values when ``keep``, then prove it
+        against the trainer's fingerprints. The payload was decoded and checked already where it arrived before the
+        write (:meth:`stage`), else it is here.
+
+        The proof reads every byte of ``target`` (each range against its segment's fingerprint) at the first
+        element sync of the tensor and at least every :data:`FULL_READ_EVERY`-th after it; in between, the copy's
+        fingerprint as of its last proof, moved by the changed elements' old values (read from ``target`` where
+        they are written) and new ones, is compared with the sum of the trainer's: ``O(changed)``."""
         dtype = getattr(torch, spec["dtype"])
         numel = math.prod(int(d) for d in spec["shape"])
         if target.numel() != numel or target.dtype != dtype:
             raise VLLMLoadError(f"lora_stream: parameter {name!r}: the engine's copy is not {numel} {dtype} elements")
         staged = self._staged.pop(name, None)
         segments = staged if staged is not None else decode_payload(name, blob, spec)
+        known = self.fps.get(name)
+        moved: int | None = None
+        if known is not None and known[1] + 1 < FULL_READ_EVERY and all(i is not None for _, _, i, _ in segments):
+            moved = 0
         for lo, hi, index, values in segments:
-            where: torch.Tensor | slice = slice(lo, hi) if index is None else (index + lo).to(target.device)
-            if keep:
-                self._kept.append((target, where, target[where].clone()))
-            target[where] = values.to(target.device)
+            values = values.to(target.device)
+            if index is None:
+                if keep:
+                    self._kept.append((target, slice(lo, hi), target[lo:hi].clone()))
+                target[lo:hi] = values
+            else:
+                at = (index + lo).to(target.device)
+                old = target[at]  # a gather: a copy
+                if keep:
+                    self._kept.append((target, at, old))
+                if moved is not None:
+                    moved = linear_update(moved, at, old, values)
+                target[at] = values
             self.stats["changed"] += float(values.numel())
-        # The proof: each range the trainer holds, fingerprinted here as written (the ranges cover the tensor
-        # exactly, so every byte is read once), equals the trainer's.
-        for s in spec["segments"]:
-            lo, hi = int(s["lo"]), int(s["hi"])
-            if linear_fingerprint(target[lo:hi], lo) != int(s["fp"]):
+        expected = combine([int(s["fp"]) for s in spec["segments"]])
+        if moved is not None and known is not None:
+            if (known[0] + moved) % P != expected:
                 raise VLLMLoadError(
-                    f"lora_stream: parameter {name!r}: elements [{lo}, {hi}) rebuilt from this engine's copy differ "
-                    "from the trainer's (the copy is not what the last sync committed); nothing of this sync is kept, "
-                    "the next sync sends every tensor"
+                    f"lora_stream: parameter {name!r}: the elements rebuilt from this engine's copy differ from the "
+                    "trainer's (the copy is not what the last sync committed); nothing of this sync is kept, the next "
+                    "sync sends every tensor"
                 )
+            self._pending_fps[name] = (expected, known[1] + 1)
+        else:
+            # Each range the trainer holds, fingerprinted here as written (the ranges cover the tensor exactly, so
+            # every byte is read once), equals the trainer's.
+            for s in spec["segments"]:
+                lo, hi = int(s["lo"]), int(s["hi"])
+                if linear_fingerprint(target[lo:hi], lo) != int(s["fp"]):
+                    raise VLLMLoadError(
+                        f"lora_stream: parameter {name!r}: elements [{lo}, {hi}) rebuilt from this engine's copy "
+                        "differ from the trainer's (the copy is not what the last sync committed); nothing of this "
+                        "sync is kept, the next sync sends every tensor"
+                    )
+            # Tensors read in full start at different ages, so that later full reads spread over the syncs.
+            self._pending_fps[name] = (expected, zlib.crc32(name.encode()) % FULL_READ_EVERY)
+            self.stats["read"] += float(numel)
         self.stats["elements"] += float(numel)
 
     def restorer(self, expect: Collection[str] | None, optional: Collection[str] = ()) -> Callable[[], Any] | None:
@@ -301,16 +340,20 @@ class ElementShadow:
         self._open = False
         info, self._info = self._info, None
         if info is None:
-            self.tensors, self.placements, self.token = {}, {}, None
+            self.tensors, self.placements, self.token, self.fps = {}, {}, None, {}
         else:
+            for name in self._pending:  # loaded whole: its fingerprint is unknown until an element sync reads it
+                self.fps.pop(name, None)
+            self.fps.update(self._pending_fps)
             self.tensors.update(self._pending)
             shadowed = set(info.get("shadow") or ())
             for name in [n for n in self.placements if n in self._pending or n not in shadowed]:
                 del self.placements[name]
             for name in [n for n in self.tensors if n not in shadowed]:
                 del self.tensors[name]
+            self.fps = {n: f for n, f in self.fps.items() if n in self.tensors or n in self.placements}
             self.token = token
-        self._pending, self._kept, self._built = {}, [], {}
+        self._pending, self._kept, self._built, self._pending_fps = {}, [], {}, {}
         self._in_place, self.written_modules, self._staged = {}, set(), {}
 
     def rollback(self) -> None:
@@ -319,14 +362,14 @@ class ElementShadow:
         checks the modules it did not reload against the last commit's record."""
         for target, where, old in reversed(self._kept):
             target[where] = old
-        self._pending, self._kept, self._built, self._info = {}, [], {}, None
+        self._pending, self._kept, self._built, self._info, self._pending_fps = {}, [], {}, None, {}
         self._in_place, self.written_modules, self._staged = {}, set(), {}
         self._open = False
 
     def forget(self) -> None:
         """Something else wrote the engine's weights: the copy proves nothing."""
         self.rollback()
-        self.tensors, self.placements, self.token = {}, {}, None
+        self.tensors, self.placements, self.token, self.fps = {}, {}, None, {}
 
 
 #: One element payload decoded, by range: ``(lo, hi, index, values)``, ``index`` relative to ``lo`` (``None``: every
