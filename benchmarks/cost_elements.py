@@ -26,9 +26,9 @@ trainer's side is the same in all three (its read on the device, one pass a chun
   worker, bf16 dense weights on CUDA): the changed elements written where they are served, old values kept, the
   proof one read of the served bytes on the device, no host copy; the state digest reads the engine's weights on
   the device three times per sync (the pre-flight's check, the reload bracket's check, the commit's record).
-* ``in place, O(k) proof``: the design beyond it: the proof and the digests updated from the changes alone between
-  full re-reads (a decomposable fingerprint such as ``lora_stream.field_fingerprint``), which would also prove a
-  tensor-parallel worker's slices.
+* ``in place, O(k) proof``: the proof updated from the changes alone between full re-reads (the linear fingerprint,
+  ``lora_stream.linear_fingerprint``, as element syncs prove today), and the state digests the same way (not built
+  yet), which would also prove a tensor-parallel worker's slices.
 
 Generation is paused for the whole of a full sync into a server (the gather, the send, the load), and for an element
 sync for the engine's apply, its proof, the commit's digest, the vote and the commit; ``rebuild`` also pauses

@@ -48,8 +48,8 @@ skipped there). Measures:
    device, a chunk at a time -- cast, compare with the baseline held on the device, fingerprint -- with only the
    changed values and indices copied to the host), first with no baseline, then after a step that changes about
    1.1% of the elements; and, on the largest weight, the fingerprints where it lives: NH (``lora_stream.fingerprint``)
-   and the field fingerprint (``lora_stream.field_fingerprint``) read whole, and the field fingerprint's update from
-   1.1% changed. What the proof per slice would save.
+   and the linear fingerprint element syncs prove with (``lora_stream.linear_fingerprint``) read whole, and the
+   linear fingerprint's update from 1.1% changed: what an engine's proof costs between its full reads.
 
 9. **element syncs written where the engine serves them** (``--vllm``; on CUDA in vLLM's default compiled mode,
    whose CUDA graphs captured the weights' addresses): a model fully fine-tuned with AdamW, served in bfloat16 by an
@@ -593,8 +593,8 @@ def element_check(args: argparse.Namespace, device: torch.device) -> dict[str, f
 
     from lora_stream import ParamStream
     from lora_stream.elements import ElementBaseline, read_elements
-    from lora_stream.field_fingerprint import field_delta, field_fingerprint
     from lora_stream.fingerprint import fingerprint
+    from lora_stream.linear_fingerprint import linear_fingerprint, linear_update
 
     cfg = llama_config(args)
     torch.manual_seed(0)
@@ -631,8 +631,10 @@ def element_check(args: argparse.Namespace, device: torch.device) -> dict[str, f
         "read_after_step_s": second_s,
         "largest_weight_elements": weight.numel(),
         "nh_whole_s": timed(lambda: fingerprint(weight), device, args.repeats),
-        "field_whole_s": timed(lambda: field_fingerprint(weight), device, args.repeats),
-        "field_update_1pct_s": timed(lambda: field_delta(index, weight[index], weight[index]), device, args.repeats),
+        "linear_whole_s": timed(lambda: linear_fingerprint(weight), device, args.repeats),
+        "linear_update_1pct_s": timed(
+            lambda: linear_update(0, index, weight[index], weight[index].neg()), device, args.repeats
+        ),
     }
     out.update({f"whole_because: {why}": n for why, n in second.diff.whole_because.items()})
     del model, stream, baseline, first, second
@@ -716,8 +718,8 @@ def main() -> None:
         f"{e['read_first_s']:.3f} s with no baseline; {e['elements']} elements, {e['changed_fraction']:.2%} changed"
     )
     print(
-        f"{'fingerprints of the largest weight':<44} {e['nh_whole_s']:>10.4f} s     NH whole; field whole "
-        f"{e['field_whole_s']:.4f} s, field update of 1.1% {e['field_update_1pct_s']:.4f} s "
+        f"{'fingerprints of the largest weight':<44} {e['nh_whole_s']:>10.4f} s     NH whole; linear whole "
+        f"{e['linear_whole_s']:.4f} s, linear update of 1.1% {e['linear_update_1pct_s']:.4f} s "
         f"({e['largest_weight_elements']} bf16 elements)"
     )
     if reload_gpu is not None:

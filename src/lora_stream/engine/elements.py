@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from ..element_codec import decode, encoded_size
-from ..linear_fingerprint import KEY_ID, P, combine, linear_fingerprint, linear_update
+from ..linear_fingerprint import KEY_ID, UPDATE_PAYS_BELOW, P, combine, linear_fingerprint, linear_update
 from .holding import LoadMap
 from .identity import Placement, observe, shared_parameters, valid
 from .reload import VLLMLoadError
@@ -253,9 +253,10 @@ class ElementShadow:
         write (:meth:`stage`), else it is here.
 
         The proof reads every byte of ``target`` (each range against its segment's fingerprint) at the first
-        element sync of the tensor and at least every :data:`FULL_READ_EVERY`-th after it; in between, the copy's
-        fingerprint as of its last proof, moved by the changed elements' old values (read from ``target`` where
-        they are written) and new ones, is compared with the sum of the trainer's: ``O(changed)``."""
+        element sync of the tensor, at least every :data:`FULL_READ_EVERY`-th after it, and whenever so many
+        elements changed that a read costs less (:data:`~lora_stream.linear_fingerprint.UPDATE_PAYS_BELOW`); in
+        between, the copy's fingerprint as of its last proof, moved by the changed elements' old values (read from
+        ``target`` where they are written) and new ones, is compared with the sum of the trainer's: ``O(changed)``."""
         dtype = getattr(torch, spec["dtype"])
         numel = math.prod(int(d) for d in spec["shape"])
         if target.numel() != numel or target.dtype != dtype:
@@ -264,7 +265,12 @@ class ElementShadow:
         segments = staged if staged is not None else decode_payload(name, blob, spec)
         known = self.fps.get(name)
         moved: int | None = None
-        if known is not None and known[1] + 1 < FULL_READ_EVERY and all(i is not None for _, _, i, _ in segments):
+        if (
+            known is not None
+            and known[1] + 1 < FULL_READ_EVERY
+            and all(i is not None for _, _, i, _ in segments)
+            and sum(v.numel() for _, _, _, v in segments) <= numel * UPDATE_PAYS_BELOW  # else a read costs less
+        ):
             moved = 0
         for lo, hi, index, values in segments:
             values = values.to(target.device)
