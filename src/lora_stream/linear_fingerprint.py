@@ -47,6 +47,7 @@ range), a few elementwise passes per limb, and one device-to-host transfer of a 
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -70,10 +71,10 @@ BLOCK_LIMBS = 1 << 15
 #: Blocks reduced at a time (a chunk of ``CHUNK_BLOCKS * BLOCK_LIMBS`` limbs): the temporaries' size.
 CHUNK_BLOCKS = 16
 #: The fraction of a range's elements changed below which :func:`linear_update` costs less than reading the range
-#: again with :func:`linear_fingerprint` (the two give the same value). On a 2-core CPU an update costs about 30
-#: times a read per element (``benchmarks/bench_linear_fingerprint.py``: 0.26x a whole read at 1.1% changed, 2.3x at
-#: 7.7%), so a caller updates below ``1/32`` and reads above it.
-UPDATE_PAYS_BELOW = 1 / 32
+#: again with :func:`linear_fingerprint` (the two give the same value). On a 2-core CPU an update costs about 70
+#: times a read per element (``benchmarks/bench_linear_fingerprint.py``: a gather and a scatter per changed limb
+#: against one pass of a matrix product), so a caller updates below ``1/64`` and reads above it.
+UPDATE_PAYS_BELOW = 1 / 64
 #: What the key is expanded from (SHAKE-256): changing it changes every linear fingerprint.
 KEY_LABEL = b"lora_stream.linear_fingerprint, P = 2**61 - 1, 32768-limb blocks, v1"
 KEY_ID = hashlib.blake2b(KEY_LABEL, digest_size=8).hexdigest()
@@ -81,6 +82,7 @@ KEY_ID = hashlib.blake2b(KEY_LABEL, digest_size=8).hexdigest()
 _MASK31 = (1 << 31) - 1
 _MASK21 = (1 << 21) - 1
 _tables: dict[tuple[str, torch.device], torch.Tensor] = {}
+_local = threading.local()
 
 
 def _field(label: bytes, n: int) -> list[int]:
@@ -89,12 +91,20 @@ def _field(label: bytes, n: int) -> list[int]:
 
 
 def _inner(device: torch.device) -> torch.Tensor:
-    """``[BLOCK_LIMBS, 3]`` float64: ``A`` in three limbs of 21, 21 and 19 bits (each exact in a double)."""
+    """``[3, BLOCK_LIMBS]`` float64: ``A`` in three limbs of 21, 21 and 19 bits (each exact in a double)."""
     t = _tables.get(("A", device))
     if t is None:
         a = torch.tensor(_field(b"|A", BLOCK_LIMBS), dtype=torch.int64)
-        t = torch.stack([a & _MASK21, (a >> 21) & _MASK21, a >> 42], 1).to(torch.float64).to(device)
+        t = torch.stack([a & _MASK21, (a >> 21) & _MASK21, a >> 42]).to(torch.float64).to(device)
         _tables[("A", device)] = t
+    return t
+
+
+def _inner_sum(device: torch.device) -> torch.Tensor:
+    """``[3]``: each limb of ``A`` summed over a whole block."""
+    t = _tables.get(("A+", device))
+    if t is None:
+        t = _tables[("A+", device)] = _inner(device).sum(1)
     return t
 
 
@@ -105,6 +115,16 @@ def _outer(device: torch.device, blocks: int) -> torch.Tensor:
         n = max(blocks, 2 * (t.numel() if t is not None else 64))
         t = torch.tensor(_field(b"|C", n), dtype=torch.int64).to(device)
         _tables[("C", device)] = t
+    return t
+
+
+def _scratch(device: torch.device) -> torch.Tensor:
+    """This thread's float64 buffer of one chunk on ``device``: converting each chunk into a new tensor costs more
+    than reading it (fresh pages, on the host), so the conversion reuses one."""
+    held: dict[torch.device, torch.Tensor] = _local.__dict__.setdefault("scratch", {})
+    t = held.get(device)
+    if t is None:
+        t = held[device] = torch.empty(CHUNK_BLOCKS * BLOCK_LIMBS, dtype=torch.float64, device=device)
     return t
 
 
@@ -163,27 +183,36 @@ def _pieces(t: torch.Tensor) -> Iterator[torch.Tensor]:
 
 def _sum_range(v: torch.Tensor, q0: int) -> torch.Tensor:
     """``sum w(q) * t_q mod P`` (a 0-d int64 tensor) over limbs ``v`` (an integer view) at positions ``q0, q0 + 1,
-    ...``: the range padded with zero terms to whole blocks, a chunk of blocks at a time. Each block's inner sums are
-    one matrix product in float64, exact: a term is below ``2**37`` and a block's sum below ``2**52``."""
+    ...``. Each block's inner sums are one float64 matrix product with the limbs as read (``sum_j A[j] * s_j``),
+    plus the lift times the sum of ``A`` over the block's positions: the limbs are converted a chunk at a time into
+    one reused buffer, never padded; exact, since every term and sum is an integer below ``2**52`` in magnitude.
+    The blocks' sums are reduced in the field once, at the end."""
     device = v.device
-    a = _inner(device)
-    total = torch.zeros((), dtype=torch.int64, device=device)
-    span = CHUNK_BLOCKS * BLOCK_LIMBS
-    lift = _LIFT[v.dtype]
+    a = _inner(device)  # [3, BLOCK_LIMBS]
+    scratch = _scratch(device)
+    lift = float(_LIFT[v.dtype])
+    sums: list[torch.Tensor] = []  # [3, blocks] each, consecutive blocks from q0's
     at, n = 0, v.numel()
     while at < n:
-        q = q0 + at
-        head = q % BLOCK_LIMBS
-        m = min(n - at, span - head)
-        blocks = -(-(head + m) // BLOCK_LIMBS)
-        buf = torch.zeros(blocks * BLOCK_LIMBS, dtype=torch.float64, device=device)
-        buf[head : head + m].copy_(v[at : at + m]).add_(lift)  # t_q, in [1, 2**16]: padding stays 0
-        parts = (buf.view(blocks, BLOCK_LIMBS) @ a).to(torch.int64)  # [blocks, 3], each < 2**52
-        inner = _mod(_mod(parts[:, 0]) + _shift(_mod(parts[:, 1]), 21) + _shift(_mod(parts[:, 2]), 42))
-        b0 = q // BLOCK_LIMBS
-        total = _mod(total + _sum_mod(_mulmod(_outer(device, b0 + blocks)[b0 : b0 + blocks], inner)))
+        head = (q0 + at) % BLOCK_LIMBS
+        m = min(n - at, CHUNK_BLOCKS * BLOCK_LIMBS - head)  # up to a block boundary, or the range's end
+        x = scratch[:m].copy_(v[at : at + m])
+        h = min(m, (BLOCK_LIMBS - head) % BLOCK_LIMBS)  # limbs before the first block boundary
+        full = (m - h) // BLOCK_LIMBS
+        end = h + full * BLOCK_LIMBS
+        if h:
+            part = a[:, head : head + h]
+            sums.append((part @ x[:h] + lift * part.sum(1)).unsqueeze(1))
+        if full:
+            sums.append(a @ x[h:end].view(full, BLOCK_LIMBS).t() + lift * _inner_sum(device).unsqueeze(1))
+        if m - end:
+            part = a[:, : m - end]
+            sums.append((part @ x[end:] + lift * part.sum(1)).unsqueeze(1))
         at += m
-    return total
+    parts = (sums[0] if len(sums) == 1 else torch.cat(sums, 1)).to(torch.int64)  # in [0, 2**52)
+    inner = _mod(_mod(parts[0] + _shift(parts[1], 21)) + _shift(parts[2], 42))
+    b0 = q0 // BLOCK_LIMBS
+    return _sum_mod(_mulmod(_outer(device, b0 + inner.numel())[b0 : b0 + inner.numel()], inner))
 
 
 @torch.no_grad()
@@ -228,7 +257,7 @@ def linear_update(fp: int, index: torch.Tensor, old: torch.Tensor, new: torch.Te
     blocks = q // BLOCK_LIMBS
     first, last = int(blocks.min()), int(blocks.max())
     acc = torch.zeros(last - first + 1, 3, dtype=torch.float64, device=device)
-    acc.index_add_(0, blocks - first, _inner(device)[q % BLOCK_LIMBS] * delta.unsqueeze(1))
+    acc.index_add_(0, blocks - first, _inner(device)[:, q % BLOCK_LIMBS].t() * delta.unsqueeze(1))
     parts = _mod(acc.to(torch.int64) + P)  # |.| < 2**52 < P: one P makes it a residue
     inner = _mod(_mod(parts[:, 0] + _shift(parts[:, 1], 21)) + _shift(parts[:, 2], 42))
     return (fp + int(_sum_mod(_mulmod(_outer(device, last + 1)[first : last + 1], inner)))) % P
