@@ -879,3 +879,22 @@ def structured_edits(w: torch.Tensor) -> dict[str, torch.Tensor]:
     out["columns permuted"] = w[:, torch.randperm(cols, generator=gen)]
     out["transposed in place"] = w.t().contiguous().view(rows, cols) if rows == cols else w.flip(0)
     return {k: e for k, e in out.items() if not torch.equal(e.view(torch.uint8), w.view(torch.uint8))}
+
+
+def missed_structured_edits(fingerprint: Callable[[torch.Tensor], int], dtype: torch.dtype) -> list[str]:
+    """The :func:`structured_edits` of a 32 x 40 tensor of ``dtype`` that ``fingerprint`` does not tell from the
+    original, and the pairs of sign-flip edits that, composed, it does not (two flips cancel in a weighted sum)."""
+    gen = torch.Generator().manual_seed(7)
+    w = (torch.randn(32, 40, generator=gen) * 8).to(dtype)
+    base = fingerprint(w)
+    edits = structured_edits(w)
+    assert len(edits) > 40
+    missed = [name for name, e in edits.items() if fingerprint(e) == base]
+    names = [k for k in edits if "negated" in k and "column" in k]
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            both = edits[a].clone()
+            both.view(torch.uint8).bitwise_xor_(w.view(torch.uint8) ^ edits[b].view(torch.uint8))
+            if not torch.equal(both.view(torch.uint8), w.view(torch.uint8)) and fingerprint(both) == base:
+                missed.append(f"{a} and {b}")
+    return missed

@@ -81,6 +81,8 @@ KEY_ID = hashlib.blake2b(KEY_LABEL, digest_size=8).hexdigest()
 
 _MASK31 = (1 << 31) - 1
 _MASK21 = (1 << 21) - 1
+#: Up to this many blocks, a range's block sums are reduced in the field with Python's integers.
+_FEW_BLOCKS = 256
 _tables: dict[tuple[str, torch.device], torch.Tensor] = {}
 _local = threading.local()
 
@@ -181,8 +183,8 @@ def _pieces(t: torch.Tensor) -> Iterator[torch.Tensor]:
             yield from _pieces(row)
 
 
-def _sum_range(v: torch.Tensor, q0: int) -> torch.Tensor:
-    """``sum w(q) * t_q mod P`` (a 0-d int64 tensor) over limbs ``v`` (an integer view) at positions ``q0, q0 + 1,
+def _sum_range(v: torch.Tensor, q0: int) -> int:
+    """``sum w(q) * t_q mod P`` over limbs ``v`` (an integer view) at positions ``q0, q0 + 1,
     ...``. Each block's inner sums are one float64 matrix product with the limbs as read (``sum_j A[j] * s_j``),
     plus the lift times the sum of ``A`` over the block's positions: the limbs are converted a chunk at a time into
     one reused buffer, never padded; exact, since every term and sum is an integer below ``2**52`` in magnitude.
@@ -210,9 +212,13 @@ def _sum_range(v: torch.Tensor, q0: int) -> torch.Tensor:
             sums.append((part @ x[end:] + lift * part.sum(1)).unsqueeze(1))
         at += m
     parts = (sums[0] if len(sums) == 1 else torch.cat(sums, 1)).to(torch.int64)  # in [0, 2**52)
+    b0, blocks = q0 // BLOCK_LIMBS, parts.shape[1]
+    c = _outer(device, b0 + blocks)[b0 : b0 + blocks]
+    if blocks <= _FEW_BLOCKS:  # Python's integers: fewer steps than a dozen tensor operations on a few values
+        lo, mid, hi = parts.tolist()
+        return sum(w * (x + (y << 21) + (z << 42)) for w, x, y, z in zip(c.tolist(), lo, mid, hi, strict=True)) % P
     inner = _mod(_mod(parts[0] + _shift(parts[1], 21)) + _shift(parts[2], 42))
-    b0 = q0 // BLOCK_LIMBS
-    return _sum_mod(_mulmod(_outer(device, b0 + inner.numel())[b0 : b0 + inner.numel()], inner))
+    return int(_sum_mod(_mulmod(c, inner)))
 
 
 @torch.no_grad()
@@ -226,7 +232,7 @@ def linear_fingerprint(t: torch.Tensor, offset: int = 0) -> int:
     total, at = 0, offset
     for piece in _pieces(t):
         if piece.numel():
-            total = (total + int(_sum_range(_limbs(piece), at * per))) % P
+            total = (total + _sum_range(_limbs(piece), at * per)) % P
         at += piece.numel()
     return total
 
