@@ -33,6 +33,8 @@ ENGINE_MAY_IMPORT = (
     "lora_stream.engine_merge",
     "lora_stream.buffers",
     "lora_stream.fingerprint",
+    # The fingerprint both halves of an element sync prove with (it imports only torch).
+    "lora_stream.linear_fingerprint",
 )
 #: vLLM's public API, the only part of vLLM the trainer's side imports.
 TRAINER_MAY_IMPORT_OF_VLLM = (
