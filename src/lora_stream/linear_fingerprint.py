@@ -215,8 +215,10 @@ def _sum_range(v: torch.Tensor, q0: int) -> int:
     b0, blocks = q0 // BLOCK_LIMBS, parts.shape[1]
     c = _outer(device, b0 + blocks)[b0 : b0 + blocks]
     if blocks <= _FEW_BLOCKS:  # Python's integers: fewer steps than a dozen tensor operations on a few values
-        lo, mid, hi = parts.tolist()
-        return sum(w * (x + (y << 21) + (z << 42)) for w, x, y, z in zip(c.tolist(), lo, mid, hi, strict=True)) % P
+        rows: list[list[int]] = parts.tolist()
+        weights: list[int] = c.tolist()
+        total = sum(w * (x + (y << 21) + (z << 42)) for w, x, y, z in zip(weights, *rows, strict=True))
+        return int(total) % P
     inner = _mod(_mod(parts[0] + _shift(parts[1], 21)) + _shift(parts[2], 42))
     return int(_sum_mod(_mulmod(c, inner)))
 
