@@ -53,9 +53,8 @@ def diff_shard(
     shard's device when there is no ``old`` of its size and dtype; ``index``, the changed flat positions (every one
     without ``old``), ascending, on the same device; ``fp``, the linear fingerprint of ``new`` as the range of the
     checkpoint tensor that starts at element ``offset`` (each chunk's partial sum, taken while it is at hand);
-    ``replaced``, what
-    ``old`` held at ``index`` (``None`` without ``old``). Nothing of the shard is copied to the host. A failure part
-    way puts back what it wrote into ``old`` before raising."""
+    ``replaced``, what ``old`` held at ``index`` (``None`` without ``old``). Nothing of the shard is copied to the
+    host. A failure part way puts back what it wrote into ``old`` before raising."""
     flat = values.detach().reshape(-1)
     n = flat.numel()
     if old is not None and (old.numel() != n or old.dtype != dtype or old.device != flat.device):
