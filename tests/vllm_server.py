@@ -43,10 +43,7 @@ class Server:
     ) -> None:
         """``compiled``: vLLM's default mode (torch.compile), as users run it; otherwise ``--enforce-eager``, which
         starts faster."""
-        self.port = port or free_port()  # a given port: the same server restarted at the same address
         self._port_chosen = port is None
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.TemporaryFile("w+")
         cmd = [
             sys.executable,
             "-m",
@@ -61,7 +58,7 @@ class Server:
             "--host",
             "127.0.0.1",
             "--port",
-            str(self.port),
+            "",  # set by _start_on
             *transfer_flags(backend, trl=trl),
             "--gpu-memory-utilization",
             "0.5",
@@ -84,8 +81,7 @@ class Server:
             **(env or {}),
         }
         self.cmd, self.env = cmd, env
-        # Its own process group: kill() takes vLLM's engine-core process down with the API server.
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self._start_on(port or free_port())  # a given port: the same server restarted at the same address
 
     def wait_ready(self, timeout: float = 240.0) -> Server:
         deadline = time.monotonic() + timeout
@@ -107,7 +103,8 @@ class Server:
         raise RuntimeError(f"vLLM server not ready after {timeout} s:\n{self.output()[-5000:]}")
 
     def _start_on(self, port: int) -> None:
-        """Start the server's command again, on ``port``."""
+        """Start the server's command on ``port``, in its own process group: kill() takes vLLM's engine-core process
+        down with the API server."""
         at = self.cmd.index("--port") + 1
         self.cmd[at] = str(port)
         self.port, self.url = port, f"http://127.0.0.1:{port}"
@@ -144,12 +141,10 @@ class Server:
         engine core, which logs nothing more; seen in two soak runs of three, in the restart after a kill): a start
         that is not ready within 150 s is killed and tried again, once. What the tests check starts once the server
         is ready."""
+        self._port_chosen = False  # its address is the server's now: a busy port fails, never moves it
         for attempt in range(attempts):
             self.stop()
-            self.log = tempfile.TemporaryFile("w+")  # the new process's output alone, for a failure's message
-            self.proc = subprocess.Popen(
-                self.cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+            self._start_on(self.port)  # a new log: the new process's output alone, for a failure's message
             try:
                 return self.wait_ready(timeout=150.0 if attempt + 1 < attempts else 240.0)
             except RuntimeError:

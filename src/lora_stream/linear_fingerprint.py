@@ -40,8 +40,9 @@ into limbs of 21, 21 and 19 bits, so each term (at most ``2**16 * 2**21``) and e
 an integer a double holds exactly, whatever order the sum is taken in; the rest is int64, products of two field
 elements split into 31- and 30-bit halves and reduced with ``2**61 = 1 mod P``. No product or sum overflows.
 
-Cost: one read of the range's bytes on its device (a block of int64 temporaries at a time, never a copy of the
-range), a few elementwise passes per limb, and one device-to-host transfer of a single value.
+Cost: one read of the range's bytes on its device, converted a chunk at a time into one reused float64 buffer
+(never a copy of the range), one matrix product per chunk, and one device-to-host transfer of each block's three
+sums. An update: a gather and a scatter per changed limb.
 """
 
 from __future__ import annotations
@@ -66,9 +67,9 @@ __all__ = [
 
 #: The field's prime (a Mersenne prime: reducing is a shift and an add).
 P = (1 << 61) - 1
-#: Limbs per inner block: ``A``'s length. A block's two partial sums stay below ``2**62``.
+#: Limbs per inner block: ``A``'s length. A block's sums against ``A``'s three limbs stay below ``2**52``.
 BLOCK_LIMBS = 1 << 15
-#: Blocks reduced at a time (a chunk of ``CHUNK_BLOCKS * BLOCK_LIMBS`` limbs): the temporaries' size.
+#: Blocks converted to float64 at a time (a chunk of ``CHUNK_BLOCKS * BLOCK_LIMBS`` limbs): the scratch buffer's size.
 CHUNK_BLOCKS = 16
 #: The fraction of a range's elements changed below which :func:`linear_update` costs less than reading the range
 #: again with :func:`linear_fingerprint` (the two give the same value). On a 2-core CPU an update costs about 70
@@ -212,8 +213,14 @@ def _sum_range(v: torch.Tensor, q0: int) -> int:
             sums.append((part @ x[end:] + lift * part.sum(1)).unsqueeze(1))
         at += m
     parts = (sums[0] if len(sums) == 1 else torch.cat(sums, 1)).to(torch.int64)  # in [0, 2**52)
-    b0, blocks = q0 // BLOCK_LIMBS, parts.shape[1]
-    c = _outer(device, b0 + blocks)[b0 : b0 + blocks]
+    return _outer_sum(parts, q0 // BLOCK_LIMBS)
+
+
+def _outer_sum(parts: torch.Tensor, b0: int) -> int:
+    """The form's outer level: ``sum_b C[b0 + b] * S_b mod P``, from each block's inner sum ``S_b`` given in ``A``'s
+    three limbs (``parts``: int64 ``[3, blocks]``, each in ``[0, P)``; ``S_b = p0 + p1 * 2**21 + p2 * 2**42``)."""
+    blocks = parts.shape[1]
+    c = _outer(parts.device, b0 + blocks)[b0 : b0 + blocks]
     if blocks <= _FEW_BLOCKS:  # Python's integers: fewer steps than a dozen tensor operations on a few values
         rows: list[list[int]] = parts.tolist()
         weights: list[int] = c.tolist()
@@ -264,8 +271,7 @@ def linear_update(fp: int, index: torch.Tensor, old: torch.Tensor, new: torch.Te
     # any order), then C per block in the field.
     blocks = q // BLOCK_LIMBS
     first, last = int(blocks.min()), int(blocks.max())
-    acc = torch.zeros(last - first + 1, 3, dtype=torch.float64, device=device)
-    acc.index_add_(0, blocks - first, _inner(device)[:, q % BLOCK_LIMBS].t() * delta.unsqueeze(1))
-    parts = _mod(acc.to(torch.int64) + P)  # |.| < 2**52 < P: one P makes it a residue
-    inner = _mod(_mod(parts[:, 0] + _shift(parts[:, 1], 21)) + _shift(parts[:, 2], 42))
-    return (fp + int(_sum_mod(_mulmod(_outer(device, last + 1)[first : last + 1], inner)))) % P
+    acc = torch.zeros(3, last - first + 1, dtype=torch.float64, device=device)
+    acc.index_add_(1, blocks - first, _inner(device)[:, q % BLOCK_LIMBS] * delta)
+    # |.| < 2**52 < P: one P makes each a residue.
+    return (fp + _outer_sum(_mod(acc.to(torch.int64) + P), first)) % P
