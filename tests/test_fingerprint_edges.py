@@ -20,6 +20,7 @@ import textwrap
 import pytest
 import torch
 
+import lora_stream.engine.state_digest as state_digest
 import lora_stream.fingerprint as fp
 from lora_stream.engine.state_digest import first_difference, forget, record
 from lora_stream.fingerprint import BLOCK_WORDS, CHUNK_WORDS, KEY_ID, FingerprintError, fingerprint
@@ -218,9 +219,11 @@ def test_out_of_memory_where_the_tensor_lives_is_hashed_exactly_on_the_host(monk
 def test_out_of_memory_everywhere_is_a_reason_not_an_identity(monkeypatch: pytest.MonkeyPatch) -> None:
     """When even the host cannot hash it, the fingerprint refuses with the reason, and the engine's digest turns
     that into a difference naming the module, the tensor and the reason (the sync is full and says why). It used to
-    take the tensor's identity: recorded and checked out of memory, an in-place write went unseen."""
+    take the tensor's identity: recorded and checked out of memory, an in-place write went unseen. (The digest reads
+    with the linear fingerprint first and falls back to NH when that fails: both run out of memory here.)"""
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     try:
+        monkeypatch.setattr(state_digest, "linear_fingerprint", _oom)
         monkeypatch.setattr(fp._NH, "__call__", _oom)
         record(model)  # the commit's record, out of memory
         model[1].weight.data.mul_(2)  # in place: the same tensor, so the same identity
@@ -236,6 +239,7 @@ def test_out_of_memory_everywhere_is_a_reason_not_an_identity(monkeypatch: pytes
         # Recorded exactly, checked out of memory: not proven either, and not called a foreign write.
         record(model)
         assert first_difference(model) is None
+        monkeypatch.setattr(state_digest, "linear_fingerprint", _oom)
         monkeypatch.setattr(fp._NH, "__call__", _oom)
         why = first_difference(model)
         assert why is not None and "cannot be proven" in why and "outside lora_stream" not in why, why

@@ -12,10 +12,12 @@ import torch
 from test_elements import _segments
 from torch import nn
 
+import lora_stream.engine.elements as elements
 from lora_stream.engine.elements import ElementShadow
 from lora_stream.engine.holding import LoadMap
 from lora_stream.engine.identity import observe
 from lora_stream.engine.reload import VLLMLoadError
+from lora_stream.engine.state_digest import advance, module_state
 
 
 class _Model(nn.Module):
@@ -234,3 +236,47 @@ def test_a_payload_to_be_written_in_place_that_never_comes_fails_the_sync() -> N
         shadow.check()
     shadow.rollback()
     assert all(torch.equal(x, before[n]) for n, x in _served(model).items()) and shadow.token == "s1"
+
+
+def test_the_commit_records_the_modules_written_in_place_by_their_writes_and_equals_a_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The state digest a commit records for a module written in place is its last record moved by the writes
+    (``ElementShadow.moves`` into ``state_digest.advance``: O(changed), nothing read), and that equals what reading
+    the module gives, for the fused module (three tensors at their offsets in one parameter) and the norm. A module
+    with a whole range written, or with more changed than a read costs, is not described: the commit reads it."""
+    monkeypatch.setattr(elements, "UPDATE_PAYS_BELOW", 1.0)  # these tensors are tiny: 3 changes are a lot of one
+    model, shadow, tensors, sync, _ = _begun()
+    before = {m: module_state(getattr(model, m)) for m in ("qkv", "norm")}
+    list(shadow.feed(sync["blobs"].items()))
+    moves = shadow.moves()
+    assert set(moves) == {"qkv", "norm"} and set(moves["qkv"]) == {"weight"}
+    assert sum(index.numel() for index, _, _ in moves["qkv"]["weight"]) == 9  # 3 changed in each of q, k and v
+    for m in ("qkv", "norm"):
+        moved = advance(before[m], moves[m])
+        assert moved is not None and moved == module_state(getattr(model, m)), m
+        assert moved != before[m]
+    # One element off in what a move says: the moved digest is not the module's.
+    index, old, new = moves["norm"]["weight"][0]
+    wrong = {"weight": [(index, old, new + 1)]}
+    assert advance(before["norm"], wrong) != module_state(model.norm)
+    # A parameter the record holds in another form (NH, as for a quantized tensor) cannot be moved.
+    nh = tuple((what, 5 if what.startswith("parameter") else v) for what, v in before["norm"])
+    assert advance(nh, moves["norm"]) is None
+    shadow.rollback()
+    # Every element of the norm in one dense range, or too many changed: the commit reads those modules.
+    t = tensors["old"]
+    payloads = dict(sync["info"]["payloads"])
+    blob, payloads["n"] = _segments("n", t["n"], t["n"] * 2)  # every element changed: dense ranges
+    assert {s["encoding"] for s in payloads["n"]["segments"]} == {"dense"}
+    shadow.begin({**sync["info"], "payloads": payloads}, "s1")
+    list(shadow.feed({**sync["blobs"], "n": blob}.items()))
+    assert set(shadow.moves()) == {"qkv"}
+    shadow.rollback()
+    # More changed than a read costs (at the library's UPDATE_PAYS_BELOW: 3 of 6 and 9 of 96): not described either.
+    shadow.begin(sync["info"], "s1")
+    list(shadow.feed(sync["blobs"].items()))
+    assert set(shadow.moves()) == {"qkv", "norm"}
+    monkeypatch.setattr(elements, "UPDATE_PAYS_BELOW", 1 / 64)
+    assert shadow.moves() == {}
+    shadow.rollback()

@@ -619,6 +619,9 @@ def test_element_syncs_of_full_fine_tuning_into_a_bf16_engine_are_exact_and_roll
     assert after["prepare"] is None, after  # refused before the engine was touched: elements again
     assert all("failed" in (after[p] or "") for p in after if p != "prepare"), after
     assert event(out, "after")["full_because"] is None  # the whole sync after the last fault committed: elements
+    moved = [e for e in results_of(out) if e.get("event") == "moved"]
+    assert len(moved) == 2 and all(e["full_because"] is None and e["record_exact"] for e in moved), moved
+    assert all(e["moved"] >= 1 for e in moved), moved  # the norm's record moved by the write, nothing read
     # A write into a served tensor between two syncs, by a writer lora_stream never saw: the engine's state no
     # longer proves its last commit, so the next sync sends every tensor, and what the engine serves is exact.
     foreign = event(out, "foreign")

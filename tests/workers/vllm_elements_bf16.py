@@ -4,8 +4,10 @@ AdamW at a small learning rate, the served bfloat16 cast changing in a few eleme
 Reports {"event": "step", ...} per element sync (what went, the engine's copy against the trainer's cast with
 ``torch.equal``, what it serves against a full sync of the same weights, how many tensors were written where they
 are served, which the engine serves in their own layout, and the host copy's bytes), and {"event": "fault", ...}
-for a failure at every fault point of an element sync (the engine, and its copy, bit-identical afterwards), and
-{"event": "foreign", ...} for the sync after a write that bypassed every loader into a tensor served in its layout.
+for a failure at every fault point of an element sync (the engine, and its copy, bit-identical afterwards),
+{"event": "moved", ...} for syncs of one changed norm element (the commit's record moved by the write, not read, and
+equal to a read), and {"event": "foreign", ...} for the sync after a write that bypassed every loader into a tensor
+served in its layout.
 
 Usage: vllm_elements_bf16.py CHECKPOINT [default|torch-linear]. ``torch-linear``: vLLM's own fallback for linear
 layers, the path it takes where oneDNN and sgl-kernel are unavailable (selected in this process before the engine
@@ -24,6 +26,7 @@ def main(path: str, mode: str = "default") -> None:
 
     from lora_stream import ParamStream, VLLMColocatedSink
     from lora_stream.engine.elements import ElementShadow
+    from lora_stream.engine.state_digest import first_difference
     from lora_stream.sinks.local_engine import local_model_runner
     from lora_stream.testing import FAULT_POINTS, set_fault_hook
 
@@ -127,6 +130,19 @@ def main(path: str, mode: str = "default") -> None:
         report(event="next", point=point, full_because=sink.sync(stream(), version="next").full_because)
     record = sink.sync(stream(), version="after")
     report(event="after", full_because=record.full_because)
+    # One element of the final norm changed (1 of 64): the commit records that module by moving its last record by
+    # the write, reading nothing; the record then equals a read of the engine, and the next sync is elements again.
+    for k in range(2):
+        with torch.no_grad():
+            model.model.norm.weight[10 + k] += 0.25
+        record = sink.sync(stream(), version=f"moved-{k}")
+        report(
+            event="moved",
+            k=k,
+            full_because=record.full_because,
+            moved=ElementShadow.of(engine_model).stats.get("moved"),
+            record_exact=first_difference(engine_model) is None,
+        )
     # A writer that bypasses every loader, into a tensor the engine serves in its own layout (a fused projection
     # on the torch-linear path, a norm on the default one), between two element syncs: the next sync must not
     # trust the engine's copy (that tensor is the copy), and must leave it serving exactly the trainer's weights.

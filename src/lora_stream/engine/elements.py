@@ -81,12 +81,15 @@ class ElementShadow:
         self._in_place: dict[str, torch.Tensor] = {}
         self._applied: set[str] = set()
         self.written_modules: set[str] = set()
+        #: This sync's writes in place, by module and parameter: ``(flat index, old, new)`` each (``None``: a module
+        #: written in a way :meth:`moves` does not describe); what the commit's state digest moves by.
+        self._moves: dict[str, dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] | None] = {}
         #: This sync's payloads decoded where they arrived, before the write (:meth:`stage`).
         self._staged: dict[str, Decoded] = {}
         #: A sync began and is not decided yet.
         self._open = False
         #: What the current sync did: tensors rebuilt, tensors written in place, changed elements, and the element
-        #: count of both.
+        #: count of both; elements its proof read in full; modules whose commit record moves by its writes.
         self.stats: dict[str, float] = {}
 
     @classmethod
@@ -128,8 +131,9 @@ class ElementShadow:
             self.rollback()
         self._pending, self._kept, self._built, self._pending_fps = {}, [], {}, {}
         self._in_place, self._applied, self.written_modules, self._staged = {}, set(), set(), {}
+        self._moves = {}
         self._open = True
-        self.stats = {"tensors": 0.0, "changed": 0.0, "elements": 0.0, "in_place": 0.0, "read": 0.0}
+        self.stats = {"tensors": 0.0, "changed": 0.0, "elements": 0.0, "in_place": 0.0, "read": 0.0, "moved": 0.0}
         self._info = info
         if info is None:
             return
@@ -203,7 +207,7 @@ class ElementShadow:
         for name, tensor in pairs:
             primary = aliases.get(name)
             if name in self._in_place:
-                self._apply(name, self._in_place[name], tensor, payloads[name], keep=True)
+                self._apply(name, self._in_place[name], tensor, payloads[name], keep=True, at=self.placements[name])
                 self._applied.add(name)
                 self.stats["in_place"] += 1.0
             elif name in payloads:
@@ -247,7 +251,16 @@ class ElementShadow:
             self._pending[name] = target
         return target.view(shape)
 
-    def _apply(self, name: str, target: torch.Tensor, blob: torch.Tensor, spec: dict[str, Any], *, keep: bool) -> None:
+    def _apply(
+        self,
+        name: str,
+        target: torch.Tensor,
+        blob: torch.Tensor,
+        spec: dict[str, Any],
+        *,
+        keep: bool,
+        at: Placement | None = None,
+    ) -> None:
         """Write the payload's elements into ``target`` (flat), keeping the old values when ``keep``, then prove it
         against the trainer's fingerprints. The payload was decoded and checked already where it arrived before the
         write (:meth:`stage`), else it is here.
@@ -256,7 +269,9 @@ class ElementShadow:
         element sync of the tensor, at least every :data:`FULL_READ_EVERY`-th after it, and whenever so many
         elements changed that a read costs less (:data:`~lora_stream.linear_fingerprint.UPDATE_PAYS_BELOW`); in
         between, the copy's fingerprint as of its last proof, moved by the changed elements' old values (read from
-        ``target`` where they are written) and new ones, is compared with the sum of the trainer's: ``O(changed)``."""
+        ``target`` where they are written) and new ones, is compared with the sum of the trainer's: ``O(changed)``.
+
+        ``at``: where ``target`` is served (a write in place): each write is noted for :meth:`moves`."""
         dtype = getattr(torch, spec["dtype"])
         numel = math.prod(int(d) for d in spec["shape"])
         if target.numel() != numel or target.dtype != dtype:
@@ -272,20 +287,25 @@ class ElementShadow:
             and sum(v.numel() for _, _, _, v in segments) <= numel * UPDATE_PAYS_BELOW  # else a read costs less
         ):
             moved = 0
+        noted = self._noted(at)
         for lo, hi, index, values in segments:
             values = values.to(target.device)
             if index is None:
                 if keep:
                     self._kept.append((target, slice(lo, hi), target[lo:hi].clone()))
                 target[lo:hi] = values
+                if at is not None:
+                    self._moves[at.module] = noted = None  # a whole range: the commit reads the module instead
             else:
-                at = (index + lo).to(target.device)
-                old = target[at]  # a gather: a copy
+                where = (index + lo).to(target.device)
+                old = target[where]  # a gather: a copy
                 if keep:
-                    self._kept.append((target, at, old))
+                    self._kept.append((target, where, old))
                 if moved is not None:
-                    moved = linear_update(moved, at, old, values)
-                target[at] = values
+                    moved = linear_update(moved, where, old, values)
+                target[where] = values
+                if noted is not None and at is not None:
+                    noted.append((where + at.offset, old, values))
             self.stats["changed"] += float(values.numel())
         expected = combine([int(s["fp"]) for s in spec["segments"]])
         if moved is not None and known is not None:
@@ -311,6 +331,36 @@ class ElementShadow:
             self._pending_fps[name] = (expected, zlib.crc32(name.encode()) % FULL_READ_EVERY)
             self.stats["read"] += float(numel)
         self.stats["elements"] += float(numel)
+
+    def _noted(self, at: Placement | None) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
+        """The list this sync's writes into ``at``'s parameter are noted in (``None``: not noted)."""
+        if at is None or (at.module in self._moves and self._moves[at.module] is None):
+            return None
+        by_attr = self._moves.setdefault(at.module, {})
+        assert by_attr is not None
+        return by_attr.setdefault(at.attr, [])
+
+    def moves(self) -> dict[str, dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]]:
+        """For the reload bracket's :meth:`~lora_stream.engine.reload.ReloadBracket.finish`, after every pair was
+        fed: this sync's writes in place, by module and parameter (flat index into the parameter, old values, new
+        values, in the order written), for every written module whose writes are all noted and few enough that moving
+        its digest costs less than reading it (:data:`~lora_stream.linear_fingerprint.UPDATE_PAYS_BELOW`). The
+        bracket moves those modules' recorded digests by them (:func:`~lora_stream.engine.state_digest.advance`)
+        instead of reading them again: a commit records an element sync's modules in ``O(changed)``."""
+        out: dict[str, dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]] = {}
+        sizes = {(p.module, p.attr): p.param() for p in self.placements.values()}
+        for module, by_attr in self._moves.items():
+            if by_attr is None or module not in self.written_modules:
+                continue
+            pays = True
+            for attr, writes in by_attr.items():
+                param = sizes.get((module, attr))
+                changed = sum(w[0].numel() for w in writes)
+                pays = pays and param is not None and changed <= param.numel() * UPDATE_PAYS_BELOW
+            if pays:
+                out[module] = by_attr
+        self.stats["moved"] = float(len(out))
+        return out
 
     def restorer(self, expect: Collection[str] | None, optional: Collection[str] = ()) -> Callable[[], Any] | None:
         """For :meth:`ReloadBracket.begin`'s ``restore``: a callable that gives, after :meth:`rollback`, every tensor
@@ -360,7 +410,7 @@ class ElementShadow:
             self.fps = {n: f for n, f in self.fps.items() if n in self.tensors or n in self.placements}
             self.token = token
         self._pending, self._kept, self._built, self._pending_fps = {}, [], {}, {}
-        self._in_place, self.written_modules, self._staged = {}, set(), {}
+        self._in_place, self.written_modules, self._staged, self._moves = {}, set(), {}, {}
 
     def rollback(self) -> None:
         """The sync failed: the copy -- and what was written in place, which the engine serves -- is put back,
@@ -369,7 +419,7 @@ class ElementShadow:
         for target, where, old in reversed(self._kept):
             target[where] = old
         self._pending, self._kept, self._built, self._info, self._pending_fps = {}, [], {}, None, {}
-        self._in_place, self.written_modules, self._staged = {}, set(), {}
+        self._in_place, self.written_modules, self._staged, self._moves = {}, set(), {}, {}
         self._open = False
 
     def forget(self) -> None:

@@ -297,6 +297,7 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
                     # An element sync rolls back by loading its restored copy again: no copy of every module.
                     restore=shadow.restorer(expect, update_info.optional_names) if update_info.rollback else None,
                     written=shadow.written_modules,
+                    moves=shadow.moves,
                 )
             self._merge = merge
             if adapter is None:

@@ -18,7 +18,7 @@ is put back to its old weights before ``finalize`` instead of being rebuilt from
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +28,7 @@ from ..errors import LoraStreamError
 from ..units import merge_units
 from .holding import BatchIndex, LoadMap, hold, loaded_tensor
 from .snapshot import EngineSnapshot
-from .state_digest import first_difference, install, measure, record
+from .state_digest import advance, first_difference, install, measure, record, recorded_state
 from .vllm_reload import (
     RELAYOUT_REPEATED,
     _class_key,
@@ -161,6 +161,8 @@ class ReloadBracket:
         #: The modules the update opened by the latest ``begin`` may have changed, whose state a commit records
         #: (``None``: every module, a full update); ``False`` when no update is pending a commit.
         self._to_record: set[str] | bool | None = False
+        self._moves: Callable[[], Mapping[str, Mapping[str, Any]]] | None = None
+        self._written: set[str] = set()
         #: The record of the update :meth:`finish` closed, measured there (before the vote): ``(modules, digests)``,
         #: which :meth:`commit` only installs.
         self._measured: tuple[set[str] | None, dict[str, Any]] | None = None
@@ -264,6 +266,8 @@ class ReloadBracket:
         restore: Any = None,
         record: bool = True,
         written: Collection[str] = (),
+        moves: Callable[[], Mapping[str, Mapping[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]]]
+        | None = None,
     ) -> None:
         """Open the bracket. ``expect``: a partial update, which sends exactly these checkpoint names onto the
         weights of the committed sync ``base``; every module they do not feed is left untouched (not snapshotted,
@@ -283,7 +287,11 @@ class ReloadBracket:
         ``written``: modules this update writes outside the bracket (an element sync's writes in place,
         :class:`~lora_stream.engine.elements.ElementShadow`), by qualified name. The bracket leaves them as it leaves
         the untouched ones (proven against the record now, guarded against every loader, not kept), and
-        :meth:`finish` measures them with the modules it reloaded, so that a commit records what they hold."""
+        :meth:`finish` measures them with the modules it reloaded, so that a commit records what they hold.
+        ``moves`` (:meth:`~lora_stream.engine.elements.ElementShadow.moves`), called by :meth:`finish`: the writes
+        into written modules, by module and parameter; a module found there is recorded by moving its record by them
+        (:func:`~lora_stream.engine.state_digest.advance`, ``O(changed)``: it was proven against the record just
+        above, and nothing else writes it) instead of reading it again."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         from .holding import held_by
@@ -349,6 +357,8 @@ class ReloadBracket:
         self._previous = EngineSnapshot.take(self.model, skip) if keep_previous else None
         hold(self.model, None)  # from here on, until a commit, the model holds no committed sync's weights
         self._untouched, self._partial = untouched, expect is not None
+        self._moves = moves if expect is not None else None
+        self._written = set(written) & untouched if expect is not None else set()
         # What a commit of this update records: after a partial update, every module but those it was barred from
         # touching (they were proven just above); after a full one, everything.
         self._to_record = {n for n in modules if n not in untouched or n in written} if expect is not None else None
@@ -443,8 +453,25 @@ class ReloadBracket:
             # Reading every module it may have changed takes time (and may find a tensor it cannot read): done here,
             # while the update can still fail, so that the commit after the vote only installs it.
             only = pending if isinstance(pending, set) else None
-            self._measured = (only, measure(self.model, only)[0])
+            moved = self._advanced(only)
+            found = measure(self.model, None if only is None else only - set(moved))[0]
+            self._measured = (only, {**found, **moved})
         return report
+
+    def _advanced(self, only: set[str] | None) -> dict[str, Any]:
+        """The written modules' records moved by this update's writes (:meth:`begin`'s ``moves``), by module:
+        those :meth:`finish` need not read. Empty after a full update."""
+        if only is None or self._moves is None:
+            return {}
+        out: dict[str, Any] = {}
+        for module, by_param in self._moves().items():
+            before = recorded_state(self.model, module)
+            if module not in self._written or module not in only or before is None:
+                continue
+            after = advance(before, {attr: list(writes) for attr, writes in by_param.items()})
+            if after is not None:
+                out[module] = after
+        return out
 
     def abort(self) -> None:
         if self._open:

@@ -85,6 +85,7 @@ from typing import Any
 import torch
 
 from ..fingerprint import fingerprint
+from ..linear_fingerprint import linear_fingerprint, linear_update
 
 __all__ = [
     "derived",
@@ -92,11 +93,13 @@ __all__ = [
     "measure",
     "ModuleState",
     "Unread",
+    "advance",
     "first_difference",
     "forget",
     "module_state",
     "record",
     "recorded",
+    "recorded_state",
     "unwrap_model",
 ]
 
@@ -164,6 +167,24 @@ class _Same:
         return self.what
 
 
+class Bytes(tuple):  # type: ignore[type-arg]
+    """A tensor's dtype, shape and the linear fingerprint of its bytes in logical order
+    (:func:`lora_stream.linear_fingerprint.linear_fingerprint`). Equal when all three are: a tensor's digest as a value
+    that a write of known elements moves in ``O(k)`` (:func:`advance`)."""
+
+    __slots__ = ()
+
+    def __new__(cls, dtype: torch.dtype, shape: tuple[int, ...], value: int) -> Bytes:
+        return super().__new__(cls, (dtype, shape, value))
+
+    def moved(self, index: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> Bytes:
+        """This digest after the tensor's flat elements ``index`` changed from ``old`` to ``new``."""
+        return Bytes(self[0], self[1], linear_update(self[2], index, old, new))
+
+    def __repr__(self) -> str:
+        return f"{self[0]} {tuple(self[1])}"
+
+
 class Unread:
     """A tensor whose bytes could not be fingerprinted (``why``): equal to nothing, itself included, so a module
     holding one is never proven to hold what a commit left (a full sync follows, and says why)."""
@@ -229,7 +250,7 @@ class _Digest:
             value = _Same(t, f"{what} (unreadable {t.layout} tensor {tuple(t.shape)}, by identity)")
         else:
             try:
-                value = fingerprint(t, what)
+                value = _bytes(t, what)
                 self.bytes_read += t.numel() * t.element_size()
             except Exception as e:  # any failure: the reason travels to full_because (an OOM the host could not
                 # absorb, a tensor subclass whose bytes cannot be viewed); nothing is proven about this tensor
@@ -292,6 +313,49 @@ class _Digest:
             return  # plain objects (configs, quant methods, backends) are not entered: see "Not covered"
         for label, child in children:
             yield from self._reach(child, f"{what} {label}", depth + 1, seen)
+
+
+def _bytes(t: torch.Tensor, what: str) -> Bytes | int:
+    """``t``'s bytes as a digest value: :class:`Bytes` (linear, so that a write of known elements moves it), or, for
+    what the linear form does not read (a quantized tensor, a lazy conjugate or negation: values other than the bytes
+    under them; a read that failed, such as out of memory on the device),
+    :func:`~lora_stream.fingerprint.fingerprint`, which reads each exactly (on the host if it must) or raises."""
+    t = t.detach()
+    if not (t.is_quantized or t.is_conj() or t.is_neg()):
+        try:
+            return Bytes(t.dtype, tuple(t.shape), linear_fingerprint(t))
+        except Exception:  # out of memory on the device, a subclass that cannot be viewed: NH reads it or says why
+            pass
+    return fingerprint(t, what)
+
+
+def advance(
+    state: ModuleState, moves: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]
+) -> ModuleState | None:
+    """``state`` (a module's recorded digest) after writes into its parameters: ``moves`` by parameter name, each a
+    list of ``(flat index, old values, new values)`` in the order they were written. ``O(changed)``: nothing is read.
+    ``None`` where it cannot be moved (a moved parameter the record holds as something other than :class:`Bytes`):
+    the caller measures the module instead.
+
+    Exact only where ``state`` is what the module held just before the writes and nothing else changed it: the
+    element sync that calls it proved the module against the record at the reload bracket's ``begin`` and writes
+    nothing else into it (:mod:`lora_stream.engine.elements`)."""
+    out = list(state)
+    where = {what: k for k, (what, _) in enumerate(out)}
+    for name, writes in moves.items():
+        k = where.get(f"parameter {name!r}")
+        if k is None or not isinstance(value := out[k][1], Bytes):
+            return None
+        for index, old, new in writes:
+            value = value.moved(index, old, new)
+        out[k] = (out[k][0], value)
+    return tuple(out)
+
+
+def recorded_state(model: Any, module: str) -> ModuleState | None:
+    """The record of ``module`` as the last commit left it (``None``: none)."""
+    found = _RECORDS.get(unwrap_model(model))
+    return None if found is None else found.get(module)
 
 
 class _Labels(_Digest):
@@ -420,7 +484,10 @@ def _what_differs(before: ModuleState, now: ModuleState) -> str:
         if old[what] != value:
             if isinstance(value, _Same) or isinstance(old[what], _Same):
                 return f"{what} was replaced: {old[what]!r}, now {value!r}"
-            return f"{what} has other bytes" if isinstance(value, int) else f"{what}: {old[what]!r}, now {value!r}"
+            was = old[what]
+            if isinstance(value, int) or (isinstance(value, Bytes) and isinstance(was, Bytes) and value[:2] == was[:2]):
+                return f"{what} has other bytes"
+            return f"{what}: {old[what]!r}, now {value!r}"
     for what, _ in before:
         if what not in new:
             return f"{what} is gone"

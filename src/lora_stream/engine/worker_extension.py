@@ -58,6 +58,7 @@ class LoraStreamWorkerExtension:
             restore=restore,
             record=record,
             written=shadow.written_modules,
+            moves=shadow.moves,
         )
         self._lora_stream_bracket = bracket
 

@@ -258,6 +258,7 @@ class VLLMColocatedSink:
                 restore=restore,
                 record=self.skip_unchanged,
                 written=shadow.written_modules,
+                moves=shadow.moves,
             )
         else:
             self._rpc("lora_stream_begin", self.rollback, expect, base, source.aliases, elements, self.skip_unchanged)
