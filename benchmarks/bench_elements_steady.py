@@ -54,9 +54,8 @@ def main() -> None:
 
         ops._supports_onednn = False
         layer_utils.check_cpu_sgl_kernel = lambda *a: False
-    from elements_worker import batch, llm_generate
+    from elements_worker import batch, bf16_engine, llm_generate
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
-    from vllm import LLM
 
     from lora_stream import ParamStream, VLLMColocatedSink
     from lora_stream.engine.elements import ElementShadow
@@ -65,15 +64,7 @@ def main() -> None:
     torch.manual_seed(0)
     path = tempfile.mkdtemp()
     LlamaForCausalLM(llama_config(args)).to(torch.bfloat16).save_pretrained(path)
-    llm = LLM(
-        model=path,
-        dtype="bfloat16",
-        max_model_len=128,
-        enforce_eager=True,
-        seed=0,
-        skip_tokenizer_init=True,
-        gpu_memory_utilization=0.5,
-    )
+    llm = bf16_engine(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     stream = ParamStream(model, dtype=torch.bfloat16, group_by="layer")

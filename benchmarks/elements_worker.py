@@ -182,9 +182,22 @@ def server(argv: list[str]) -> None:
     dist.barrier()
 
 
-def colocated(argv: list[str]) -> None:
+def bf16_engine(path: str) -> Any:
+    """The in-process engine both colocated benchmarks sync into: bfloat16, eager, no tokenizer."""
     from vllm import LLM
 
+    return LLM(
+        model=path,
+        dtype="bfloat16",
+        max_model_len=128,
+        enforce_eager=True,
+        seed=0,
+        skip_tokenizer_init=True,
+        gpu_memory_utilization=0.5,
+    )
+
+
+def colocated(argv: list[str]) -> None:
     from lora_stream import ParamStream, VLLMColocatedSink
     from lora_stream.element_codec import ENCODINGS, encoded_size
 
@@ -193,15 +206,7 @@ def colocated(argv: list[str]) -> None:
     warmup, steps, b, seq = (int(x) for x in argv[3:7])
     lora_lrs = [float(x) for x in argv[7].split(",")]
     t0 = time.perf_counter()
-    llm = LLM(
-        model=ckpt,
-        dtype="bfloat16",
-        max_model_len=128,
-        enforce_eager=True,
-        seed=0,
-        skip_tokenizer_init=True,
-        gpu_memory_utilization=0.5,
-    )
+    llm = bf16_engine(ckpt)
     engine_start_s = time.perf_counter() - t0
     from transformers import AutoModelForCausalLM
 

@@ -386,6 +386,7 @@ class WorkerTransferEngine(WeightTransferEngine[TransferInitInfo, TransferUpdate
             if update_info.elements is not None:
                 timing["element_rebuilt"] = float(shadow.stats.get("tensors", 0.0))
                 timing["element_in_place"] = float(shadow.stats.get("in_place", 0.0))
+                timing["element_moved"] = float(shadow.stats.get("moved", 0.0))  # records moved, not read
                 timing["element_copy_bytes"] = float(shadow.host_bytes)
             if merge is not None:
                 from .merger import EngineMerger
