@@ -91,6 +91,7 @@ from ..fingerprint import fingerprint
 from ..linear_fingerprint import linear_fingerprint, linear_update
 
 __all__ = [
+    "Bytes",
     "derived",
     "install",
     "measure",
