@@ -280,3 +280,11 @@ def test_the_commit_records_the_modules_written_in_place_by_their_writes_and_equ
     monkeypatch.setattr(elements, "UPDATE_PAYS_BELOW", 1 / 64)
     assert shadow.moves() == {}
     shadow.rollback()
+    # The norm's parameter registered under a second name too: a write moves both entries of its digest, the notes
+    # name one, so the module is read instead (it is still written in place).
+    monkeypatch.setattr(elements, "UPDATE_PAYS_BELOW", 1.0)
+    model.norm.alias = model.norm.weight
+    shadow.begin(sync["info"], "s1")
+    list(shadow.feed(sync["blobs"].items()))
+    assert "norm" in shadow.written_modules and set(shadow.moves()) == {"qkv"}
+    shadow.rollback()

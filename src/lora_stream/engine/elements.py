@@ -40,6 +40,7 @@ from ..linear_fingerprint import KEY_ID, UPDATE_PAYS_BELOW, P, combine, linear_f
 from .holding import LoadMap
 from .identity import Placement, observe, shared_parameters, valid
 from .reload import VLLMLoadError
+from .state_digest import unwrap_model
 
 __all__ = ["Decoded", "ElementShadow", "decode_payload"]
 
@@ -349,8 +350,14 @@ class ElementShadow:
         instead of reading them again: a commit records an element sync's modules in ``O(changed)``."""
         out: dict[str, dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]] = {}
         sizes = {(p.module, p.attr): p.param() for p in self.placements.values()}
+        model = self._model() if self._model is not None else None
         for module, by_attr in self._moves.items():
-            if by_attr is None or module not in self.written_modules:
+            if by_attr is None or module not in self.written_modules or model is None:
+                continue
+            # One storage under two of its parameters' names (a tensor registered twice, views of one buffer): a
+            # write moves both entries of its digest, and the notes name one. Read such a module instead.
+            params = [t for t in unwrap_model(model).get_submodule(module)._parameters.values() if t is not None]
+            if len({t.untyped_storage().data_ptr() for t in params}) < len(params):
                 continue
             pays = True
             for attr, writes in by_attr.items():

@@ -116,8 +116,9 @@ _RUNTIME_ATTRS = frozenset({"kv_cache"})
 #: How deep a plain attribute is followed (closure -> partial -> tuple -> tensor is 3).
 _DEPTH = 4
 
-#: One module's digest: ``(what, value)`` pairs in a fixed order; ``value`` is a fingerprint (``int``), a plain
-#: value (``n``, ``k``, ``None``), an :class:`_Same` identity, or an :class:`Unread` reason.
+#: One module's digest: ``(what, value)`` pairs in a fixed order; ``value`` is a tensor's :class:`Bytes`, its NH
+#: fingerprint (``int``: where the linear form did not read it), a plain value (``n``, ``k``, ``None``), an
+#: :class:`_Same` identity, or an :class:`Unread` reason.
 ModuleState = tuple[tuple[str, Any], ...]
 
 _RECORDS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, ModuleState]] = weakref.WeakKeyDictionary()
@@ -469,13 +470,21 @@ def first_difference(model: Any, skip: Collection[str] = ()) -> str | None:
 
 
 def _unread(before: ModuleState, now: ModuleState) -> str | None:
-    """Why a tensor of the module could not be read, now or at the last record (``None``: every one was read)."""
+    """Why a tensor of the module could not be read, now or at the last record, or could not be compared: read
+    with the linear form one time and with NH the other (the linear read failed once, out of memory on the
+    device, say), which proves nothing either way and is no sign of a foreign write (``None``: every one was read
+    and compared)."""
     for value in (v for _, v in now):
         if isinstance(value, Unread):
             return value.why
     for value in (v for _, v in before):
         if isinstance(value, Unread):
             return f"at the last commit, {value.why}"
+    old = dict(before)
+    for what, value in now:
+        was = old.get(what)
+        if isinstance(value, (int, Bytes)) and isinstance(was, (int, Bytes)) and type(value) is not type(was):
+            return f"{what} was read by another fingerprint than at the last commit (a read of one failed)"
     return None
 
 
