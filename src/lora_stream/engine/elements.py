@@ -351,12 +351,13 @@ class ElementShadow:
         out: dict[str, dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]] = {}
         sizes = {(p.module, p.attr): p.param() for p in self.placements.values()}
         model = self._model() if self._model is not None else None
+        root = unwrap_model(model) if model is not None else None
         for module, by_attr in self._moves.items():
-            if by_attr is None or module not in self.written_modules or model is None:
+            if by_attr is None or module not in self.written_modules or root is None:
                 continue
             # One storage under two of its parameters' names (a tensor registered twice, views of one buffer): a
             # write moves both entries of its digest, and the notes name one. Read such a module instead.
-            params = [t for t in unwrap_model(model).get_submodule(module)._parameters.values() if t is not None]
+            params = [t for t in root.get_submodule(module)._parameters.values() if t is not None]
             if len({t.untyped_storage().data_ptr() for t in params}) < len(params):
                 continue
             pays = True

@@ -465,10 +465,10 @@ class ReloadBracket:
             return {}
         out: dict[str, Any] = {}
         for module, by_param in self._moves().items():
-            before = recorded_state(self.model, module)
-            if module not in self._written or module not in only or before is None:
+            if module not in self._written or module not in only:
                 continue
-            after = advance(before, {attr: list(writes) for attr, writes in by_param.items()})
+            before = recorded_state(self.model, module)
+            after = None if before is None else advance(before, dict(by_param))
             if after is not None:
                 out[module] = after
         return out
