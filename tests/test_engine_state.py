@@ -283,3 +283,70 @@ def test_an_in_place_write_into_an_unaligned_view_is_found(engine: tuple[str, An
     _assert_full_naming(sink.sync(_stream(pm)), "'model.layers.0.input_layernorm'", "other bytes")
     served = vllm_generate(llm)
     assert _full_sync_serves(llm, pm) == served
+
+
+def test_the_pre_flight_proof_stands_for_the_bracket_of_its_own_sync_only(
+    engine: tuple[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A colocated partial sync reads the engine's state once: its pre-flight proves every module, and the bracket
+    it opens in the same call reads nothing again. The proof is used once, and stands only while the model keeps
+    the token and every tensor its identity, storage and version counter: a commit, a foreign ``load_weights``, a
+    replaced or in-place-written parameter between the two make the bracket read again (and a difference found
+    there is refused, as before)."""
+    from lora_stream.engine import holding, reload, state_digest
+    from lora_stream.engine.holding import held_state, hold, proof_stands, take_proof
+
+    path, llm = engine
+    pm = _trainer(path, seed=5)
+    sink = _first_sync_then_step(llm, pm, seed=19)
+    reads: list[str] = []
+    real = state_digest.first_difference
+
+    def counted(where: str) -> Any:
+        def read(*args: Any, **kwargs: Any) -> Any:
+            reads.append(where)
+            return real(*args, **kwargs)
+
+        return read
+
+    monkeypatch.setattr(holding, "first_difference", counted("pre-flight"))
+    monkeypatch.setattr(reload, "first_difference", counted("bracket"))
+    partial = sink.sync(_stream(pm))
+    assert partial.full_because is None and partial.skipped_tensors > 0, partial
+    assert reads == ["pre-flight"], reads  # each served byte read once in this sync
+    served = vllm_generate(llm)
+    monkeypatch.undo()
+    assert _full_sync_serves(llm, pm) == served
+
+    sink.sync(_stream(pm))
+    model = _model(llm)
+    token = holding.held_by(model)
+    assert token is not None and held_state(model) == (token, None)
+    proof = take_proof(model)
+    assert proof is not None and proof.token == token and take_proof(model) is None  # once
+    assert proof_stands(model, proof) and not proof_stands(model, None)
+
+    norm = model.model.layers[0].input_layernorm.weight
+    with torch.no_grad():
+        norm.mul_(1)  # the same bytes, but a write autograd sees
+    assert not proof_stands(model, proof)
+    held_state(model)
+    proof = take_proof(model)
+    assert proof is not None and proof_stands(model, proof)
+    saved = norm.data
+    norm.data = saved.clone()  # replaced: another storage
+    assert not proof_stands(model, proof)
+    norm.data = saved
+    assert proof_stands(model, proof)
+    hold(model, token)  # a commit (and every bracket that opens) ends it
+    assert not proof_stands(model, proof)
+    held_state(model)
+    proof = take_proof(model)
+    model.load_weights(iter([]))  # a foreign load_weights drops the token, and the proof with it
+    assert holding.held_by(model) is None and not proof_stands(model, proof)
+
+    # Where the proof does not stand, the bracket reads: a foreign write is refused as before.
+    perturb_adapters(pm, seed=20)
+    _assert_full_naming(sink.sync(_stream(pm)))
+    served = vllm_generate(llm)
+    assert _full_sync_serves(llm, pm) == served

@@ -47,7 +47,19 @@ import torch
 from ..units import merge_units
 from .state_digest import first_difference, forget, unwrap_model
 
-__all__ = ["Held", "LoadMap", "held_by", "held_state", "hold", "release", "run_before", "watched"]
+__all__ = [
+    "Held",
+    "LoadMap",
+    "Proof",
+    "held_by",
+    "held_state",
+    "hold",
+    "proof_stands",
+    "release",
+    "run_before",
+    "take_proof",
+    "watched",
+]
 
 logger = logging.getLogger("lora_stream")
 
@@ -94,11 +106,66 @@ def held_state(model: Any) -> Held:
     token = _HELD.get(key)
     if token is None:
         return Held(None, _DROPPED.get(key, NOT_HELD))
+    _PROOFS.pop(key, None)
     why = first_difference(key)
     if why is not None:
         _HELD.pop(key, None)
         return Held(None, why)
+    _PROOFS[key] = Proof(token, _EPOCH.get(key, 0), _marks(key))
     return Held(token, None)
+
+
+class Proof(NamedTuple):
+    """What one :func:`held_state` proof found, for the reload bracket that the same sync opens right after it
+    (:func:`take_proof`, :func:`proof_stands`): the token it proved, the model's epoch (bumped by every
+    :func:`hold` and every foreign ``load_weights``), and each tensor's identity, storage and version counter as it
+    read them."""
+
+    token: str
+    epoch: int
+    marks: tuple[tuple[int, int, int], ...]
+
+
+#: The last :func:`held_state` proof of each model, until :func:`take_proof` takes it or the model's token changes.
+_PROOFS: weakref.WeakKeyDictionary[torch.nn.Module, Proof] = weakref.WeakKeyDictionary()
+#: Per model, how many times its token was set, cleared or dropped: a proof made before stands no longer.
+_EPOCH: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
+
+
+def _next_epoch(key: torch.nn.Module) -> None:
+    _PROOFS.pop(key, None)
+    _EPOCH[key] = _EPOCH.get(key, 0) + 1
+
+
+def _marks(model: torch.nn.Module) -> tuple[tuple[int, int, int], ...]:
+    """``O(1)`` per tensor, nothing read: each parameter's and buffer's identity, storage address and autograd
+    version counter (bumped by every in-place op that autograd sees: ``copy_``, ``index_copy_``, indexing)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return tuple((id(t), t.untyped_storage().data_ptr() if t.device.type != "meta" else 0, t._version) for t in tensors)
+
+
+def take_proof(model: Any) -> Proof | None:
+    """The proof the last :func:`held_state` on ``model`` made, once (``None``: none since the model's token last
+    changed, or already taken). Who calls it: the colocated sink, right after its pre-flight, to hand to
+    ``ReloadBracket.begin`` in the same sync (``proven``)."""
+    return _PROOFS.pop(unwrap_model(model), None)
+
+
+def proof_stands(model: Any, proof: Proof | None) -> bool:
+    """Whether ``proof`` (:func:`take_proof`) may stand for a read of ``model``'s state now: the model still holds
+    the token it proved, and no parameter or buffer was replaced, moved or written in place through autograd since.
+
+    This is not a proof of its own -- a write through ``.data`` or a kernel's pointer bumps no counter. It is only
+    safe where nothing can run on the engine between :func:`held_state` and the caller: the colocated sink's own
+    sync, whose pre-flight and bracket run in one call on one thread, with only the ranks' agreement and exchange
+    between them. Anywhere else (a server, whose workers serve requests between the two), read again."""
+    key = unwrap_model(model)
+    return (
+        proof is not None
+        and _HELD.get(key) == proof.token
+        and _EPOCH.get(key, 0) == proof.epoch
+        and _marks(key) == proof.marks
+    )
 
 
 def hold(model: Any, token: str | None) -> None:
@@ -107,6 +174,7 @@ def hold(model: Any, token: str | None) -> None:
     without a record proves nothing (a partial update is then refused)."""
     key = unwrap_model(model)
     _DROPPED.pop(key, None)
+    _next_epoch(key)
     if token is None:
         _HELD.pop(key, None)
         return
@@ -146,6 +214,8 @@ def _drop_token(ref: weakref.ref[Any]) -> None:
     model = ref()
     if model is not None and _HELD.pop(model, None) is not None:
         _DROPPED[model] = _FOREIGN_LOAD
+    if model is not None:
+        _next_epoch(model)
 
 
 def _owner_of(obj: Any, method: str) -> Any | None:

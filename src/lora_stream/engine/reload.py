@@ -26,7 +26,7 @@ import torch
 
 from ..errors import LoraStreamError
 from ..units import merge_units
-from .holding import BatchIndex, LoadMap, hold, loaded_tensor
+from .holding import BatchIndex, LoadMap, Proof, hold, loaded_tensor, proof_stands
 from .snapshot import EngineSnapshot
 from .state_digest import advance, first_difference, install, measure, record, recorded_state
 from .vllm_reload import (
@@ -268,6 +268,7 @@ class ReloadBracket:
         written: Collection[str] = (),
         moves: Callable[[], Mapping[str, Mapping[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]]]
         | None = None,
+        proven: Proof | None = None,
     ) -> None:
         """Open the bracket. ``expect``: a partial update, which sends exactly these checkpoint names onto the
         weights of the committed sync ``base``; every module they do not feed is left untouched (not snapshotted,
@@ -291,7 +292,12 @@ class ReloadBracket:
         ``moves`` (:meth:`~lora_stream.engine.elements.ElementShadow.moves`), called by :meth:`finish`: the writes
         into written modules, by module and parameter; a module found there is recorded by moving its record by them
         (:func:`~lora_stream.engine.state_digest.advance`, ``O(changed)``: it was proven against the record just
-        above, and nothing else writes it) instead of reading it again."""
+        above, and nothing else writes it) instead of reading it again.
+
+        ``proven`` (:func:`~lora_stream.engine.holding.take_proof`): the pre-flight's proof of every module, made in
+        the same sync with nothing run on the engine since (the colocated sink's; never a server's). Where it stands
+        (:func:`~lora_stream.engine.holding.proof_stands`), a partial update is not read again here: each served byte
+        is read once per sync."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         from .holding import held_by
@@ -320,7 +326,7 @@ class ReloadBracket:
             untouched = known - touched
             # The check of state, not of writers: every module this update leaves (those the map knows and every
             # module it does not, attention and rotary caches included) must hold what the commit of ``base`` left.
-            why = first_difference(self.model, skip=touched)
+            why = None if proof_stands(self.model, proven) else first_difference(self.model, skip=touched)
             if why is not None:
                 hold(self.model, None)
                 raise VLLMLoadError(

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ..changes import EngineState
-from ..engine.holding import NOT_HELD, held_state
+from ..engine.holding import NOT_HELD, Proof, held_state, take_proof
 from ..engine.reload import LoadReport, ReloadBracket
 from ..stream import ParamStream
 from ..transaction import Transaction, fault_point
@@ -192,6 +192,7 @@ class VLLMColocatedSink:
         :class:`~lora_stream.sinks.verify.VerificationError`, ...), the others
         :class:`~lora_stream.StreamAbortedError` naming it and its reason."""
         start = time.perf_counter()
+        self._proof = None  # a proof stands for the bracket of the sync that made it only
         route = _EngineRoute(self, stream.model)
         with Transaction.for_stream(stream, self.name) as tx:
             decision = decide_for(self, tx, stream, route, self._memory, version=version)
@@ -216,15 +217,21 @@ class VLLMColocatedSink:
 
     # -- the bracket, in process or over collective_rpc ------------------------------------------------------------
     _kept_bytes = 0
+    #: The pre-flight's proof of the engine's state in this sync (:meth:`_engine_state`), for the bracket it opens.
+    _proof: Proof | None = None
 
     def _engine_state(self) -> EngineState:
         """Whether the engine still holds this sink's last commit (its token, on every worker), and its units."""
+        self._proof = None
         if self._token is None:
             return EngineState(self._why_full)
         # Proven, not assumed: the token of this sink's last commit, and every module's state as that commit left
         # it (engine.holding.held_state: a foreign write the load_weights watch cannot see is found here).
         if self._bracket is not None:
             held = [tuple(held_state(self._bracket.model))]
+            # This proof stands for the bracket this sync opens (its begin reads nothing again): in this process,
+            # only the ranks' agreement and exchange run between the two, nothing on the engine.
+            self._proof = take_proof(self._bracket.model)
         else:
             held = [tuple(h) for h in self._rpc("lora_stream_held_state")]
         for token, why in held:
@@ -247,6 +254,7 @@ class VLLMColocatedSink:
             from ..engine.elements import ElementShadow
 
             shadow = ElementShadow.of(self._bracket.model)
+            proven, self._proof = self._proof, None  # one sync's, used once
             shadow.begin(elements, base)
             expect = shadow.reloaded(expect)  # not what it writes in place
             restore = shadow.restorer(expect, source.aliases) if self.rollback else None
@@ -259,6 +267,7 @@ class VLLMColocatedSink:
                 record=self.skip_unchanged,
                 written=shadow.written_modules,
                 moves=shadow.moves,
+                proven=proven,
             )
         else:
             self._rpc("lora_stream_begin", self.rollback, expect, base, source.aliases, elements, self.skip_unchanged)
