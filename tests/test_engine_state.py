@@ -290,11 +290,13 @@ def test_the_pre_flight_proof_stands_for_the_bracket_of_its_own_sync_only(
 ) -> None:
     """A colocated partial sync reads the engine's state once: its pre-flight proves every module, and the bracket
     it opens in the same call reads nothing again. The proof is used once, and stands only while the model keeps
-    the token and every tensor its identity, storage and version counter: a commit, a foreign ``load_weights``, a
-    replaced or in-place-written parameter between the two make the bracket read again (and a difference found
-    there is refused, as before)."""
+    the token and epoch and every tensor its identity, storage and version counter: a commit, a foreign
+    ``load_weights``, a replaced or in-place-written parameter, or a verified sync's probe between the two make the
+    bracket read again, and a write found there is refused, as before."""
     from lora_stream.engine import holding, reload, state_digest
     from lora_stream.engine.holding import held_state, hold, proof_stands, take_proof
+    from lora_stream.engine.reload import VLLMLoadError
+    from lora_stream.sinks import vllm_colocated
 
     path, llm = engine
     pm = _trainer(path, seed=5)
@@ -315,9 +317,42 @@ def test_the_pre_flight_proof_stands_for_the_bracket_of_its_own_sync_only(
     assert partial.full_because is None and partial.skipped_tensors > 0, partial
     assert reads == ["pre-flight"], reads  # each served byte read once in this sync
     served = vllm_generate(llm)
+
+    # A verified sync probes the engine (a forward) between the two: its bracket reads again.
+    verified = VLLMColocatedSink(llm, verify=True)
+    verified.sync(_stream(pm))
+    perturb_adapters(pm, seed=20)
+    verified.sync(_stream(pm))
+    perturb_adapters(pm, seed=21)
+    reads.clear()
+    record = verified.sync(_stream(pm))
+    assert record.full_because is None and record.verification.passed, record
+    assert reads == ["pre-flight", "bracket"], reads
+
+    # A write autograd sees, between the pre-flight and the bracket: the bracket reads, and refuses.
+    sink.sync(_stream(pm))
+    perturb_adapters(pm, seed=22)
+    norm = _model(llm).model.layers[1].post_attention_layernorm.weight
+
+    def take_then_write(model: Any) -> Any:
+        proof = take_proof(model)
+        with torch.no_grad():
+            norm.mul_(2)
+        return proof
+
+    monkeypatch.setattr(vllm_colocated, "take_proof", take_then_write)
+    reads.clear()
+    with pytest.raises(VLLMLoadError, match="cannot be proven exact") as err:
+        sink.sync(_stream(pm))
+    assert "'model.layers.1.post_attention_layernorm'" in str(err.value)
+    assert reads == ["pre-flight", "bracket"], reads
     monkeypatch.undo()
+    after = sink.sync(_stream(pm))  # and the next sync is full, as after any failed one
+    assert after.skipped_tensors == 0 and after.full_because is not None, after
+    served = vllm_generate(llm)
     assert _full_sync_serves(llm, pm) == served
 
+    # The rules, one by one, on the model as the last commit left it.
     sink.sync(_stream(pm))
     model = _model(llm)
     token = holding.held_by(model)
@@ -325,8 +360,6 @@ def test_the_pre_flight_proof_stands_for_the_bracket_of_its_own_sync_only(
     proof = take_proof(model)
     assert proof is not None and proof.token == token and take_proof(model) is None  # once
     assert proof_stands(model, proof) and not proof_stands(model, None)
-
-    norm = model.model.layers[0].input_layernorm.weight
     with torch.no_grad():
         norm.mul_(1)  # the same bytes, but a write autograd sees
     assert not proof_stands(model, proof)
@@ -338,15 +371,14 @@ def test_the_pre_flight_proof_stands_for_the_bracket_of_its_own_sync_only(
     assert not proof_stands(model, proof)
     norm.data = saved
     assert proof_stands(model, proof)
-    hold(model, token)  # a commit (and every bracket that opens) ends it
-    assert not proof_stands(model, proof)
+    hold(model, token)  # a commit (and every bracket that opens) ends it, though the token is the same
+    assert holding.held_by(model) == token and not proof_stands(model, proof)
     held_state(model)
     proof = take_proof(model)
-    model.load_weights(iter([]))  # a foreign load_weights drops the token, and the proof with it
+    model.load_weights(iter([]))  # a foreign load_weights drops the token and ends the epoch
     assert holding.held_by(model) is None and not proof_stands(model, proof)
-
-    # Where the proof does not stand, the bracket reads: a foreign write is refused as before.
-    perturb_adapters(pm, seed=20)
-    _assert_full_naming(sink.sync(_stream(pm)))
-    served = vllm_generate(llm)
-    assert _full_sync_serves(llm, pm) == served
+    hold(model, token)
+    held_state(model)
+    model.load_weights(iter([]))
+    assert take_proof(model) is None  # a proof of an earlier epoch is never handed out
+    hold(model, None)

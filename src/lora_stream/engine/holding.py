@@ -106,49 +106,65 @@ def held_state(model: Any) -> Held:
     token = _HELD.get(key)
     if token is None:
         return Held(None, _DROPPED.get(key, NOT_HELD))
-    _PROOFS.pop(key, None)
+    _PROVEN.pop(key, None)
     why = first_difference(key)
     if why is not None:
         _HELD.pop(key, None)
         return Held(None, why)
-    _PROOFS[key] = Proof(token, _EPOCH.get(key, 0), _marks(key))
+    _PROVEN[key] = _EPOCH.get(key, 0)
     return Held(token, None)
 
 
 class Proof(NamedTuple):
     """What one :func:`held_state` proof found, for the reload bracket that the same sync opens right after it
     (:func:`take_proof`, :func:`proof_stands`): the token it proved, the model's epoch (bumped by every
-    :func:`hold` and every foreign ``load_weights``), and each tensor's identity, storage and version counter as it
-    read them."""
+    :func:`hold` and every foreign ``load_weights``), and each parameter and buffer (held, so that no other tensor
+    can take its place under the same address), with its storage address and version counter."""
 
     token: str
     epoch: int
-    marks: tuple[tuple[int, int, int], ...]
+    marks: tuple[tuple[torch.Tensor, int, int], ...]
 
 
-#: The last :func:`held_state` proof of each model, until :func:`take_proof` takes it or the model's token changes.
-_PROOFS: weakref.WeakKeyDictionary[torch.nn.Module, Proof] = weakref.WeakKeyDictionary()
+#: The epoch at which :func:`held_state` last proved each model, until :func:`take_proof` takes it.
+_PROVEN: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
 #: Per model, how many times its token was set, cleared or dropped: a proof made before stands no longer.
 _EPOCH: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
 
 
 def _next_epoch(key: torch.nn.Module) -> None:
-    _PROOFS.pop(key, None)
+    _PROVEN.pop(key, None)
     _EPOCH[key] = _EPOCH.get(key, 0) + 1
 
 
-def _marks(model: torch.nn.Module) -> tuple[tuple[int, int, int], ...]:
-    """``O(1)`` per tensor, nothing read: each parameter's and buffer's identity, storage address and autograd
-    version counter (bumped by every in-place op that autograd sees: ``copy_``, ``index_copy_``, indexing)."""
-    tensors = [*model.parameters(), *model.buffers()]
-    return tuple((id(t), t.untyped_storage().data_ptr() if t.device.type != "meta" else 0, t._version) for t in tensors)
+def _marks(model: torch.nn.Module) -> tuple[tuple[torch.Tensor, int, int], ...] | None:
+    """``O(1)`` per tensor, nothing read: each parameter and buffer, its storage address and its autograd version
+    counter (bumped by every in-place op that autograd sees: ``copy_``, ``index_copy_``, indexing). ``None`` where
+    a tensor has none of these to give (an inference tensor has no version counter; a sparse tensor or a wrapper
+    subclass, no storage): the bracket then reads."""
+    try:
+        return tuple(
+            (t, t.untyped_storage().data_ptr() if t.device.type != "meta" else 0, t._version)
+            for t in (*model.parameters(), *model.buffers())
+        )
+    except Exception:  # any tensor that cannot say: no proof, and the bracket reads
+        return None
+
+
+def _same(a: tuple[tuple[torch.Tensor, int, int], ...], b: tuple[tuple[torch.Tensor, int, int], ...]) -> bool:
+    return len(a) == len(b) and all(x[0] is y[0] and x[1:] == y[1:] for x, y in zip(a, b, strict=True))
 
 
 def take_proof(model: Any) -> Proof | None:
-    """The proof the last :func:`held_state` on ``model`` made, once (``None``: none since the model's token last
-    changed, or already taken). Who calls it: the colocated sink, right after its pre-flight, to hand to
-    ``ReloadBracket.begin`` in the same sync (``proven``)."""
-    return _PROOFS.pop(unwrap_model(model), None)
+    """The proof of the last :func:`held_state` on ``model``, once (``None``: none since the model's token last
+    changed, already taken, or a tensor that cannot be marked). Who calls it: the colocated sink, right after its
+    pre-flight, to hand to ``ReloadBracket.begin`` in the same sync (``proven``)."""
+    key = unwrap_model(model)
+    epoch, token = _PROVEN.pop(key, None), _HELD.get(key)
+    if epoch is None or token is None or epoch != _EPOCH.get(key, 0):
+        return None
+    marks = _marks(key)
+    return None if marks is None else Proof(token, epoch, marks)
 
 
 def proof_stands(model: Any, proof: Proof | None) -> bool:
@@ -158,13 +174,15 @@ def proof_stands(model: Any, proof: Proof | None) -> bool:
     This is not a proof of its own -- a write through ``.data`` or a kernel's pointer bumps no counter. It is only
     safe where nothing can run on the engine between :func:`held_state` and the caller: the colocated sink's own
     sync, whose pre-flight and bracket run in one call on one thread, with only the ranks' agreement and exchange
-    between them. Anywhere else (a server, whose workers serve requests between the two), read again."""
+    between them (a verified sync's probe runs a forward there: the sink then hands no proof). Anywhere else (a
+    server, whose workers serve requests between the two), read again."""
     key = unwrap_model(model)
     return (
         proof is not None
         and _HELD.get(key) == proof.token
         and _EPOCH.get(key, 0) == proof.epoch
-        and _marks(key) == proof.marks
+        and (marks := _marks(key)) is not None
+        and _same(marks, proof.marks)
     )
 
 

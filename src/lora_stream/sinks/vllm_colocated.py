@@ -194,12 +194,15 @@ class VLLMColocatedSink:
         start = time.perf_counter()
         self._proof = None  # a proof stands for the bracket of the sync that made it only
         route = _EngineRoute(self, stream.model)
-        with Transaction.for_stream(stream, self.name) as tx:
-            decision = decide_for(self, tx, stream, route, self._memory, version=version)
-            route.transfer(tx, decision)
-            known = decision.source.ended_early
-            verification = check_and_vote(tx, route, verifying=decision.verifying, known=known)
-            commit_or_roll_back(tx, route, decision, self._memory)
+        try:
+            with Transaction.for_stream(stream, self.name) as tx:
+                decision = decide_for(self, tx, stream, route, self._memory, version=version)
+                route.transfer(tx, decision)
+                known = decision.source.ended_early
+                verification = check_and_vote(tx, route, verifying=decision.verifying, known=known)
+                commit_or_roll_back(tx, route, decision, self._memory)
+        finally:
+            self._proof = None  # it holds the engine's tensors: never past its sync
         seconds = time.perf_counter() - start
         record = record_of(decision, self.name, seconds, route.stages(), verification, self.model_config.dtype)
         record.log()
@@ -230,7 +233,7 @@ class VLLMColocatedSink:
         if self._bracket is not None:
             held = [tuple(held_state(self._bracket.model))]
             # This proof stands for the bracket this sync opens (its begin reads nothing again): in this process,
-            # only the ranks' agreement and exchange run between the two, nothing on the engine.
+            # only the ranks' agreement and exchange run between the two (a verified sync's probe drops it).
             self._proof = take_proof(self._bracket.model)
         else:
             held = [tuple(h) for h in self._rpc("lora_stream_held_state")]
@@ -353,6 +356,8 @@ class _EngineRoute(LocalEngineChecks):
         sink, source = self.sink, decision.source
         with tx.attempt():
             self.before = probe_before(sink.llm, self.history, self.index, decision.verifying, self._stages)
+            if self.before is not None:
+                sink._proof = None  # a forward ran on the engine since its pre-flight: the bracket reads again
             t = time.perf_counter()
             sink._begin(source)
             self.opened = True
