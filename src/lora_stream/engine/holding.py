@@ -106,12 +106,12 @@ def held_state(model: Any) -> Held:
     token = _HELD.get(key)
     if token is None:
         return Held(None, _DROPPED.get(key, NOT_HELD))
-    _PROVEN.pop(key, None)
+    _PROVEN.discard(key)
     why = first_difference(key)
     if why is not None:
         _HELD.pop(key, None)
         return Held(None, why)
-    _PROVEN[key] = _EPOCH.get(key, 0)
+    _PROVEN.add(key)
     return Held(token, None)
 
 
@@ -126,14 +126,14 @@ class Proof(NamedTuple):
     marks: tuple[tuple[torch.Tensor, int, int], ...]
 
 
-#: The epoch at which :func:`held_state` last proved each model, until :func:`take_proof` takes it.
-_PROVEN: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
+#: The models :func:`held_state` proved in their current epoch, until :func:`take_proof` takes the proof.
+_PROVEN: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 #: Per model, how many times its token was set, cleared or dropped: a proof made before stands no longer.
 _EPOCH: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
 
 
 def _next_epoch(key: torch.nn.Module) -> None:
-    _PROVEN.pop(key, None)
+    _PROVEN.discard(key)
     _EPOCH[key] = _EPOCH.get(key, 0) + 1
 
 
@@ -160,11 +160,12 @@ def take_proof(model: Any) -> Proof | None:
     changed, already taken, or a tensor that cannot be marked). Who calls it: the colocated sink, right after its
     pre-flight, to hand to ``ReloadBracket.begin`` in the same sync (``proven``)."""
     key = unwrap_model(model)
-    epoch, token = _PROVEN.pop(key, None), _HELD.get(key)
-    if epoch is None or token is None or epoch != _EPOCH.get(key, 0):
+    token = _HELD.get(key)
+    if key not in _PROVEN or token is None:
         return None
+    _PROVEN.discard(key)
     marks = _marks(key)
-    return None if marks is None else Proof(token, epoch, marks)
+    return None if marks is None else Proof(token, _EPOCH.get(key, 0), marks)
 
 
 def proof_stands(model: Any, proof: Proof | None) -> bool:

@@ -296,8 +296,8 @@ class ReloadBracket:
 
         ``proven`` (:func:`~lora_stream.engine.holding.take_proof`): the pre-flight's proof of every module, made in
         the same sync with nothing run on the engine since (the colocated sink's; never a server's). Where it stands
-        (:func:`~lora_stream.engine.holding.proof_stands`), a partial update is not read again here: each served byte
-        is read once per sync."""
+        (:func:`~lora_stream.engine.holding.proof_stands`), a partial update is not read again here: the pre-flight's
+        read is the only one before the load."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         from .holding import held_by

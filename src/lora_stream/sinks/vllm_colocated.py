@@ -192,7 +192,6 @@ class VLLMColocatedSink:
         :class:`~lora_stream.sinks.verify.VerificationError`, ...), the others
         :class:`~lora_stream.StreamAbortedError` naming it and its reason."""
         start = time.perf_counter()
-        self._proof = None  # a proof stands for the bracket of the sync that made it only
         route = _EngineRoute(self, stream.model)
         try:
             with Transaction.for_stream(stream, self.name) as tx:
@@ -202,7 +201,7 @@ class VLLMColocatedSink:
                 verification = check_and_vote(tx, route, verifying=decision.verifying, known=known)
                 commit_or_roll_back(tx, route, decision, self._memory)
         finally:
-            self._proof = None  # it holds the engine's tensors: never past its sync
+            self._proof = None  # for this sync's bracket only; it holds the engine's tensors: never past its sync
         seconds = time.perf_counter() - start
         record = record_of(decision, self.name, seconds, route.stages(), verification, self.model_config.dtype)
         record.log()
